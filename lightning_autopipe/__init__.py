@@ -1,0 +1,33 @@
+"""lightning_autopipe: heterogeneity-aware data-parallel pipeline training for Lightning."""
+
+from lightning_autopipe.errors import (
+    AutoPipeError,
+    BlockRangeError,
+    ClusterError,
+    InputError,
+    MemoryPlanError,
+    PipelineRuntimeError,
+    PlanError,
+    ScheduleError,
+    TraceError,
+)
+from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.profile import BlockProfile, Profile, profile_blocks
+
+__all__ = [
+    "AutoPipeError",
+    "BlockProfile",
+    "BlockRangeError",
+    "ClusterError",
+    "InputError",
+    "MemoryPlanError",
+    "PipelineRuntimeError",
+    "Plan",
+    "PlanError",
+    "Profile",
+    "ScheduleError",
+    "StagePlan",
+    "TraceError",
+    "profile_blocks",
+]
+__version__ = "0.1.0"

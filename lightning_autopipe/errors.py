@@ -1,0 +1,51 @@
+"""Exceptions raised at the public boundary; each message names the bad value and the fix."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AutoPipeError",
+    "TraceError",
+    "BlockRangeError",
+    "InputError",
+    "ClusterError",
+    "ScheduleError",
+    "PlanError",
+    "MemoryPlanError",
+    "PipelineRuntimeError",
+]
+
+
+class AutoPipeError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class TraceError(AutoPipeError, RuntimeError):
+    """The model could not be captured as a graph (neither torch.fx nor torch.export)."""
+
+
+class InputError(AutoPipeError, ValueError):
+    """Inputs handed to the graph layer do not match what the model was traced with."""
+
+
+class BlockRangeError(AutoPipeError, IndexError):
+    """A block range ``[i, j)`` or a list of cuts lies outside ``[0, len(blocks)]``."""
+
+
+class ClusterError(AutoPipeError, ValueError):
+    """A cluster description is malformed or contradicts the launched world."""
+
+
+class ScheduleError(AutoPipeError, ValueError):
+    """A pipeline schedule is inconsistent (order, send/receive matching, deadlock)."""
+
+
+class PlanError(AutoPipeError, ValueError):
+    """A plan cannot be made or used with the given model, batch and cluster."""
+
+
+class MemoryPlanError(PlanError):
+    """No plan (or the requested one) fits the devices' memory."""
+
+
+class PipelineRuntimeError(AutoPipeError, RuntimeError):
+    """A rank failed while running the pipeline; the message names the rank and the cause."""

@@ -1,0 +1,260 @@
+"""Typed Hydra configs for the recipes: schemas in Hydra's ConfigStore, composing ``conf/``.
+
+Each YAML option under ``conf/`` names its schema in its defaults list (``model/gpt_tiny.yaml``
+starts with ``defaults: [gpt_schema, _self_]``), so a misspelt key in a file or an override
+(``trainer.max_stepz=5``, ``strategy.stages=2``) and a wrongly typed value
+(``trainer.max_steps=abc``) are errors at compose time instead of being silently ignored.
+The cluster node stays an untyped mapping here: ``lightning_autopipe.cluster`` validates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+__all__ = [
+    "CONF_DIR",
+    "AutoPipeStrategyConfig",
+    "BertModelConfig",
+    "CausalLMTaskConfig",
+    "GPTModelConfig",
+    "ImageDataConfig",
+    "ImageTaskConfig",
+    "LightningStrategyConfig",
+    "MLMDataConfig",
+    "MaskedLMTaskConfig",
+    "RecipeConfig",
+    "ResNetModelConfig",
+    "TextDataConfig",
+    "TrainerConfig",
+    "compose",
+    "register_configs",
+]
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+# -------------------------------------------------------------------------------------- model
+@dataclass
+class GPTModelConfig:
+    """Decoder-only GPT (``arch``: ``tiny`` = TinyGPT, ``hf`` = transformers GPT-2)."""
+
+    _target_: str = "lightning_autopipe.tasks.build_gpt"
+    name: str = MISSING
+    arch: str = "tiny"
+    vocab_size: int = 264
+    max_seq_len: int = 128
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 2
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+
+
+@dataclass
+class BertModelConfig:
+    """transformers ``BertForMaskedLM`` (``intermediate_size`` null = 4 x ``n_embd``)."""
+
+    _target_: str = "lightning_autopipe.tasks.build_bert"
+    name: str = MISSING
+    vocab_size: int = 264
+    max_seq_len: int = 128
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 2
+    intermediate_size: int | None = None
+    dropout: float = 0.0
+
+
+@dataclass
+class ResNetModelConfig:
+    """SmallCNN (``arch: small_cnn``) or a torchvision ResNet (``arch: resnet50`` ...)."""
+
+    _target_: str = "lightning_autopipe.tasks.build_resnet"
+    name: str = MISSING
+    arch: str = "small_cnn"
+    num_classes: int = 10
+    in_channels: int = 3
+    widths: list[int] = field(default_factory=lambda: [16, 32, 64])
+    blocks_per_stage: int = 1
+    norm: str = "batch"
+    # Not a constructor argument: the input resolution, read by the data and task configs.
+    image_size: int = 32
+
+
+# --------------------------------------------------------------------------------------- data
+@dataclass
+class TextDataConfig:
+    """Next-byte prediction on the Python standard library (see ``data.StdlibTextDataModule``)."""
+
+    _target_: str = "lightning_autopipe.data.StdlibTextDataModule"
+    block_size: int = 128
+    batch_size: int = 8
+    max_bytes: int = 2_000_000
+    val_fraction: float = 0.02
+    num_workers: int = 0
+    seed: int = 0
+
+
+@dataclass
+class MLMDataConfig(TextDataConfig):
+    """Masked-LM on the Python standard library (see ``data.StdlibMLMDataModule``)."""
+
+    _target_: str = "lightning_autopipe.data.StdlibMLMDataModule"
+    mask_prob: float = 0.15
+
+
+@dataclass
+class ImageDataConfig:
+    """Synthetic, learnable image classification (see ``data.SyntheticImageDataModule``)."""
+
+    _target_: str = "lightning_autopipe.data.SyntheticImageDataModule"
+    num_classes: int = 10
+    image_size: int = 32
+    channels: int = 3
+    num_samples: int = 4096
+    val_samples: int = 256
+    noise: float = 0.5
+    batch_size: int = 16
+    num_workers: int = 0
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------------- strategy
+@dataclass
+class AutoPipeStrategyConfig:
+    """Arguments of ``lightning_autopipe.AutoPipeStrategy`` (``cluster`` comes from ``cluster/``).
+
+    ``plan`` is the path of a saved Plan JSON to use instead of planning.
+    """
+
+    _target_: str = "lightning_autopipe.AutoPipeStrategy"
+    planner: str = "autopipe"
+    num_stages: Any = "auto"
+    num_microbatches: Any = "auto"
+    startup_slices: Any = "auto"
+    granularity: str = "sub-block"
+    timeout: float = 600.0
+    plan: str | None = None
+
+
+@dataclass
+class LightningStrategyConfig:
+    """A stock Lightning strategy by registry name (``auto``, ``ddp``...), for comparison."""
+
+    name: str = "auto"
+
+
+# ------------------------------------------------------------------------------------ trainer
+@dataclass
+class TrainerConfig:
+    """The ``lightning.Trainer`` arguments the recipes expose (all passed through)."""
+
+    accelerator: str = "cpu"
+    devices: Any = 2
+    num_nodes: int = 1
+    max_steps: int = 100
+    max_epochs: int = -1
+    precision: str = "32-true"
+    log_every_n_steps: int = 5
+    val_check_interval: Any = None
+    limit_val_batches: Any = 0
+    num_sanity_val_steps: int = 0
+    gradient_clip_val: float | None = None
+    enable_progress_bar: bool = True
+    enable_checkpointing: bool = False
+    deterministic: bool = False
+
+
+# ------------------------------------------------------------------------------------- recipe
+@dataclass
+class _TaskConfig:
+    """Optimiser settings shared by the tasks (the network comes from ``model``)."""
+
+    _target_: str = MISSING
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+
+
+@dataclass
+class CausalLMTaskConfig(_TaskConfig):
+    _target_: str = "lightning_autopipe.tasks.CausalLMTask"
+    seq_len: int = MISSING
+
+
+@dataclass
+class MaskedLMTaskConfig(_TaskConfig):
+    _target_: str = "lightning_autopipe.tasks.MaskedLMTask"
+    seq_len: int = MISSING
+
+
+@dataclass
+class ImageTaskConfig(_TaskConfig):
+    _target_: str = "lightning_autopipe.tasks.ImageClassificationTask"
+    image_size: int = MISSING
+    channels: int = 3
+
+
+@dataclass
+class RecipeConfig:
+    """A whole recipe: groups ``model``, ``data``, ``task``, ``cluster``, ``strategy``, ``trainer``.
+
+    ``run_dir`` (default ``outputs/<recipe>/<time>``, or ``$AUTOPIPE_RUN_DIR``) holds logs and
+    the timeline picture; ``threads_per_rank`` null = CPU cores / local ranks;
+    ``plan_only`` prints the plan for ``cluster`` without launching (same as ``--plan-only``).
+    """
+
+    recipe: str = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    cluster: Any = MISSING
+    strategy: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    task: Any = MISSING
+    seed: int = 0
+    run_dir: str | None = None
+    threads_per_rank: int | None = None
+    plan_only: bool = False
+
+
+_SCHEMAS: list[tuple[str | None, str, type]] = [
+    ("model", "gpt_schema", GPTModelConfig),
+    ("model", "bert_schema", BertModelConfig),
+    ("model", "resnet_schema", ResNetModelConfig),
+    ("data", "text_schema", TextDataConfig),
+    ("data", "mlm_schema", MLMDataConfig),
+    ("data", "images_schema", ImageDataConfig),
+    ("strategy", "autopipe_schema", AutoPipeStrategyConfig),
+    ("strategy", "lightning_schema", LightningStrategyConfig),
+    ("task", "causal_lm_schema", CausalLMTaskConfig),
+    ("task", "masked_lm_schema", MaskedLMTaskConfig),
+    ("task", "image_classification_schema", ImageTaskConfig),
+    (None, "recipe_schema", RecipeConfig),
+]
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore (idempotent; ``conf/`` files name them)."""
+    store = ConfigStore.instance()
+    for group, name, node in _SCHEMAS:
+        store.store(group=group, name=name, node=node)
+
+
+def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with command-line style ``overrides``.
+
+    Uses Hydra's compose API (no working-directory change, no output folder per process), so
+    every process of a multi-process run composes exactly the same config from the same argv.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))

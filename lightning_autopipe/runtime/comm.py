@@ -1,0 +1,120 @@
+"""Point-to-point transfer of a tuple of tensors with a small shape/dtype header.
+
+``torch.distributed.pipelining`` sizes its receive buffers once, so micro-batches of different
+sizes (startup slices) cannot share a step. Here each message is preceded by a fixed-size int64
+header that says how many tensors follow and, per tensor, whether it is present, its dtype, its
+shape and whether the receiver should treat it as requiring grad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_autopipe.errors import PipelineRuntimeError
+
+__all__ = ["HEADER_LEN", "encode_header", "decode_header", "send_tensors", "recv_tensors"]
+
+HEADER_LEN = 256
+# Tensor i of the message with tag t travels under tag t * _TAG_STRIDE + 1 + i (the header under
+# t * _TAG_STRIDE): at most (HEADER_LEN - 1) // 4 tensors fit in a header, so tags never collide.
+_TAG_STRIDE = 64
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+def encode_header(tensors: Sequence[Tensor | None]) -> list[int]:
+    """``[n, (present, dtype code, requires_grad, ndim, *shape) per tensor]``, zero padded."""
+    out = [len(tensors)]
+    for t in tensors:
+        if t is None:
+            out += [0, 0, 0, 0]
+            continue
+        if t.dtype not in _CODE:
+            raise PipelineRuntimeError(
+                f"cannot send a tensor of dtype {t.dtype} between stages; supported: "
+                f"{[str(d) for d in _DTYPES]}"
+            )
+        out += [1, _CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
+    if len(out) > HEADER_LEN:
+        raise PipelineRuntimeError(
+            f"{len(tensors)} tensors cross this stage boundary and their header needs {len(out)} "
+            f"ints (> {HEADER_LEN}); choose cuts where fewer values are live"
+        )
+    return out + [0] * (HEADER_LEN - len(out))
+
+
+def decode_header(header: Sequence[int]) -> list[tuple[torch.dtype, tuple[int, ...], bool] | None]:
+    """Inverse of :func:`encode_header`: per tensor ``(dtype, shape, requires_grad)`` or None."""
+    n, pos = int(header[0]), 1
+    specs: list[tuple[torch.dtype, tuple[int, ...], bool] | None] = []
+    for _ in range(n):
+        present, code, grad, ndim = (int(v) for v in header[pos : pos + 4])
+        pos += 4
+        if not present:
+            specs.append(None)
+            continue
+        shape = tuple(int(v) for v in header[pos : pos + ndim])
+        pos += ndim
+        specs.append((_DTYPES[code], shape, bool(grad)))
+    return specs
+
+
+def send_tensors(
+    tensors: Sequence[Tensor | None], dst: int, tag: int, device: torch.device
+) -> list[tuple[dist.Work, Tensor]]:
+    """Non-blocking send of the header and every present tensor; wait on the returned works.
+
+    Each work is returned with the buffer it reads so the caller keeps it alive until then.
+    """
+    header = torch.tensor(encode_header(tensors), dtype=torch.int64, device=device)
+    works = [(dist.isend(header, dst, tag=tag * _TAG_STRIDE), header)]
+    for i, t in enumerate(tensors):
+        if t is None:
+            continue
+        buf = t.detach().contiguous()
+        works.append((dist.isend(buf, dst, tag=tag * _TAG_STRIDE + 1 + i), buf))
+    return works
+
+
+def recv_tensors(src: int, tag: int, device: torch.device) -> list[Tensor | None]:
+    """Blocking receive of one message from :func:`send_tensors`.
+
+    Floating tensors that were sent with ``requires_grad`` come back as leaves requiring grad,
+    so the receiving stage can hand their ``.grad`` back after its backward.
+    """
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    dist.recv(header, src, tag=tag * _TAG_STRIDE)
+    specs = decode_header(header.tolist())
+    out: list[Tensor | None] = []
+    works = []
+    for i, spec in enumerate(specs):
+        if spec is None:
+            out.append(None)
+            continue
+        dtype, shape, _ = spec
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        works.append(dist.irecv(buf, src, tag=tag * _TAG_STRIDE + 1 + i))
+        out.append(buf)
+    for w in works:
+        w.wait()
+    for t, spec in zip(out, specs):
+        if t is not None and spec is not None and spec[2] and t.is_floating_point():
+            t.requires_grad_(True)
+    return out

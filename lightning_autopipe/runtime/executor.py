@@ -1,0 +1,348 @@
+"""Runs one rank's lowered action list for a training or validation step.
+
+The executor is the runtime half of the schedule IR: it performs exactly the actions the planner
+produced for this rank (``lower_communication(build_schedule(plan))[stage]``), which the
+simulator replays too, and records them in :attr:`PipelineExecutor.trace`.
+
+Numerics: the replica's batch of ``B`` samples is cut into micro-batches (micro-batch 0 into
+startup slices); each unit's loss on the last stage is weighted by ``unit_samples / B``, so the
+gradients summed over units are those of the replica's mean loss. Averaging over the
+data-parallel group then gives the gradients of the global-batch mean loss, and summing tied
+copies across their stages gives what a single process would compute for the shared weight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_autopipe.errors import PipelineRuntimeError
+from lightning_autopipe.planner.schedule import Action, Kind, slice_sizes
+from lightning_autopipe.runtime.comm import recv_tensors, send_tensors
+from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout
+
+__all__ = ["PipelineExecutor", "TiedParameter", "fit_units", "unit_bounds", "slice_batch"]
+
+Unit = tuple[int, int]
+_BACKWARD_KINDS = (Kind.SEND_B, Kind.RECV_B, Kind.BACKWARD)
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A local copy of a parameter shared with other stages (e.g. GPT's embedding / LM head).
+
+    ``tie`` indexes the tie sets given to :func:`~lightning_autopipe.runtime.groups.build_groups`;
+    ``counted`` is True on exactly one stage of the set, so the global norm counts it once.
+    """
+
+    tie: int
+    param: nn.Parameter
+    counted: bool
+
+
+def fit_units(batch_size: int, num_microbatches: int, startup_slices: int) -> tuple[int, int]:
+    """The (micro-batches, startup slices) actually used for a batch of ``batch_size`` samples.
+
+    The plan's values unless the batch is too small to give every unit a sample (a short last
+    batch); then both shrink so that every unit is non-empty.
+    """
+    if batch_size < 1:
+        raise PipelineRuntimeError("cannot run a pipeline step on an empty batch")
+    m = min(num_microbatches, batch_size)
+    first = -(-batch_size // m)
+    return m, min(startup_slices, first)
+
+
+def unit_bounds(
+    batch_size: int, num_microbatches: int, startup_slices: int
+) -> dict[Unit, tuple[int, int]]:
+    """Sample range ``[start, stop)`` of every (micro-batch, slice) unit of one replica's batch.
+
+    Micro-batches are contiguous and even (sizes differ by at most one, larger first); only
+    micro-batch 0 is cut into ``startup_slices`` slices (:func:`slice_sizes`).
+    """
+    m, k = num_microbatches, startup_slices
+    base, extra = divmod(batch_size, m)
+    sizes = [base + (1 if i < extra else 0) for i in range(m)]
+    out: dict[Unit, tuple[int, int]] = {}
+    start = 0
+    for mb, size in enumerate(sizes):
+        parts = slice_sizes(size, k) if mb == 0 else [size]
+        for sl, part in enumerate(parts):
+            out[(mb, sl)] = (start, start + part)
+            start += part
+    return out
+
+
+def slice_batch(batch: Any, start: int, stop: int, batch_size: int) -> Any:
+    """Cut every tensor whose first dimension is ``batch_size`` to ``[start, stop)``.
+
+    Containers (tuple, list, dict) are walked; other values (and tensors of another leading
+    size, e.g. class weights) pass unchanged, so the loss sees the batch sliced consistently.
+    """
+    if isinstance(batch, Tensor):
+        if batch.dim() > 0 and batch.shape[0] == batch_size:
+            return batch[start:stop]
+        return batch
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(slice_batch(v, start, stop, batch_size) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(slice_batch(v, start, stop, batch_size) for v in batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, slice_batch(v, start, stop, batch_size)) for k, v in batch.items())
+    return batch
+
+
+class PipelineExecutor:
+    """Executes this rank's schedule for one stage of one data-parallel replica.
+
+    Args:
+        stage: the local stage module; ``stage(*tensors)`` returns a tuple of tensors.
+        layout: this rank's place in the grid.
+        groups: process groups from :func:`build_groups` (None only for a 1-rank world).
+        num_microbatches: micro-batches per replica and step (the plan's ``m``).
+        startup_slices: slices of micro-batch 0 (the plan's ``k``).
+        train_schedule: ``(m, k) -> lowered action list`` of this stage for a training step.
+        eval_schedule: ``m -> lowered action list`` of this stage for a forward-only step.
+        inputs_fn: batch -> model inputs (positional tuple or keyword dict).
+        flatten_inputs: model inputs -> tuple of tensors (the first stage's inputs).
+        unflatten_outputs: last stage outputs -> model-shaped output for ``loss_fn``.
+        loss_fn: ``(model outputs, batch slice) -> mean loss of that slice``.
+        device: where this stage runs and where received tensors are put.
+        tied: local copies of parameters tied across stages.
+        bucket_bytes: size of the flat buffers gradients are all-reduced in.
+    """
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        layout: RankLayout,
+        groups: ProcessGroups | None,
+        *,
+        num_microbatches: int,
+        startup_slices: int,
+        train_schedule: Callable[[int, int], list[Action]],
+        eval_schedule: Callable[[int], list[Action]],
+        inputs_fn: Callable[[Any], Any],
+        flatten_inputs: Callable[[Any], Sequence[Tensor]],
+        unflatten_outputs: Callable[[tuple[Tensor, ...]], Any],
+        loss_fn: Callable[[Any, Any], Tensor],
+        device: torch.device,
+        tied: Sequence[TiedParameter] = (),
+        bucket_bytes: int = 25 * 2**20,
+    ) -> None:
+        if layout.world_size > 1 and groups is None:
+            raise PipelineRuntimeError("a multi-rank pipeline needs its process groups")
+        self.stage = stage
+        self.layout = layout
+        self.groups = groups
+        self.num_microbatches = num_microbatches
+        self.startup_slices = startup_slices
+        self._train_schedule = train_schedule
+        self._eval_schedule = eval_schedule
+        self._inputs_fn = inputs_fn
+        self._flatten = flatten_inputs
+        self._unflatten = unflatten_outputs
+        self._loss_fn = loss_fn
+        self.device = device
+        self.tied = sorted(tied, key=lambda t: t.tie)  # same all-reduce order on every rank
+        self.bucket_bytes = bucket_bytes
+        self.trace: list[Action] = []
+        self._schedules: dict[tuple[bool, int, int], list[Action]] = {}
+
+    # ------------------------------------------------------------------------- public steps
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.stage.parameters() if p.requires_grad]
+
+    def train_step(self, batch: Any) -> Tensor:
+        """Forward and backward of every unit, then gradient sync; returns the global mean loss.
+
+        Gradients accumulate into ``.grad`` (the caller zeroes them, as Lightning's closure does).
+        """
+        self.stage.train()
+        loss = self._run(batch, train=True)
+        self._sync_gradients()
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, batch: Any) -> Tensor:
+        """Forward-only pipeline; returns the global mean loss."""
+        self.stage.eval()
+        return self._run(batch, train=False)
+
+    def global_grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """Norm of the whole model's gradient (every stage, tied copies counted once)."""
+        skip = {id(t.param) for t in self.tied if not t.counted}
+        grads = [p.grad for p in self.parameters if p.grad is not None and id(p) not in skip]
+        inf = math.isinf(norm_type)
+        if grads:
+            norms = torch.stack([g.detach().float().norm(norm_type) for g in grads])
+            local = norms.max() if inf else norms.pow(norm_type).sum()
+        else:
+            local = torch.zeros((), device=self.device)
+        local = local.to(self.device, torch.float32)
+        if self.layout.num_stages > 1:
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            dist.all_reduce(local, op=op, group=self.groups.pipeline)
+        return local if inf else local.pow(1.0 / norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole pipeline (same formula and eps)."""
+        total = self.global_grad_norm(norm_type)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for p in self.parameters:
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+        return total
+
+    # ---------------------------------------------------------------------------- internals
+    def _actions(self, train: bool, m: int, k: int) -> list[Action]:
+        key = (train, m, k)
+        if key not in self._schedules:
+            acts = self._train_schedule(m, k) if train else self._eval_schedule(m)
+            wrong = [a for a in acts if a.stage != self.layout.stage]
+            if wrong:
+                raise PipelineRuntimeError(
+                    f"rank {self.layout.rank} runs stage {self.layout.stage} but its schedule "
+                    f"holds actions of other stages: {[str(a) for a in wrong[:4]]}"
+                )
+            self._schedules[key] = acts
+        return self._schedules[key]
+
+    def _run(self, batch: Any, train: bool) -> Tensor:
+        layout = self.layout
+        flat = tuple(self._flatten(self._inputs_fn(batch)))
+        if not flat:
+            raise PipelineRuntimeError("the model's flattened inputs hold no tensor")
+        size = int(flat[0].shape[0])
+        if train:
+            m, k = fit_units(size, self.num_microbatches, self.startup_slices)
+        else:
+            m, k = min(self.num_microbatches, size), 1
+        bounds = unit_bounds(size, m, k)
+        order = {u: i for i, u in enumerate(bounds)}
+        actions = self._actions(train, m, k)
+
+        received: dict[Unit, list[Tensor | None]] = {}
+        saved: dict[Unit, tuple[list[Tensor | None], Any]] = {}
+        out_grads: dict[Unit, list[Tensor | None]] = {}
+        in_grads: dict[Unit, list[Tensor | None]] = {}
+        outputs: dict[Unit, tuple[Tensor, ...]] = {}
+        sends: list[Any] = []
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        trace: list[Action] = []
+
+        for a in actions:
+            unit = a.unit
+            if unit not in bounds:
+                raise PipelineRuntimeError(f"action {a} names a unit outside {list(bounds)}")
+            tag = 2 * order[unit] + (a.kind in _BACKWARD_KINDS)
+            start, stop = bounds[unit]
+            if a.kind is Kind.RECV_F:
+                received[unit] = recv_tensors(layout.prev_rank, tag, self.device)
+            elif a.kind is Kind.FORWARD:
+                if layout.is_first:
+                    inputs: list[Tensor | None] = [t[start:stop] for t in flat]
+                else:
+                    inputs = received.pop(unit)
+                outs = self.stage(*inputs)
+                outs = tuple(outs) if isinstance(outs, list | tuple) else (outs,)
+                if layout.is_last:
+                    part = slice_batch(batch, start, stop, size)
+                    loss = self._loss_fn(self._unflatten(outs), part) * ((stop - start) / size)
+                    loss_sum += loss.detach().float()
+                    if train:
+                        saved[unit] = (inputs, loss)
+                else:
+                    outputs[unit] = outs
+                    if train:
+                        saved[unit] = (inputs, outs)
+            elif a.kind is Kind.SEND_F:
+                sends += send_tensors(outputs.pop(unit), layout.next_rank, tag, self.device)
+            elif a.kind is Kind.RECV_B:
+                out_grads[unit] = recv_tensors(layout.next_rank, tag, self.device)
+            elif a.kind is Kind.BACKWARD:
+                inputs, result = saved.pop(unit)
+                if layout.is_last:
+                    result.backward()
+                else:
+                    self._backward(a, result, out_grads.pop(unit))
+                if not layout.is_first:
+                    in_grads[unit] = [
+                        t.grad if t is not None and t.requires_grad else None for t in inputs
+                    ]
+            elif a.kind is Kind.SEND_B:
+                sends += send_tensors(in_grads.pop(unit), layout.prev_rank, tag, self.device)
+            trace.append(a)
+        for work, _buf in sends:
+            work.wait()
+        self.trace = trace
+        return self._global_loss(loss_sum)
+
+    @staticmethod
+    def _backward(a: Action, outs: tuple[Tensor, ...], grads: list[Tensor | None]) -> None:
+        if len(grads) != len(outs):
+            raise PipelineRuntimeError(
+                f"{a}: received {len(grads)} gradients for {len(outs)} stage outputs"
+            )
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    def _global_loss(self, loss_sum: Tensor) -> Tensor:
+        """Replica mean from the last stage to the whole replica, then averaged over replicas."""
+        layout = self.layout
+        if layout.num_stages > 1:
+            dist.broadcast(loss_sum, src=layout.last_stage_rank, group=self.groups.pipeline)
+        if layout.num_replicas > 1:
+            dist.all_reduce(loss_sum, group=self.groups.dp)
+            loss_sum /= layout.num_replicas
+        return loss_sum
+
+    def _sync_gradients(self) -> None:
+        """Average gradients over the stage's replicas (bucketed), then sum tied copies."""
+        params = self.parameters
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.layout.num_replicas > 1 and params:
+            works = []
+            for bucket in self._buckets(params):
+                grads = [p.grad for p in bucket]
+                flat = _flatten_dense_tensors(grads)
+                works.append(
+                    (dist.all_reduce(flat, group=self.groups.dp, async_op=True), flat, grads)
+                )
+            for work, flat, grads in works:
+                work.wait()
+                flat /= self.layout.num_replicas
+                for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    g.copy_(synced)
+        for t in self.tied:
+            group = self.groups.ties.get(t.tie) if self.groups is not None else None
+            if group is not None and t.param.grad is not None:
+                dist.all_reduce(t.param.grad, group=group)
+
+    def _buckets(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """Parameters in reverse order (last-computed gradients first), grouped by dtype+size."""
+        buckets: list[list[nn.Parameter]] = []
+        current: list[nn.Parameter] = []
+        used = 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if current and (used + nbytes > self.bucket_bytes or p.dtype != current[0].dtype):
+                buckets.append(current)
+                current, used = [], 0
+            current.append(p)
+            used += nbytes
+        if current:
+            buckets.append(current)
+        return buckets

@@ -1,0 +1,57 @@
+"""A hand-split toy model for executor tests that need no graph layer.
+
+The chain of blocks carries a skip value and a bool mask across boundaries and uses the weight
+``E`` in the first and the last block (tied), which is what the executor must handle.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ToyChain(nn.Module):
+    """``x -> z = x @ E -> relu(l1) -> relu(l2) + z -> (h @ E.T) * (x > 0)`` as 4 blocks."""
+
+    def __init__(self, d_in: int = 6, d: int = 5) -> None:
+        super().__init__()
+        self.E = nn.Parameter(torch.randn(d_in, d) * 0.5)
+        self.l1 = nn.Linear(d, d)
+        self.l2 = nn.Linear(d, d)
+
+    def block(self, i: int, vals: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if i == 0:
+            (x,) = vals
+            z = x @ self.E
+            return z, z, x > 0
+        if i == 1:
+            h, z, mask = vals
+            return torch.relu(self.l1(h)), z, mask
+        if i == 2:
+            h, z, mask = vals
+            return torch.relu(self.l2(h)) + z, mask
+        h, mask = vals
+        return ((h @ self.E.T) * mask,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        vals: tuple[torch.Tensor, ...] = (x,)
+        for i in range(4):
+            vals = self.block(i, vals)
+        return vals[0]
+
+
+class ToyStage(nn.Module):
+    """Blocks ``[i, j)`` of a ToyChain; holds (a reference to) the chain's parameters."""
+
+    def __init__(self, chain: ToyChain, i: int, j: int) -> None:
+        super().__init__()
+        self.chain, self.i, self.j = chain, i, j
+
+    def forward(self, *vals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for b in range(self.i, self.j):
+            vals = self.chain.block(b, vals)
+        return tuple(vals)
+
+
+def toy_loss(outputs: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return ((outputs - batch[1]) ** 2).mean()

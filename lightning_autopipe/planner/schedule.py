@@ -20,8 +20,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from lightning_autopipe.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from lightning_autopipe.planner.plan import Plan
 
 __all__ = [
     "Kind",
@@ -32,6 +36,16 @@ __all__ = [
     "lower_communication",
     "slice_sizes",
     "units",
+    "one_f_one_b",
+    "gpipe",
+    "forward_only",
+    "build_schedule",
+    "validate",
+    "format_grid",
+    "format_schedule",
+    "parse_schedule",
+    "ascii_timeline",
+    "SCHEDULES",
 ]
 
 
@@ -145,3 +159,145 @@ def slice_sizes(microbatch_size: int, startup_slices: int) -> list[int]:
 def units(num_microbatches: int, startup_slices: int) -> list[tuple[int, int]]:
     """The (micro-batch, slice) units of one step in the order they enter the pipeline."""
     return [(0, s) for s in range(startup_slices)] + [(m, 0) for m in range(1, num_microbatches)]
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """Text form of a whole schedule: one line ``<stage>: <actions>`` per stage."""
+    return "\n".join(f"{s}: {format_actions(schedule[s])}" for s in sorted(schedule))
+
+
+def parse_schedule(text: str) -> Schedule:
+    """Inverse of :func:`format_schedule`."""
+    out: Schedule = {}
+    for line in text.strip().splitlines():
+        head, sep, body = line.partition(":")
+        if not sep or not head.strip().isdigit():
+            raise ScheduleError(
+                f"cannot parse schedule line {line!r}; expected '<stage>: <actions>'"
+            )
+        out[int(head)] = parse_actions(body)
+    return out
+
+
+# ---------------------------------------------------------------------------- generators
+def _check_shape(num_stages: int, num_microbatches: int, startup_slices: int) -> None:
+    for name, v in (
+        ("num_stages", num_stages),
+        ("num_microbatches", num_microbatches),
+        ("startup_slices", startup_slices),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ScheduleError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _spans(num_microbatches: int, startup_slices: int) -> list[tuple[int, int, int, int]]:
+    """``(microbatch, slice, start, end)`` of each unit in pipeline order.
+
+    Positions count samples in units of ``1 / startup_slices`` of a micro-batch, so slice ``j``
+    of micro-batch 0 spans ``[j, j + 1)`` and micro-batch ``i >= 1`` spans ``[i k, (i + 1) k)``.
+    """
+    k = startup_slices
+    return [
+        (mb, sl, mb * k + sl, mb * k + sl + 1) if mb == 0 else (mb, sl, mb * k, (mb + 1) * k)
+        for mb, sl in units(num_microbatches, startup_slices)
+    ]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int, startup_slices: int = 1) -> Schedule:
+    """1F1B (one-forward-one-backward) with micro-batch 0 split into ``startup_slices`` slices.
+
+    Warm-up depth is counted in samples, not in units: before stage ``s`` runs the backward of a
+    unit ending at sample position ``e`` (in micro-batches), it has forwarded every unit that
+    starts before ``e + d``, where ``d = num_stages - 1 - s`` is its distance from the last
+    stage. With ``k = 1`` this is plain 1F1B (``d`` warm-up forwards, then alternate). With
+    ``k > 1`` the last stage (``d = 0``) runs ``F0.0 B0.0 F0.1 B0.1 ...``: its first backward
+    starts after only ``1/k`` of a micro-batch has crossed the pipeline, and the gradients of
+    the early slices flow back while the later slices and micro-batches still flow forward.
+    Every stage keeps the same forward lead in *samples* as plain 1F1B, so a stage never waits
+    for a whole micro-batch to arrive behind a slice, and the activations it holds in flight
+    stay bounded by ``d + 1`` micro-batches (the slices of micro-batch 0 together count as one),
+    exactly as in plain 1F1B.
+
+    4 stages, m = 4 micro-batches, k = 2 slices, forward 2 and backward 4 ticks per micro-batch
+    (a slice takes 1 and 2), free transfers (:func:`ascii_timeline`); digits are forwards of that
+    micro-batch, letters its backward (a = 0, b = 1, ...), ``-``/``=`` continue a unit, ``.`` is
+    idle. Micro-batch 0 runs as two short slices, forwards ``0`` ``0`` and backwards ``a=`` ``a=``::
+
+        stage 0 |001-2-3-....a=a=.......b===..c===..d===
+        stage 1 |.00.1-2-..a=a=3-...b===..c===..d===
+        stage 2 |..00..1-a=a=2-.b===3-c===..d===
+        stage 3 |...0a=0a=1-b===2-c===3-d===
+
+    versus plain 1F1B (k = 1)::
+
+        stage 0 |0-1-2-3-............a===..b===..c===..d===
+        stage 1 |..0-1-2-........a===3-b===..c===..d===
+        stage 2 |....0-1-....a===2-b===3-c===..d===
+        stage 3 |......0-a===1-b===2-c===3-d===
+
+    What slicing can save: micro-batch 1 still enters after all of micro-batch 0 has left stage 0,
+    so the last stage cannot start it before ``S f`` (``f``, ``b``: forward and backward time of a
+    micro-batch per stage); the step shrinks by ``min((S - 1) f (1 - 1/k), b)`` on a balanced
+    pipeline with free transfers (3 ticks above), and the schedule reaches that bound.
+
+    Args:
+        num_stages: pipeline depth ``S``.
+        num_microbatches: micro-batches ``m`` per replica and step.
+        startup_slices: slices ``k`` of micro-batch 0 (1 = plain 1F1B).
+
+    Returns:
+        Compute-only schedule (``F``/``B``); :func:`lower_communication` adds the transfers.
+    """
+    _check_shape(num_stages, num_microbatches, startup_slices)
+    spans = _spans(num_microbatches, startup_slices)
+    k = startup_slices
+    out: Schedule = {}
+    for s in range(num_stages):
+        lead = (num_stages - 1 - s) * k
+        acts: list[Action] = []
+        nxt = 0
+        for mb, sl, _start, end in spans:
+            while nxt < len(spans) and spans[nxt][2] < end + lead:
+                acts.append(Action(s, Kind.FORWARD, spans[nxt][0], spans[nxt][1]))
+                nxt += 1
+            acts.append(Action(s, Kind.BACKWARD, mb, sl))
+        out[s] = acts
+    return out
+
+
+def gpipe(num_stages: int, num_microbatches: int, startup_slices: int = 1) -> Schedule:
+    """GPipe: every stage forwards all units in order, then runs backwards in reverse order."""
+    _check_shape(num_stages, num_microbatches, startup_slices)
+    us = units(num_microbatches, startup_slices)
+    return {
+        s: [Action(s, Kind.FORWARD, mb, sl) for mb, sl in us]
+        + [Action(s, Kind.BACKWARD, mb, sl) for mb, sl in reversed(us)]
+        for s in range(num_stages)
+    }
+
+
+def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
+    """Forwards of whole micro-batches only (validation / inference passes)."""
+    _check_shape(num_stages, num_microbatches, 1)
+    return {
+        s: [Action(s, Kind.FORWARD, mb, 0) for mb in range(num_microbatches)]
+        for s in range(num_stages)
+    }
+
+
+SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+
+
+def build_schedule(plan: Plan) -> Schedule:
+    """The compute-only schedule a plan names (``plan.schedule``: ``"1f1b"`` or ``"gpipe"``)."""
+    try:
+        gen = SCHEDULES[plan.schedule]
+    except KeyError:
+        raise ScheduleError(
+            f"unknown schedule {plan.schedule!r}; use one of {sorted(SCHEDULES)}"
+        ) from None
+    return gen(plan.num_stages, plan.num_microbatches, plan.startup_slices)
+
+
+# The checker lives in its own module; re-exported here so callers need one import.
+from lightning_autopipe.planner.replay import ascii_timeline, format_grid, validate  # noqa: E402

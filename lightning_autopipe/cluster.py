@@ -1,0 +1,484 @@
+"""Servers, their devices and the links between them: the hardware a plan is made for.
+
+A cluster is read from YAML (``conf/cluster/*.yaml``) and validated on load::
+
+    name: mixed-rack
+    network_gbps: 25            # per-server NIC bandwidth between servers (gigabits per second)
+    network_latency_us: 20      # optional, default 20
+    servers:
+      - name: pcie              # instances: "pcie" if count is 1, else "pcie0", "pcie1", ...
+        count: 2                # optional, default 1
+        gpus: 8
+        nic_gbps: 25            # optional: this server's NIC, default network_gbps
+        device: {name: V100-32GB, speed: 0.45, memory_gb: 32}  # optional overhead_ms (default 0)
+        levels:                 # innermost first: group size -> bandwidth between its members
+          - {size: 2, gbps: 100}          # optional latency_us per level (default 2)
+          - {size: 4, gbps: 64}
+          - {size: 8, gbps: 32}
+
+Level rules (so that every pair of GPUs in a server shares exactly one innermost level): sizes
+strictly increase, each divides the next, and the last equals ``gpus``. GPU ``i`` belongs to
+group ``i // size`` of a level. ``speed`` is throughput relative to the device the profile was
+measured on; ``memory_gb`` is GiB (2**30 bytes).
+
+Contention resources (:meth:`Cluster.link_resources`) are directional: a transfer whose innermost
+shared level is ``L`` occupies the uplink of the sender's level-``L-1`` group out of it and of the
+receiver's group into it (for ``L = 0`` the groups are the devices themselves), each with the
+level's bandwidth; a transfer between servers occupies the sender's NIC out and the receiver's NIC
+in. Intra-server links crossed by network traffic are not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_autopipe.errors import ClusterError
+
+__all__ = ["DeviceSpec", "Level", "ServerSpec", "Device", "Cluster", "BYTES_PER_MS_PER_GBPS"]
+
+#: gigabits per second -> bytes per millisecond.
+BYTES_PER_MS_PER_GBPS = 1e9 / 8 / 1e3
+
+_DEFAULT_LEVEL_LATENCY_US = 2.0
+_DEFAULT_NETWORK_LATENCY_US = 20.0
+
+_TOP_KEYS = {"name", "network_gbps", "network_latency_us", "servers", "description"}
+_SERVER_KEYS = {"name", "count", "gpus", "device", "levels", "nic_gbps"}
+_DEVICE_KEYS = {"name", "speed", "memory_gb", "overhead_ms"}
+_LEVEL_KEYS = {"size", "gbps", "latency_us"}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A kind of accelerator: relative speed, memory and a fixed cost per compute action."""
+
+    name: str
+    speed: float
+    memory_gb: float
+    overhead_ms: float = 0.0
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * 2**30)
+
+
+@dataclass(frozen=True)
+class Level:
+    """Inside a server, GPUs ``i`` and ``j`` with ``i // size == j // size`` talk at ``gbps``."""
+
+    size: int
+    gbps: float
+    latency_us: float = _DEFAULT_LEVEL_LATENCY_US
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """``count`` identical servers of ``gpus`` devices each."""
+
+    name: str
+    count: int
+    gpus: int
+    device: DeviceSpec
+    levels: tuple[Level, ...]
+    nic_gbps: float | None = None
+
+    def instance_names(self) -> list[str]:
+        if self.count == 1:
+            return [self.name]
+        return [f"{self.name}{i}" for i in range(self.count)]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: ``name`` is ``"<instance>:<gpu index>"``, ``rank`` its global order."""
+
+    name: str
+    server: str
+    index: int
+    spec: DeviceSpec
+    rank: int
+
+
+@dataclass
+class Cluster:
+    """A validated cluster; lookups of bandwidth, latency and shared resources between devices."""
+
+    name: str
+    network_gbps: float
+    network_latency_us: float
+    servers: list[ServerSpec]
+    _devices: list[Device] = field(init=False, repr=False, compare=False)
+    _by_name: dict[str, Device] = field(init=False, repr=False, compare=False)
+    _instances: list[tuple[str, ServerSpec]] = field(init=False, repr=False, compare=False)
+    _inst: dict[str, ServerSpec] = field(init=False, repr=False, compare=False)
+    _link_cache: dict[tuple[str, str], tuple] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise ClusterError(
+                f"cluster {self.name!r} has no servers; list at least one under 'servers' "
+                "(the 'local' cluster is built with Cluster.local(world_size) instead)"
+            )
+        self._instances = []
+        seen: dict[str, str] = {}
+        for spec in self.servers:
+            for inst in spec.instance_names():
+                if inst in seen:
+                    raise ClusterError(
+                        f"server instance name {inst!r} is used twice (by servers "
+                        f"{seen[inst]!r} and {spec.name!r}); rename one of them"
+                    )
+                seen[inst] = spec.name
+                self._instances.append((inst, spec))
+        self._inst = dict(self._instances)
+        self._devices = []
+        for inst, spec in self._instances:
+            for i in range(spec.gpus):
+                name = f"{inst}:{i}"
+                self._devices.append(Device(name, inst, i, spec.device, len(self._devices)))
+        self._by_name = {d.name: d for d in self._devices}
+        self._link_cache = {}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, data: Any) -> Cluster:
+        """Build and validate a cluster from its YAML/JSON mapping (see the module docstring)."""
+        if not isinstance(data, dict):
+            kind = type(data).__name__
+            raise ClusterError(f"a cluster description must be a mapping, got {kind}")
+        _no_unknown(data, _TOP_KEYS, "cluster")
+        name = _require(data, "name", "cluster")
+        if "servers" not in data:
+            raise ClusterError(f"cluster {name!r} lacks key 'servers' (a list of server entries)")
+        servers_raw = data["servers"]
+        if not isinstance(servers_raw, list):
+            raise ClusterError(
+                f"cluster {name!r}: 'servers' must be a list, got {type(servers_raw).__name__}"
+            )
+        if not servers_raw:
+            raise ClusterError(
+                f"cluster {name!r}: 'servers' is empty; list at least one server (a cluster "
+                "named 'local' with no servers is resolved by the strategy via Cluster.local)"
+            )
+        servers = [_parse_server(s, i) for i, s in enumerate(servers_raw)]
+        instances = sum(s.count for s in servers)
+        if "network_gbps" in data:
+            net = _positive(data["network_gbps"], "network_gbps", f"cluster {name!r}")
+        elif instances > 1 and any(s.nic_gbps is None for s in servers):
+            raise ClusterError(
+                f"cluster {name!r} has {instances} server instances but lacks key "
+                "'network_gbps' (bandwidth of each server's NIC in Gb/s, e.g. 25)"
+            )
+        else:
+            net = math.inf
+        lat = _non_negative(
+            data.get("network_latency_us", _DEFAULT_NETWORK_LATENCY_US),
+            "network_latency_us",
+            f"cluster {name!r}",
+        )
+        return cls(name=str(name), network_gbps=net, network_latency_us=lat, servers=servers)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Cluster:
+        """Read a cluster YAML file; errors name the file, the bad key and its value."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ClusterError(f"cannot read cluster file {path}: {exc}") from exc
+        try:
+            return cls.from_dict(data)
+        except ClusterError as exc:
+            raise ClusterError(f"{path}: {exc}") from None
+
+    @classmethod
+    def local(
+        cls,
+        world_size: int,
+        device_name: str = "cpu",
+        speed: float = 1.0,
+        memory_gb: float = 16.0,
+        gbps: float = 2.0,
+        latency_us: float = 50.0,
+    ) -> Cluster:
+        """The launched processes as one homogeneous server named ``local``.
+
+        The defaults describe CPU processes talking through gloo on one machine (about 2 Gb/s
+        and 50 us per message, measured on the development machines).
+        """
+        if world_size < 1:
+            raise ClusterError(f"Cluster.local needs world_size >= 1, got {world_size}")
+        spec = ServerSpec(
+            name="local",
+            count=1,
+            gpus=int(world_size),
+            device=DeviceSpec(device_name, float(speed), float(memory_gb)),
+            levels=(Level(int(world_size), float(gbps), float(latency_us)),),
+        )
+        return cls(name="local", network_gbps=math.inf, network_latency_us=0.0, servers=[spec])
+
+    def to_dict(self) -> dict[str, Any]:
+        servers = []
+        for s in self.servers:
+            dev: dict[str, Any] = {
+                "name": s.device.name,
+                "speed": s.device.speed,
+                "memory_gb": s.device.memory_gb,
+            }
+            if s.device.overhead_ms:
+                dev["overhead_ms"] = s.device.overhead_ms
+            entry: dict[str, Any] = {
+                "name": s.name,
+                "count": s.count,
+                "gpus": s.gpus,
+                "device": dev,
+                "levels": [
+                    {"size": lv.size, "gbps": lv.gbps, "latency_us": lv.latency_us}
+                    for lv in s.levels
+                ],
+            }
+            if s.nic_gbps is not None:
+                entry["nic_gbps"] = s.nic_gbps
+            servers.append(entry)
+        out: dict[str, Any] = {"name": self.name}
+        if math.isfinite(self.network_gbps):
+            out["network_gbps"] = self.network_gbps
+        out["network_latency_us"] = self.network_latency_us
+        out["servers"] = servers
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    # ------------------------------------------------------------------ devices
+    @property
+    def devices(self) -> list[Device]:
+        """All devices in global rank order (servers in file order, instances, gpus)."""
+        return list(self._devices)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self._devices)
+
+    @property
+    def instances(self) -> list[tuple[str, ServerSpec]]:
+        """``(instance name, ServerSpec)`` in order, e.g. ``[("pcie0", spec), ("pcie1", spec)]``."""
+        return list(self._instances)
+
+    def device(self, name: str) -> Device:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            sample = ", ".join(d.name for d in self._devices[:4])
+            raise ClusterError(
+                f"cluster {self.name!r} has no device {name!r}; names look like {sample}, ..."
+            ) from None
+
+    def validate_world_size(self, world_size: int, exact: bool = False) -> None:
+        """Check the launched world against the cluster's device count.
+
+        Raises:
+            ClusterError: fewer devices than ``world_size`` (or a different count with
+                ``exact=True``), naming both numbers and the fix.
+        """
+        n = self.num_devices
+        if world_size > n:
+            raise ClusterError(
+                f"cluster {self.name!r} describes {n} devices but {world_size} processes were "
+                f"launched; launch at most {n} processes or describe the missing devices in the "
+                "cluster YAML"
+            )
+        if exact and world_size != n:
+            raise ClusterError(
+                f"cluster {self.name!r} describes {n} devices but {world_size} processes were "
+                f"launched; launch exactly {n} processes or edit the cluster YAML to match"
+            )
+
+    # ------------------------------------------------------------------ links
+    def _link(self, a: str, b: str) -> tuple[float, float, tuple]:
+        """(gbps, latency_us, resources) of a transfer a -> b, cached."""
+        key = (a, b)
+        hit = self._link_cache.get(key)
+        if hit is not None:
+            return hit
+        da, db = self.device(a), self.device(b)
+        if da.name == db.name:
+            out: tuple = (math.inf, 0.0, ())
+        elif da.server == db.server:
+            spec = self._inst[da.server]
+            prev = 1
+            out = (math.inf, 0.0, ())
+            for li, lv in enumerate(spec.levels):
+                if da.index // lv.size == db.index // lv.size:
+                    res = (
+                        ("level", da.server, li, da.index // prev, "out"),
+                        ("level", da.server, li, db.index // prev, "in"),
+                    )
+                    out = (lv.gbps, lv.latency_us, res)
+                    break
+                prev = lv.size
+        else:
+            sa, sb = self._inst[da.server], self._inst[db.server]
+            gbps = min(self._nic(sa), self._nic(sb))
+            res = (("nic", da.server, "out"), ("nic", db.server, "in"))
+            out = (gbps, self.network_latency_us, res)
+        self._link_cache[key] = out
+        return out
+
+    def _nic(self, spec: ServerSpec) -> float:
+        return spec.nic_gbps if spec.nic_gbps is not None else self.network_gbps
+
+    def bandwidth_gbps(self, a: str, b: str) -> float:
+        """Bandwidth of a transfer a -> b: innermost shared level, else the NICs across servers."""
+        return self._link(a, b)[0]
+
+    def latency_us(self, a: str, b: str) -> float:
+        """Latency of one message a -> b (0 for a device to itself)."""
+        return self._link(a, b)[1]
+
+    def link_resources(self, a: str, b: str) -> list[tuple]:
+        """Hashable ids of the shared links a transfer a -> b occupies (see module docstring)."""
+        return list(self._link(a, b)[2])
+
+    def resource_gbps(self, resource: tuple) -> float:
+        """Capacity of a resource id returned by :meth:`link_resources`."""
+        if resource[0] == "nic":
+            return self._nic(self._inst[resource[1]])
+        if resource[0] == "level":
+            return self._inst[resource[1]].levels[resource[2]].gbps
+        raise ClusterError(f"unknown link resource {resource!r}")
+
+    def ring_order(self, devices: list[str]) -> list[str]:
+        """Ring order of an all-reduce: global rank order, which keeps each server together."""
+        return sorted(devices, key=lambda n: self.device(n).rank)
+
+    def allreduce_ms(self, devices: list[str], nbytes: int) -> float:
+        """Uncontended ring all-reduce of ``nbytes`` over ``devices``.
+
+        ``2 (n-1)/n * bytes`` cross every ring edge, so the slowest edge sets the pace; each of
+        the ``2 (n-1)`` steps pays the slowest edge's latency once.
+        """
+        ring = self.ring_order(list(devices))
+        n = len(ring)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        edges = [(ring[i], ring[(i + 1) % n]) for i in range(n)]
+        bw = min(self.bandwidth_gbps(a, b) for a, b in edges)
+        lat = max(self.latency_us(a, b) for a, b in edges)
+        volume = 2 * (n - 1) / n * nbytes
+        return volume / (bw * BYTES_PER_MS_PER_GBPS) + 2 * (n - 1) * lat / 1e3
+
+
+# ---------------------------------------------------------------------- validation helpers
+def _no_unknown(data: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ClusterError(
+            f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}"
+        )
+
+
+def _require(data: dict, key: str, where: str) -> Any:
+    if key not in data:
+        raise ClusterError(f"{where} lacks key {key!r}")
+    return data[key]
+
+
+def _number(value: Any, key: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ClusterError(f"{where}: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _positive(value: Any, key: str, where: str) -> float:
+    v = _number(value, key, where)
+    if not v > 0:
+        raise ClusterError(f"{where}: {key} must be > 0, got {value!r}")
+    return v
+
+
+def _non_negative(value: Any, key: str, where: str) -> float:
+    v = _number(value, key, where)
+    if not v >= 0:
+        raise ClusterError(f"{where}: {key} must be >= 0, got {value!r}")
+    return v
+
+
+def _positive_int(value: Any, key: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ClusterError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _parse_server(raw: Any, i: int) -> ServerSpec:
+    where = f"servers[{i}]"
+    if not isinstance(raw, dict):
+        raise ClusterError(f"{where} must be a mapping, got {raw!r}")
+    _no_unknown(raw, _SERVER_KEYS, where)
+    name = _require(raw, "name", where)
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ClusterError(f"{where}: name must be a non-empty string without ':', got {name!r}")
+    where = f"server {name!r}"
+    count = _positive_int(raw.get("count", 1), "count", where)
+    gpus = _positive_int(_require(raw, "gpus", where), "gpus", where)
+    dev = _require(raw, "device", where)
+    if not isinstance(dev, dict):
+        raise ClusterError(f"{where}: device must be a mapping, got {dev!r}")
+    _no_unknown(dev, _DEVICE_KEYS, f"{where} device")
+    device = DeviceSpec(
+        name=str(_require(dev, "name", f"{where} device")),
+        speed=_positive(_require(dev, "speed", f"{where} device"), "speed", f"{where} device"),
+        memory_gb=_positive(
+            _require(dev, "memory_gb", f"{where} device"), "memory_gb", f"{where} device"
+        ),
+        overhead_ms=_non_negative(dev.get("overhead_ms", 0.0), "overhead_ms", f"{where} device"),
+    )
+    levels_raw = _require(raw, "levels", where)
+    if not isinstance(levels_raw, list) or not levels_raw:
+        raise ClusterError(
+            f"{where}: levels must be a non-empty list, innermost first, the last of size "
+            f"{gpus} (e.g. [{{size: {gpus}, gbps: 100}}]); got {levels_raw!r}"
+        )
+    levels = []
+    prev = 1
+    for j, lv in enumerate(levels_raw):
+        lw = f"{where} levels[{j}]"
+        if not isinstance(lv, dict):
+            raise ClusterError(f"{lw} must be a mapping {{size, gbps}}, got {lv!r}")
+        _no_unknown(lv, _LEVEL_KEYS, lw)
+        size = _positive_int(_require(lv, "size", lw), "size", lw)
+        if size <= prev and j > 0:
+            raise ClusterError(
+                f"{lw}: size {size} must be larger than the previous level's {prev} "
+                "(levels go innermost first)"
+            )
+        if size % prev:
+            raise ClusterError(
+                f"{lw}: size {size} is not a multiple of the previous level's {prev}; "
+                "groups must nest"
+            )
+        if gpus % size:
+            raise ClusterError(f"{lw}: size {size} does not divide gpus={gpus}")
+        levels.append(
+            Level(
+                size=size,
+                gbps=_positive(_require(lv, "gbps", lw), "gbps", lw),
+                latency_us=_non_negative(
+                    lv.get("latency_us", _DEFAULT_LEVEL_LATENCY_US), "latency_us", lw
+                ),
+            )
+        )
+        prev = size
+    if levels[-1].size != gpus:
+        raise ClusterError(
+            f"{where}: the last (outermost) level has size {levels[-1].size} but the server has "
+            f"gpus={gpus}; add a level {{size: {gpus}, gbps: ...}} that spans the whole server"
+        )
+    nic = raw.get("nic_gbps")
+    nic_gbps = None if nic is None else _positive(nic, "nic_gbps", where)
+    return ServerSpec(str(name), count, gpus, device, tuple(levels), nic_gbps)

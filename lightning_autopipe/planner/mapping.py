@@ -1,0 +1,134 @@
+"""Heterogeneity-aware placement of pipeline stages and their replicas on a cluster.
+
+Where a stage runs decides its speed (the slowest replica sets the pace of a data-parallel group),
+its memory, what its activations cross on the way to the next stage and what its gradients cross
+in the all-reduce. The mapper builds a few structurally different layouts and keeps the one the
+cost model predicts fastest, after partitioning the blocks *for that layout* (so a fast group gets
+more blocks instead of idling):
+
+* devices are chosen fastest first (whole servers together) when not all are used;
+* ``grouped``: each stage's replicas are consecutive devices of one speed class in topology order,
+  so a data-parallel group shares the innermost level it can (no needless cross-server
+  all-reduce) and consecutive stages sit next to each other (their activations stay on the fast
+  levels of one server until a server boundary);
+* ``grouped-reversed``: the same groups with the pipeline running from the slow end, which
+  helps when the first stages hold the most in-flight activations and memory is the limit;
+* ``pipelined``: each replica's whole pipeline packed into consecutive devices (activations never
+  leave a server; the all-reduce crosses servers instead) — best for activation-heavy models on
+  homogeneous servers;
+* link contention is part of the score: the ``R`` parallel transfers of one cut that share a NIC
+  or a PCIe level divide its bandwidth (see :class:`~.costmodel.Layout`).
+
+Faster devices take heavier stages because the partition that follows divides each stage's work
+by its speed; memory limits are part of that partition and of the score.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import ClusterError, PlanError
+from lightning_autopipe.planner.costmodel import BlockCosts, Estimate, Layout, evaluate
+from lightning_autopipe.planner.partition import balanced_cuts, stage_limits
+
+__all__ = ["speed_order", "candidate_groupings", "map_stages", "MappingResult"]
+
+
+def speed_order(cluster: Cluster, devices: Sequence[str] | None = None) -> list[str]:
+    """``devices`` fastest server first, keeping each server's devices together in rank order."""
+    names = [d.name for d in cluster.devices] if devices is None else list(devices)
+    devs = [cluster.device(n) for n in names]
+    first_rank: dict[str, int] = {}
+    for d in devs:
+        first_rank.setdefault(d.server, d.rank)
+    devs.sort(key=lambda d: (-d.spec.speed, -d.spec.memory_bytes, first_rank[d.server], d.rank))
+    return [d.name for d in devs]
+
+
+def candidate_groupings(
+    cluster: Cluster, devices: Sequence[str], num_stages: int, replicas: int
+) -> dict[str, list[list[str]]]:
+    """Named layouts of ``num_stages`` groups of ``replicas`` devices (see module docstring).
+
+    Raises:
+        PlanError: fewer devices than ``num_stages * replicas``.
+    """
+    need = num_stages * replicas
+    if need > len(devices):
+        raise PlanError(
+            f"{num_stages} stages x {replicas} replicas need {need} devices but only "
+            f"{len(devices)} are available; use fewer stages or replicas, or add devices"
+        )
+    chosen = speed_order(cluster, devices)[:need]
+    topo = sorted(chosen, key=lambda n: cluster.device(n).rank)
+    out: dict[str, list[list[str]]] = {}
+    grouped = [chosen[s * replicas : (s + 1) * replicas] for s in range(num_stages)]
+    out["grouped"] = grouped
+    if num_stages > 1:
+        out["grouped-reversed"] = grouped[::-1]
+    if replicas > 1 and num_stages > 1:
+        pipes = [chosen[r * num_stages : (r + 1) * num_stages] for r in range(replicas)]
+        out["pipelined"] = [[p[s] for p in pipes] for s in range(num_stages)]
+    if topo != chosen:
+        out["rank-order"] = [topo[s * replicas : (s + 1) * replicas] for s in range(num_stages)]
+    return out
+
+
+@dataclass
+class MappingResult:
+    """The chosen layout, the cuts it was scored with and the fast model's estimate."""
+
+    name: str
+    layout: Layout
+    cuts: list[int]
+    estimate: Estimate
+    scores: dict[str, float]
+
+
+def map_stages(
+    costs: BlockCosts,
+    cluster: Cluster,
+    devices: Sequence[str],
+    num_stages: int,
+    replicas: int,
+    batch: int,
+    num_microbatches: int,
+    startup_slices: int = 1,
+    *,
+    optimizer_factor: float = 2.0,
+) -> MappingResult:
+    """Pick the candidate layout whose balanced partition the cost model predicts fastest.
+
+    Raises:
+        PlanError: more stages than blocks, or too few devices.
+    """
+    if num_stages > costs.num_blocks:
+        raise PlanError(
+            f"cannot split {costs.num_blocks} blocks into {num_stages} stages; use at most "
+            f"{costs.num_blocks} stages"
+        )
+    if not devices:
+        raise ClusterError("no devices to place stages on; pass at least one device name")
+    best: MappingResult | None = None
+    scores: dict[str, float] = {}
+    work = costs.compute
+    for name, groups in candidate_groupings(cluster, devices, num_stages, replicas).items():
+        layout = Layout.from_cluster(cluster, groups)
+        limits = stage_limits(
+            costs, layout, batch, num_microbatches, startup_slices, optimizer_factor
+        )
+        cuts = balanced_cuts(work, layout.speeds, limits=limits) or balanced_cuts(
+            work, layout.speeds
+        )
+        assert cuts is not None
+        est = evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
+                       optimizer_factor=optimizer_factor, critical_path=False)
+        scores[name] = est.iteration_ms
+        if best is None or (est.fits, -est.iteration_ms) > (
+            best.estimate.fits, -best.estimate.iteration_ms
+        ):
+            best = MappingResult(name, layout, cuts, est, scores)
+    assert best is not None
+    return best

@@ -1,0 +1,302 @@
+"""The AutoPipe partitioner: balanced cuts, then moves at the critical stage, then startup slices.
+
+1. :func:`balanced_cuts` — the min-max contiguous partition of per-block forward + backward time
+   over stages of different speeds (a stage's time is its blocks' time over its speed), subject to
+   each stage's memory: binary search on the bottleneck value with a greedy feasibility check
+   (a stage takes as many blocks as fit; optimal for chains), ``O(S log N)`` per check.
+2. :func:`autopipe_partition` — the balanced partition minimises the heaviest stage, but a 1F1B
+   step is not only its heaviest stage: the warm-up forwards before the critical stage, its
+   steady 1F1B phase, the cool-down backwards after it, link delays at each cut and the
+   gradient all-reduce at the end all lie on the critical path. The critical stage is found by
+   backtracking that path in the replayed timeline (:func:`~.costmodel.evaluate`), then its front
+   boundary block moves to the previous stage (prefix re-balanced) or its back boundary block to
+   the next stage (suffix re-balanced); a move is kept only if the predicted step gets shorter,
+   and a visited set stops cycles. A final pass nudges single cuts by one block, which is where
+   the activation size at each cut (communication) decides between equally balanced cuts.
+3. :func:`choose_startup_slices` — the ``k`` in ``1..max_slices`` that minimises the predicted
+   step (1 = no slicing): slicing micro-batch 0 fills the pipeline sooner but adds per-action
+   overhead and message latency, so on shallow pipelines it does not pay.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lightning_autopipe.errors import PlanError
+from lightning_autopipe.planner.costmodel import BlockCosts, Estimate, Layout, _compiled, evaluate
+
+__all__ = [
+    "balanced_cuts",
+    "StageLimits",
+    "stage_limits",
+    "autopipe_partition",
+    "choose_startup_slices",
+    "PartitionResult",
+]
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """Memory limits of each stage: ``param_factor * params + act_factor[s] * mem <= capacity``."""
+
+    params: Sequence[int]  # prefix sums
+    mem: Sequence[int]  # prefix sums
+    param_factor: float
+    act_factor: Sequence[float]  # per stage: in-flight micro-batches x samples scale
+    capacity: Sequence[float]
+
+    def ok(self, s: int, i: int, j: int) -> bool:
+        need = (self.params[j] - self.params[i]) * self.param_factor + (
+            self.mem[j] - self.mem[i]
+        ) * self.act_factor[s]
+        return need <= self.capacity[s]
+
+
+def stage_limits(
+    costs: BlockCosts,
+    layout: Layout,
+    batch: int,
+    num_microbatches: int,
+    startup_slices: int = 1,
+    optimizer_factor: float = 2.0,
+) -> StageLimits:
+    """The memory limits the cost model applies to ``layout`` under 1F1B."""
+    num = layout.num_stages
+    mb = max(1, batch // (num_microbatches * max(layout.replicas)))
+    comp = _compiled(num, num_microbatches, startup_slices, mb)
+    act = [
+        comp.inflight[s] * batch / (num_microbatches * layout.replicas[s] * costs.micro_batch_size)
+        for s in range(num)
+    ]
+    return StageLimits(costs.params, costs.mem, 2.0 + optimizer_factor, act, layout.capacity)
+
+
+def balanced_cuts(
+    work: Sequence[float],
+    speeds: Sequence[float],
+    lo: int = 0,
+    hi: int | None = None,
+    *,
+    limits: StageLimits | None = None,
+    first_stage: int = 0,
+) -> list[int] | None:
+    """Min-max partition of blocks ``[lo, hi)`` into ``len(speeds)`` contiguous stages.
+
+    Args:
+        work: prefix sums of per-block cost (``work[j] - work[i]`` is the cost of ``[i, j)``).
+        speeds: relative speed of each stage (its cost is divided by it).
+        limits: optional memory limits; ``first_stage`` is the index of ``speeds[0]`` in them.
+
+    Returns:
+        Cuts ``[lo, c1, ..., hi]`` (every stage non-empty), or None if no partition fits memory
+        (or there are fewer blocks than stages).
+    """
+    hi = len(work) - 1 if hi is None else hi
+    num = len(speeds)
+    if hi - lo < num:
+        return None
+    total = work[hi] - work[lo]
+    big = max(work[i + 1] - work[i] for i in range(lo, hi))
+    lower = max(total / sum(speeds), big / max(speeds)) * (1 - 1e-12)
+    upper = total / min(speeds) * (1 + 1e-9) + 1e-12
+    best = _greedy(work, speeds, lo, hi, upper, limits, first_stage)
+    if best is None:
+        return None
+    for _ in range(60):
+        if upper - lower <= 1e-9 * upper:
+            break
+        mid = (lower + upper) / 2
+        got = _greedy(work, speeds, lo, hi, mid, limits, first_stage)
+        if got is None:
+            lower = mid
+        else:
+            upper, best = mid, got
+    return best
+
+
+def _greedy(
+    work: Sequence[float],
+    speeds: Sequence[float],
+    lo: int,
+    hi: int,
+    cap: float,
+    limits: StageLimits | None,
+    first: int,
+) -> list[int] | None:
+    """Each stage takes the most blocks that fit ``cap`` (and memory); None if some do not."""
+    cuts = [lo]
+    i = lo
+    num = len(speeds)
+    for s in range(num):
+        remaining = num - s - 1
+        j = bisect_right(work, work[i] + cap * speeds[s] + 1e-12, i + 1, hi + 1) - 1
+        j = min(j, hi - remaining)
+        if limits is not None:
+            while j > i and not limits.ok(first + s, i, j):
+                j -= 1
+        if j <= i:
+            return None
+        cuts.append(j)
+        i = j
+    return cuts if i == hi else None
+
+
+@dataclass
+class PartitionResult:
+    """The partitioner's answer and how it got there."""
+
+    cuts: list[int]
+    estimate: Estimate
+    balanced_cuts: list[int]
+    balanced_ms: float
+    evaluations: int
+
+
+class _Scorer:
+    """Memoised fast-model evaluation of cut lists for one (layout, batch, m, k)."""
+
+    def __init__(self, fn: Callable[[list[int]], Estimate]) -> None:
+        self._fn = fn
+        self.cache: dict[tuple[int, ...], Estimate] = {}
+
+    def __call__(self, cuts: Sequence[int]) -> Estimate:
+        key = tuple(cuts)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.cache[key] = self._fn(list(key))
+        return hit
+
+
+def _better(a: Estimate, b: Estimate | None, rel: float = _EPS) -> bool:
+    """Plans that fit memory beat plans that do not; then the clearly shorter step wins."""
+    if b is None:
+        return True
+    if a.fits != b.fits:
+        return a.fits
+    return a.iteration_ms < b.iteration_ms * (1 - rel)
+
+
+def autopipe_partition(
+    costs: BlockCosts,
+    layout: Layout,
+    batch: int,
+    num_microbatches: int,
+    startup_slices: int = 1,
+    *,
+    optimizer_factor: float = 2.0,
+    max_evaluations: int = 400,
+    start: list[int] | None = None,
+) -> PartitionResult:
+    """Balanced cuts improved by AutoPipe's critical-stage moves (see the module docstring).
+
+    Raises:
+        PlanError: fewer blocks than stages.
+    """
+    num, n = layout.num_stages, costs.num_blocks
+    if num > n:
+        raise PlanError(
+            f"cannot split {n} blocks into {num} stages; use at most {n} stages "
+            "(or profile the model at a finer block granularity)"
+        )
+    work = costs.compute
+    limits = stage_limits(
+        costs, layout, batch, num_microbatches, startup_slices, optimizer_factor
+    )
+    speeds = layout.speeds
+    base = start or balanced_cuts(work, speeds, limits=limits)
+    if base is None:  # nothing fits memory: balance time alone and let the caller report it
+        base = balanced_cuts(work, speeds)
+    assert base is not None
+
+    score = _Scorer(
+        lambda c: evaluate(
+            costs, layout, c, batch, num_microbatches, startup_slices,
+            optimizer_factor=optimizer_factor,
+        )
+    )
+
+    def rebalance(lo: int, hi: int, first: int, count: int) -> list[int] | None:
+        sp = speeds[first : first + count]
+        got = balanced_cuts(work, sp, lo, hi, limits=limits, first_stage=first)
+        return got if got is not None else balanced_cuts(work, sp, lo, hi)
+
+    cur = list(base)
+    best = score(cur)
+    base_ms = best.iteration_ms
+    while len(score.cache) < max_evaluations:
+        order = sorted(range(num), key=lambda s: -best.critical_share[s])
+        moved = False
+        for c in order[:2]:  # the critical stage, then the runner-up
+            cands = []
+            if cur[c + 1] - cur[c] >= 2 and c > 0:
+                pre = rebalance(0, cur[c] + 1, 0, c)
+                if pre is not None:
+                    cands.append(pre + cur[c + 1 :])
+            if cur[c + 1] - cur[c] >= 2 and c < num - 1:
+                suf = rebalance(cur[c + 1] - 1, n, c + 1, num - c - 1)
+                if suf is not None:
+                    cands.append(cur[: c + 1] + suf)
+            for cand in cands:
+                if tuple(cand) in score.cache:
+                    continue
+                e = score(cand)
+                if _better(e, best):
+                    cur, best, moved = cand, e, True
+            if moved:
+                break
+        if not moved:
+            break
+    cur, best = _nudge(cur, best, score, n, max_evaluations)
+    return PartitionResult(cur, best, list(base), base_ms, len(score.cache))
+
+
+def _nudge(
+    cur: list[int], best: Estimate, score: _Scorer, n: int, budget: int
+) -> tuple[list[int], Estimate]:
+    """Hill-climb single cuts by one block (first improvement), within the evaluation budget."""
+    improved = True
+    while improved and len(score.cache) < budget:
+        improved = False
+        for p in range(1, len(cur) - 1):
+            for d in (-1, 1):
+                c = cur[p] + d
+                if not cur[p - 1] < c < cur[p + 1]:
+                    continue
+                cand = cur[:p] + [c] + cur[p + 1 :]
+                if tuple(cand) in score.cache:
+                    continue
+                e = score(cand)
+                if _better(e, best):
+                    cur, best, improved = cand, e, True
+                if len(score.cache) >= budget:
+                    return cur, best
+    return cur, best
+
+
+def choose_startup_slices(
+    costs: BlockCosts,
+    layout: Layout,
+    cuts: list[int],
+    batch: int,
+    num_microbatches: int,
+    max_slices: int = 8,
+    *,
+    optimizer_factor: float = 2.0,
+) -> tuple[int, Estimate]:
+    """The number of startup slices (1 = off) with the shortest predicted step that fits memory.
+
+    ``k`` is limited by the per-replica micro-batch size (a slice holds at least one sample).
+    """
+    mb = batch // (num_microbatches * max(layout.replicas))
+    best_k, best = 1, None
+    for k in range(1, max(1, min(max_slices, mb)) + 1):
+        e = evaluate(costs, layout, cuts, batch, num_microbatches, k,
+                     optimizer_factor=optimizer_factor, critical_path=False)
+        if _better(e, best, 1e-6):
+            best_k, best = k, e
+    assert best is not None
+    return best_k, best

@@ -31,6 +31,7 @@ __all__ = [
     "ResNetModelConfig",
     "TextDataConfig",
     "TrainerConfig",
+    "build_cluster",
     "compose",
     "register_configs",
 ]
@@ -258,3 +259,20 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def build_cluster(cluster_cfg: Any, world_size: int | None = None) -> Any:
+    """The ``cluster/`` node as a validated :class:`~lightning_autopipe.cluster.Cluster`.
+
+    The ``local`` cluster (no servers) means "the launched ranks as one server": it gives
+    ``None`` (the strategy sizes it from the world it finds), or ``Cluster.local(world_size)``
+    when a world size is given (plan-only mode, where nothing is launched).
+    """
+    from omegaconf import OmegaConf
+
+    from lightning_autopipe.cluster import Cluster
+
+    data = OmegaConf.to_container(cluster_cfg, resolve=True)
+    if isinstance(data, dict) and not data.get("servers"):
+        return None if world_size is None else Cluster.local(world_size)
+    return Cluster.from_dict(data)

@@ -134,8 +134,10 @@ def build_resnet(
     widths: Sequence[int] = (16, 32, 64),
     blocks_per_stage: int = 1,
     norm: str = "batch",
+    image_size: int | None = None,
 ) -> nn.Module:
-    """A residual image classifier.
+    """A residual image classifier (``image_size`` is accepted for the config's sake: the
+    networks pool globally and take any resolution).
 
     ``arch="small_cnn"`` is :class:`SmallCNN` (``widths``, ``blocks_per_stage``; ``norm`` is
     ``"batch"`` or ``"none"``); any other ``arch`` names a torchvision ResNet (``resnet18``,
@@ -145,7 +147,9 @@ def build_resnet(
     """
     if arch == "small_cnn":
         if norm not in ("batch", "none"):
-            raise ValueError(f"model {name!r}: small_cnn norm must be 'batch' or 'none', not {norm!r}")
+            raise ValueError(
+                f"model {name!r}: small_cnn norm must be 'batch' or 'none', not {norm!r}"
+            )
         return SmallCNN(
             in_channels=in_channels,
             num_classes=num_classes,
@@ -162,9 +166,13 @@ def build_resnet(
             "(resnet18, resnet34, resnet50, resnet101, resnet152, ...)"
         )
     if in_channels != 3:
-        raise ValueError(f"model {name!r}: torchvision ResNets take 3 input channels, not {in_channels}")
+        raise ValueError(
+            f"model {name!r}: torchvision ResNets take 3 input channels, not {in_channels}"
+        )
     if norm not in ("batch", "group"):
-        raise ValueError(f"model {name!r}: torchvision norm must be 'batch' or 'group', not {norm!r}")
+        raise ValueError(
+            f"model {name!r}: torchvision norm must be 'batch' or 'group', not {norm!r}"
+        )
     kwargs: dict[str, Any] = {"weights": None, "num_classes": num_classes}
     if norm == "group":
         kwargs["norm_layer"] = _group_norm
@@ -259,7 +267,7 @@ class CausalLMTask(_PipelineTask):
 
 
 class MaskedLMTask(_PipelineTask):
-    """Masked-LM. Batches are ``(input_ids, labels)``; labels are ``IGNORE_INDEX`` where unmasked."""
+    """Masked-LM. Batches are ``(input_ids, labels)``, labels ``IGNORE_INDEX`` where unmasked."""
 
     def __init__(
         self,

@@ -1,0 +1,203 @@
+"""Shared recipe code: compose the config, build model + data + strategy, fit, report.
+
+Usage of every recipe::
+
+    python recipes/train_gpt.py [--plan-only] [--cfg] [group=option ...] [key=value ...]
+
+Configs are composed with Hydra's compose API rather than ``@hydra.main``: Lightning's
+subprocess launcher re-runs this exact command line in every child rank, and ``@hydra.main``
+would change directory and create a fresh output folder per child. Here the run folder is
+chosen once by the launching process and handed to the children through ``$AUTOPIPE_RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_recipe", "parse_argv", "run_dir_for", "loss_summary"]
+
+_RUN_DIR_ENV = "AUTOPIPE_RUN_DIR"
+_USAGE = """usage: python {script} [--plan-only] [--cfg] [OVERRIDE ...]
+
+  --plan-only   print the plan for the configured cluster and write the timeline picture,
+                without launching any process (same as plan_only=true)
+  --cfg         print the composed config and exit
+  OVERRIDE      Hydra overrides: group=option (model=gpt2_xl cluster=mixed_rack strategy=auto
+                trainer=gpu experiment=gpt_quick) or key=value (trainer.devices=4
+                strategy.startup_slices=2 trainer.max_steps=50 data.batch_size=32)
+
+Groups and options live in conf/ (model/, data/, task/, cluster/, strategy/, trainer/,
+experiment/); a misspelt key or a wrongly typed value is an error.
+"""
+
+
+def parse_argv(argv: list[str]) -> tuple[dict[str, bool], list[str]]:
+    """Split ``argv`` into our flags and Hydra overrides; unknown ``--flags`` are errors."""
+    flags = {"plan_only": False, "cfg": False, "help": False}
+    overrides = []
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            flags["help"] = True
+        elif arg in ("--plan-only", "--plan_only"):
+            flags["plan_only"] = True
+        elif arg == "--cfg":
+            flags["cfg"] = True
+        elif arg.startswith("-"):
+            raise SystemExit(f"unknown flag {arg!r}; flags are --plan-only, --cfg, --help")
+        else:
+            overrides.append(arg)
+    return flags, overrides
+
+
+def run_dir_for(recipe: str, configured: str | None) -> Path:
+    """The run's output folder: ``run_dir`` if set, else the one the launching process chose
+    (``$AUTOPIPE_RUN_DIR``), else ``outputs/<recipe>/<date_time>`` (then exported so the ranks
+    Lightning starts from this process agree on it)."""
+    if configured:
+        path = Path(configured)
+    elif os.environ.get(_RUN_DIR_ENV):
+        path = Path(os.environ[_RUN_DIR_ENV])
+    else:
+        path = Path("outputs") / recipe / time.strftime("%Y-%m-%d_%H-%M-%S")
+    os.environ[_RUN_DIR_ENV] = str(path)
+    return path
+
+
+def _local_ranks(trainer_cfg: Any) -> int:
+    devices = trainer_cfg.devices
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if isinstance(devices, str) and devices.isdigit():
+        return int(devices)
+    if isinstance(devices, list | tuple) or hasattr(devices, "__len__"):
+        return max(1, len(devices))
+    return 1
+
+
+def _set_threads(cfg: Any) -> None:
+    """One rank's share of the CPU cores (all ranks of a node share them)."""
+    import torch
+
+    if cfg.threads_per_rank:
+        threads = int(cfg.threads_per_rank)
+    elif cfg.trainer.accelerator == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = max(1, (cores or 1) // _local_ranks(cfg.trainer))
+    else:
+        return
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # keeps Lightning from choosing another count
+
+
+def _check_vocab(cfg: Any, datamodule: Any) -> None:
+    data_vocab = getattr(datamodule, "vocab_size", None)
+    model_vocab = cfg.model.get("vocab_size")
+    if data_vocab is not None and model_vocab is not None and model_vocab < data_vocab:
+        raise SystemExit(
+            f"model.vocab_size={model_vocab} is smaller than the data's vocabulary "
+            f"({data_vocab} tokens); set model.vocab_size>={data_vocab}"
+        )
+
+
+def _loggers(run_dir: Path) -> list[Any]:
+    import importlib.util
+
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers: list[Any] = [CSVLogger(str(run_dir), name="", version="csv")]
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        loggers.append(TensorBoardLogger(str(run_dir), name="", version="tensorboard"))
+    return loggers
+
+
+def loss_summary(metrics_csv: Path, key: str = "train_loss") -> tuple[list[int], list[float]]:
+    """Steps and values of ``key`` logged in a CSVLogger ``metrics.csv``."""
+    steps, values = [], []
+    with open(metrics_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get(key):
+                steps.append(int(row["step"]))
+                values.append(float(row[key]))
+    return steps, values
+
+
+def _report(run_dir: Path, plan_files: list[Path]) -> None:
+    metrics = run_dir / "csv" / "metrics.csv"
+    print("\n== done ==")
+    if metrics.exists():
+        steps, losses = loss_summary(metrics)
+        if losses:
+            trend = "down" if losses[-1] < losses[0] else "NOT down"
+            print(
+                f"train loss {losses[0]:.4f} (step {steps[0]}) -> {losses[-1]:.4f} "
+                f"(step {steps[-1]}): {trend} over {len(losses)} logged steps"
+            )
+            if not all(math.isfinite(v) for v in losses):
+                print("warning: a logged loss is not finite")
+        print(f"logs:     {metrics}")
+    for path in plan_files:
+        if path.exists():
+            print(f"{path.stem + ':':9} {path}")
+    print(f"run dir:  {run_dir}")
+
+
+def train(cfg: Any) -> int:
+    """Fit the configured task; rank 0 ends by printing the loss trend and where files are."""
+    import lightning.pytorch as pl
+    from _plan import PlanReport
+    from hydra.utils import instantiate
+
+    import lightning_autopipe  # noqa: F401  (registers the "autopipe" strategy)
+    from lightning_autopipe.config import build_cluster
+
+    run_dir = run_dir_for(cfg.recipe, cfg.run_dir)
+    _set_threads(cfg)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data)
+    _check_vocab(cfg, datamodule)
+    network = instantiate(cfg.model)
+    task = instantiate(cfg.task, model=network)
+    if "_target_" in cfg.strategy:
+        strategy = instantiate(cfg.strategy, cluster=build_cluster(cfg.cluster))
+    else:
+        strategy = cfg.strategy.name
+    report = PlanReport(run_dir, model_name=cfg.model.name)
+    trainer = pl.Trainer(
+        **cfg.trainer,
+        strategy=strategy,
+        logger=_loggers(run_dir),
+        callbacks=[report],
+        default_root_dir=str(run_dir),
+    )
+    trainer.fit(task, datamodule=datamodule)
+    if trainer.global_rank == 0:
+        _report(run_dir, report.files)
+    return 0
+
+
+def run_recipe(config_name: str, argv: list[str] | None = None) -> int:
+    """Entry point of ``recipes/<config_name>.py``: ``--plan-only``, ``--cfg`` or train."""
+    from omegaconf import OmegaConf
+
+    from lightning_autopipe.config import compose
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags, overrides = parse_argv(argv)
+    if flags["help"]:
+        print(_USAGE.format(script=f"recipes/{config_name}.py"))
+        return 0
+    cfg = compose(config_name, overrides)
+    if flags["cfg"]:
+        print(OmegaConf.to_yaml(cfg))
+        return 0
+    if flags["plan_only"] or cfg.plan_only:
+        from _plan import plan_only
+
+        return plan_only(cfg, run_dir_for(cfg.recipe, cfg.run_dir))
+    return train(cfg)

@@ -1,0 +1,510 @@
+"""Replays a plan's schedule on a cluster: predicted iteration time, bubble, memory per device.
+
+Cost model (the one every planner here is judged by):
+
+* **Compute.** Block costs in the :class:`~lightning_autopipe.profile.Profile` are for
+  ``profile.micro_batch_size`` samples on the profiled device. A unit of ``n`` samples on a
+  stage costs ``sum(block ms) * n / profile.micro_batch_size / device.speed`` (linear in
+  samples), plus the device's fixed ``overhead_ms`` per compute action.
+* **Replicas.** Stage ``s`` has ``r_s`` replicas (its ``devices``). Each unit of the global step
+  (global micro-batch = ``B / m`` samples; micro-batch 0 split into ``k`` slices) is split evenly
+  over a stage's replicas, so with the same ``R`` on every stage this is ``R`` independent
+  pipelines of ``B / (R m)``-sample micro-batches (slices sized by ``slice_sizes``). With uneven
+  counts, replica ``i`` of ``s`` holds the fraction ``[i/r_s, (i+1)/r_s)`` of every unit and
+  sends each replica of ``s + 1`` the part of it that replica holds.
+* **Transfers.** Activations from ``s`` to ``s + 1`` are the ``activation_bytes`` of the stage's
+  last block scaled by samples; gradients flow back with the same size. Sends are non-blocking,
+  receives block (the lowered schedule is replayed literally). A transfer takes its link's
+  latency plus its bytes over its bandwidth share: **contention** is a fluid model with
+  max-min fair sharing (progressive filling) over the directional resources of
+  :meth:`Cluster.link_resources` (NIC out/in, intra-server level uplinks), re-evaluated on every
+  transfer start and end for the transfers that share resources with it.
+* **All-reduce.** After the last action of all replicas of a stage, its gradients
+  (``param_bytes``) are all-reduced in a ring (rank order): every replica sends
+  ``2 (r-1)/r * bytes`` to its ring neighbour as one flow (contending like any transfer), and
+  the ring finishes when its slowest flow does plus ``2 (r-1)`` times the slowest hop's latency;
+  uncontended, that is exactly :meth:`Cluster.allreduce_ms`.
+* **Results.** Iteration time = when the last device finishes (all-reduce included); bubble
+  fraction = ``1 - mean(busy compute) / iteration``; peak memory per device = parameters x
+  (1 weights + 1 gradients + ``optimizer_bytes_per_param_byte``) + the largest sum of
+  ``memory_bytes`` (scaled by samples) of units forwarded but not yet backwarded. Optimizer
+  step time and intra-server links crossed by network traffic are not modelled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
+from lightning_autopipe.errors import PlanError, ScheduleError
+from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.planner.schedule import (
+    Kind,
+    Schedule,
+    build_schedule,
+    lower_communication,
+    slice_sizes,
+    units,
+)
+from lightning_autopipe.profile import Profile
+
+__all__ = ["Event", "SimResult", "StageCost", "simulate", "stage_costs"]
+
+_F, _B, _SF, _SB, _RF, _RB = range(6)
+_CODE = {
+    Kind.FORWARD: _F,
+    Kind.BACKWARD: _B,
+    Kind.SEND_F: _SF,
+    Kind.SEND_B: _SB,
+    Kind.RECV_F: _RF,
+    Kind.RECV_B: _RB,
+}
+_NAME = ["F", "B", "SF", "SB", "RF", "RB", "AR"]
+_AR = 6
+# heap event types
+_EV_FREE, _EV_ARRIVE, _EV_FLOW, _EV_AR = range(4)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval on the timeline.
+
+    ``kind`` is ``F``/``B`` (compute on ``device``), ``SF``/``SB`` (a transfer from ``device``
+    to ``peer``: activations / gradients, from the send until it arrives) or ``AR`` (the
+    stage's gradient all-reduce on ``device``). ``unit`` is (micro-batch, slice) or None.
+    """
+
+    device: str
+    stage: int
+    kind: str
+    unit: tuple[int, int] | None
+    start_ms: float
+    end_ms: float
+    peer: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.unit is None:
+            return f"{self.stage}{self.kind}"
+        return f"{self.stage}{self.kind}{self.unit[0]}.{self.unit[1]}"
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` predicts for one training step."""
+
+    iteration_ms: float
+    bubble_fraction: float
+    busy_ms: dict[str, float]
+    peak_memory_bytes: dict[str, int]
+    stage_ms: list[float]
+    allreduce_ms: list[float] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+    _raw: list[tuple] = field(default_factory=list, repr=False)
+    _units: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    _stage_of: list[int] = field(default_factory=list, repr=False)
+
+    @cached_property
+    def events(self) -> list[Event]:
+        """Every compute, transfer and all-reduce interval (built on first access)."""
+        out = []
+        devs, us, st = self.devices, self._units, self._stage_of
+        for d, code, u, start, end, peer in self._raw:
+            out.append(
+                Event(
+                    devs[d],
+                    st[d],
+                    _NAME[code],
+                    None if u < 0 else us[u],
+                    start,
+                    end,
+                    None if peer < 0 else devs[peer],
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per-stage sums over its blocks (for ``profile.micro_batch_size`` samples)."""
+
+    forward_ms: float
+    backward_ms: float
+    param_bytes: int
+    memory_bytes: int
+    activation_bytes: int  # output of the stage's last block: what it sends to the next stage
+
+
+def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
+    """Sum the profile's block costs over each stage's block range."""
+    if plan.num_blocks > len(profile.blocks):
+        raise PlanError(
+            f"plan covers blocks [0, {plan.num_blocks}) but the profile of {profile.model!r} has "
+            f"{len(profile.blocks)} blocks; re-plan with this profile"
+        )
+    out = []
+    for st in plan.stages:
+        bl = profile.blocks[st.blocks[0] : st.blocks[1]]
+        out.append(
+            StageCost(
+                forward_ms=sum(b.forward_ms for b in bl),
+                backward_ms=sum(b.backward_ms for b in bl),
+                param_bytes=sum(b.param_bytes for b in bl),
+                memory_bytes=sum(b.memory_bytes for b in bl),
+                activation_bytes=bl[-1].activation_bytes,
+            )
+        )
+    return out
+
+
+def _unit_samples(plan: Plan) -> tuple[list[float], list[int]]:
+    """Global samples of each unit (summed over a stage's replicas) and replicas per stage."""
+    reps = [s.replicas for s in plan.stages]
+    m, k = plan.num_microbatches, plan.startup_slices
+    if len(set(reps)) == 1:
+        r = reps[0]
+        n = plan.microbatch_size  # raises PlanError when B is not divisible into R x m
+        sizes = slice_sizes(n, k)
+        per = [float(sizes[sl] if mb == 0 else n) for mb, sl in units(m, k)]
+        return [p * r for p in per], reps
+    if plan.global_batch_size % m:
+        raise PlanError(
+            f"global batch {plan.global_batch_size} is not divisible into {m} micro-batches; "
+            f"use a multiple of {m}"
+        )
+    g = plan.global_batch_size / m
+    if k > g:
+        raise PlanError(f"cannot split a micro-batch of {g:g} samples into {k} startup slices")
+    return [g / k if mb == 0 else g for mb, _ in units(m, k)], reps
+
+
+def _overlaps(r_a: int, r_b: int) -> list[tuple[int, int, float]]:
+    """(i, j, fraction of a unit) pairs where replica i of one stage feeds replica j of the next."""
+    out = []
+    for i in range(r_a):
+        lo_a, hi_a = i * r_b, (i + 1) * r_b
+        for j in range(r_b):
+            ov = min(hi_a, (j + 1) * r_a) - max(lo_a, j * r_a)
+            if ov > 0:
+                out.append((i, j, ov / (r_a * r_b)))
+    return out
+
+
+class _Flow:
+    __slots__ = ("rem", "rate", "t", "res", "ver", "lat", "done", "start")
+
+    def __init__(self, rem: float, res: tuple, lat: float, done: tuple, start: float) -> None:
+        self.rem = rem
+        self.rate = 0.0
+        self.t = start
+        self.res = res
+        self.ver = 0
+        self.lat = lat
+        self.done = done  # payload handed back on arrival
+        self.start = start
+
+
+def simulate(
+    plan: Plan,
+    profile: Profile,
+    cluster: Cluster,
+    *,
+    optimizer_bytes_per_param_byte: float = 2.0,
+    schedule: Schedule | None = None,
+) -> SimResult:
+    """Replay ``schedule`` (default: the plan's own) for ``plan`` on ``cluster``.
+
+    Raises:
+        PlanError: the plan does not fit the profile or the batch does not divide.
+        ClusterError: a plan device is not in the cluster.
+        ScheduleError: the schedule deadlocks when replayed.
+    """
+    costs = stage_costs(plan, profile)
+    if schedule is None:
+        schedule = build_schedule(plan)
+    if sorted(schedule) != list(range(plan.num_stages)):
+        raise ScheduleError(
+            f"schedule has stages {sorted(schedule)} but the plan has {plan.num_stages} stages"
+        )
+    if all(a.kind.is_compute for acts in schedule.values() for a in acts):
+        lowered = lower_communication(schedule)
+    else:
+        lowered = schedule
+    m, k = plan.num_microbatches, plan.startup_slices
+    ulist = units(m, k)
+    uidx = {u: i for i, u in enumerate(ulist)}
+    for acts in lowered.values():
+        for a in acts:
+            if a.unit not in uidx:
+                raise ScheduleError(f"schedule action {a} is not a unit of m={m}, k={k}")
+    nu = len(ulist)
+    gsamples, reps = _unit_samples(plan)
+    mbs = float(profile.micro_batch_size)
+    num_stages = plan.num_stages
+
+    names = plan.devices
+    dev_index = {n: i for i, n in enumerate(names)}
+    specs = [cluster.device(n).spec for n in names]
+    nd = len(names)
+    stage_of = [0] * nd
+    rep_of = [0] * nd
+    for s, st in enumerate(plan.stages):
+        for i, n in enumerate(st.devices):
+            stage_of[dev_index[n]] = s
+            rep_of[dev_index[n]] = i
+    stage_devs = [[dev_index[n] for n in st.devices] for st in plan.stages]
+
+    # per-device compute durations per unit, and per-stage action codes
+    fdur: list[list[float]] = []
+    bdur: list[list[float]] = []
+    for d in range(nd):
+        s, spec = stage_of[d], specs[d]
+        c = costs[s]
+        scale = 1.0 / (reps[s] * mbs * spec.speed)
+        fdur.append([c.forward_ms * g * scale + spec.overhead_ms for g in gsamples])
+        bdur.append([c.backward_ms * g * scale + spec.overhead_ms for g in gsamples])
+    acts_of = [[(_CODE[a.kind], uidx[a.unit]) for a in lowered[s]] for s in range(num_stages)]
+
+    # transfer peers: out_f[d] = [(dst, fraction)], out_b[d] likewise; in-degree per direction
+    out_f: list[list[tuple[int, float]]] = [[] for _ in range(nd)]
+    out_b: list[list[tuple[int, float]]] = [[] for _ in range(nd)]
+    indeg = [[0, 0] for _ in range(nd)]  # [from previous stage, from next stage]
+    for s in range(num_stages - 1):
+        for i, j, frac in _overlaps(reps[s], reps[s + 1]):
+            a, b = stage_devs[s][i], stage_devs[s + 1][j]
+            out_f[a].append((b, frac))
+            out_b[b].append((a, frac))
+            indeg[b][0] += 1
+            indeg[a][1] += 1
+    act_bytes = [c.activation_bytes / mbs for c in costs]  # per sample
+
+    # ------------------------------------------------------------------ event loop state
+    heap: list[tuple] = []
+    seq = 0
+    ptr = [0] * nd
+    waiting = [-1] * nd
+    left = [[indeg[d][0]] * nu + [indeg[d][1]] * nu for d in range(nd)]
+    busy = [0.0] * nd
+    finish = [0.0] * nd
+    stage_left = list(reps)
+    raw: list[tuple] = []
+    res_flows: dict[tuple, set] = {}
+    res_cap: dict[tuple, float] = {}
+    link = cluster._link  # cached (gbps, latency_us, resources)
+    ar_state: dict[int, list] = {}
+    ar_ms = [0.0] * num_stages
+    dirty: list[_Flow] = []
+
+    def push(t: float, typ: int, a: object, b: object = None) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, seq, typ, a, b))
+
+    def rebalance(now: float, seeds: list[_Flow]) -> None:
+        """Max-min fair rates for the flows connected to ``seeds`` through shared resources."""
+        comp: set[_Flow] = set(seeds)
+        stack = list(comp)
+        rs: set[tuple] = set()
+        while stack:
+            for r in stack.pop().res:
+                if r not in rs:
+                    rs.add(r)
+                    for g in res_flows[r]:
+                        if g not in comp:
+                            comp.add(g)
+                            stack.append(g)
+        old = {}
+        for f in comp:
+            f.rem -= f.rate * (now - f.t)
+            f.t = now
+            old[f] = f.rate
+        if len(comp) == 1:
+            (f,) = comp
+            f.rate = min(res_cap[r] for r in f.res)
+        else:
+            cap = {r: res_cap[r] for r in rs}
+            cnt = {r: len(res_flows[r]) for r in rs}
+            todo = set(comp)
+            while todo:
+                share, r0 = min((cap[r] / n, r) for r, n in cnt.items() if n > 0)
+                for f in res_flows[r0]:
+                    if f in todo:
+                        todo.discard(f)
+                        f.rate = share
+                        for r in f.res:
+                            cap[r] -= share
+                            cnt[r] -= 1
+        for f in comp:
+            if f.rate != old[f]:  # unchanged rate: its pending completion event stays right
+                f.ver += 1
+                push(now + max(f.rem, 0.0) / f.rate, _EV_FLOW, f, f.ver)
+
+    def start_flow(now: float, src: int, dst: int, nbytes: float, done: tuple) -> None:
+        gbps, lat_us, res = link(names[src], names[dst])
+        lat = lat_us / 1e3
+        if nbytes <= 0 or not res or math.isinf(gbps):
+            t = now + lat + (nbytes / (gbps * BYTES_PER_MS_PER_GBPS) if nbytes > 0 else 0.0)
+            push(t, _EV_ARRIVE, done, now)
+            return
+        f = _Flow(nbytes, res, lat, done, now)
+        for r in res:
+            if r not in res_flows:
+                res_flows[r] = set()
+                res_cap[r] = cluster.resource_gbps(r) * BYTES_PER_MS_PER_GBPS
+            res_flows[r].add(f)
+        dirty.append(f)  # rates are settled once per time stamp, in the event loop
+
+    def start_allreduce(s: int, now: float) -> None:
+        ring = cluster.ring_order([names[d] for d in stage_devs[s]])
+        n = len(ring)
+        nbytes = 2 * (n - 1) / n * costs[s].param_bytes
+        lat = max(cluster.latency_us(ring[i], ring[(i + 1) % n]) for i in range(n)) / 1e3
+        ar_state[s] = [n, now, 2 * (n - 1) * lat]
+        for i in range(n):
+            a, b = dev_index[ring[i]], dev_index[ring[(i + 1) % n]]
+            start_flow(now, a, b, nbytes, ("ar", s, a, b))
+
+    def finish_device(d: int, now: float) -> None:
+        finish[d] = now
+        s = stage_of[d]
+        stage_left[s] -= 1
+        if stage_left[s] == 0 and reps[s] > 1 and costs[s].param_bytes > 0 and has_backward:
+            start_allreduce(s, now)
+
+    def advance(d: int, now: float) -> None:
+        acts = acts_of[stage_of[d]]
+        p = ptr[d]
+        n = len(acts)
+        while p < n:
+            code, u = acts[p]
+            if code <= _B:
+                dur = fdur[d][u] if code == _F else bdur[d][u]
+                busy[d] += dur
+                raw.append((d, code, u, now, now + dur, -1))
+                ptr[d] = p + 1
+                push(now + dur, _EV_FREE, d)
+                return
+            if code in (_SF, _SB):
+                s = stage_of[d]
+                peers = out_f[d] if code == _SF else out_b[d]
+                per = act_bytes[s if code == _SF else s - 1] * gsamples[u]
+                for dst, frac in peers:
+                    start_flow(now, d, dst, per * frac, ("msg", d, dst, code, u))
+            else:  # receive
+                slot = u if code == _RF else nu + u
+                if left[d][slot] > 0:
+                    ptr[d] = p
+                    waiting[d] = slot
+                    return
+            p += 1
+        ptr[d] = n
+        finish_device(d, now)
+
+    has_backward = any(a.kind is Kind.BACKWARD for acts in schedule.values() for a in acts)
+    for d in range(nd):
+        advance(d, 0.0)
+    if dirty:
+        rebalance(0.0, dirty)
+        dirty.clear()
+    while heap:
+        t, _, typ, a, b = heapq.heappop(heap)
+        if typ == _EV_FREE:
+            advance(a, t)
+        elif typ == _EV_FLOW:
+            f = a
+            if b != f.ver:
+                continue
+            for r in f.res:
+                res_flows[r].discard(f)
+            f.rate = 0.0
+            f.ver = -1
+            dirty.extend(g for r in f.res for g in res_flows[r])
+            push(t + f.lat, _EV_ARRIVE, f.done, f.start)
+        elif typ == _EV_ARRIVE:
+            if a[0] == "msg":
+                _, src, dst, code, u = a
+                raw.append((src, code, u, b, t, dst))
+                slot = u if code == _SF else nu + u
+                left[dst][slot] -= 1
+                if left[dst][slot] == 0 and waiting[dst] == slot:
+                    waiting[dst] = -1
+                    ptr[dst] += 1
+                    advance(dst, t)
+            else:  # all-reduce flow
+                s = a[1]
+                st = ar_state[s]
+                st[0] -= 1
+                if st[0] == 0:
+                    push(t + st[2], _EV_AR, s)
+        else:  # all-reduce done
+            s = a
+            start = ar_state[s][1]
+            ar_ms[s] = t - start
+            for d in stage_devs[s]:
+                finish[d] = t
+                raw.append((d, _AR, -1, start, t, -1))
+        if dirty and (not heap or heap[0][0] > t):
+            live = [f for f in dirty if f.ver >= 0]
+            dirty.clear()
+            if live:
+                rebalance(t, live)
+
+    stuck = [names[d] for d in range(nd) if ptr[d] < len(acts_of[stage_of[d]])]
+    if stuck:
+        raise ScheduleError(f"schedule deadlocks in simulation; devices {stuck} never finish")
+
+    iteration = max(finish) if finish else 0.0
+    bubble = 1.0 - (sum(busy) / nd) / iteration if iteration > 0 else 0.0
+    full = [g for (mb, _), g in zip(ulist, gsamples) if mb > 0]
+    whole = full[0] if full else sum(gsamples)
+    stage_ms = []
+    for s, c in enumerate(costs):
+        per = whole / reps[s] / mbs
+        stage_ms.append(
+            max(
+                (c.forward_ms + c.backward_ms) * per / specs[d].speed + 2 * specs[d].overhead_ms
+                for d in stage_devs[s]
+            )
+        )
+    peak = _peak_memory(
+        schedule, costs, gsamples, reps, uidx, mbs, optimizer_bytes_per_param_byte
+    )
+    return SimResult(
+        iteration_ms=iteration,
+        bubble_fraction=bubble,
+        busy_ms={names[d]: busy[d] for d in range(nd)},
+        peak_memory_bytes={names[d]: peak[stage_of[d]] for d in range(nd)},
+        stage_ms=stage_ms,
+        allreduce_ms=ar_ms,
+        devices=list(names),
+        _raw=raw,
+        _units=ulist,
+        _stage_of=stage_of,
+    )
+
+
+def _peak_memory(
+    schedule: Schedule,
+    costs: list,
+    gsamples: list[float],
+    reps: list[int],
+    uidx: dict,
+    mbs: float,
+    opt: float,
+) -> list[int]:
+    """Per stage: parameter state plus the most activation memory held in flight."""
+    out = []
+    for s, c in enumerate(costs):
+        per_sample = c.memory_bytes / mbs / reps[s]
+        held = peak = 0.0
+        for a in schedule[s]:
+            if a.kind is Kind.FORWARD:
+                held += per_sample * gsamples[uidx[a.unit]]
+                peak = max(peak, held)
+            elif a.kind is Kind.BACKWARD:
+                held -= per_sample * gsamples[uidx[a.unit]]
+        out.append(int(round(c.param_bytes * (2.0 + opt) + peak)))
+    return out

@@ -378,9 +378,7 @@ class Cluster:
 def _no_unknown(data: dict, allowed: set[str], where: str) -> None:
     unknown = sorted(set(data) - allowed)
     if unknown:
-        raise ClusterError(
-            f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}"
-        )
+        raise ClusterError(f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
 
 
 def _require(data: dict, key: str, where: str) -> Any:

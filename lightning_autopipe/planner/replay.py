@@ -57,8 +57,10 @@ def _replay(schedule: Schedule) -> _Replay:
             if u in fwd[s]:
                 return f"stage {s} runs {a} twice"
             if lowered:
-                return True if s == first or u in got_f[s] else (
-                    f"stage {s} runs {a} before receiving its input ({s}RF{u[0]}.{u[1]})"
+                return (
+                    True
+                    if s == first or u in got_f[s]
+                    else (f"stage {s} runs {a} before receiving its input ({s}RF{u[0]}.{u[1]})")
                 )
             return s == first or (s - 1 in fwd and u in fwd[s - 1])
         if k is Kind.BACKWARD:
@@ -67,8 +69,10 @@ def _replay(schedule: Schedule) -> _Replay:
             if u not in fwd[s]:
                 return f"stage {s} runs {a} before its forward {s}F{u[0]}.{u[1]}"
             if lowered:
-                return True if s == last or u in got_b[s] else (
-                    f"stage {s} runs {a} before receiving its gradient ({s}RB{u[0]}.{u[1]})"
+                return (
+                    True
+                    if s == last or u in got_b[s]
+                    else (f"stage {s} runs {a} before receiving its gradient ({s}RB{u[0]}.{u[1]})")
                 )
             return s == last or (s + 1 in bwd and u in bwd[s + 1])
         if k in (Kind.SEND_F, Kind.SEND_B):

@@ -469,9 +469,7 @@ def simulate(
                 for d in stage_devs[s]
             )
         )
-    peak = _peak_memory(
-        schedule, costs, gsamples, reps, uidx, mbs, optimizer_bytes_per_param_byte
-    )
+    peak = _peak_memory(schedule, costs, gsamples, reps, uidx, mbs, optimizer_bytes_per_param_byte)
     return SimResult(
         iteration_ms=iteration,
         bubble_fraction=bubble,

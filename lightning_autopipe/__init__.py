@@ -13,9 +13,14 @@ from lightning_autopipe.errors import (
 )
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.profile import BlockProfile, Profile, profile_blocks
+from lightning_autopipe.strategy import AutoPipeStrategy, _register
+
+# Lightning strategies have no entry points: importing the package registers "autopipe".
+_register()
 
 __all__ = [
     "AutoPipeError",
+    "AutoPipeStrategy",
     "BlockProfile",
     "BlockRangeError",
     "ClusterError",

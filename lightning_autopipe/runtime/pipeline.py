@@ -1,0 +1,274 @@
+"""Build this rank's part of a pipeline: trace, (rank 0) profile + plan, local stage, groups.
+
+Kept apart from the Lightning strategy so the benchmark and tests can build a pipeline from any
+``nn.Module`` with a ``pipeline_loss`` under a plain ``torch.distributed`` launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_autopipe import errors
+from lightning_autopipe.errors import PipelineRuntimeError, PlanError
+from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.planner.schedule import SCHEDULES, forward_only, lower_communication
+from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
+from lightning_autopipe.runtime.groups import (
+    ProcessGroups,
+    RankLayout,
+    build_groups,
+    layout_for_rank,
+)
+from lightning_autopipe.runtime.local_stage import as_call_args, bind_local_stage, model_inputs
+
+__all__ = ["LocalPipeline", "build_local_pipeline", "resolve_cluster", "search_plan", "plan_table"]
+
+
+@dataclass
+class LocalPipeline:
+    """Everything one rank holds of a running pipeline."""
+
+    plan: Plan
+    profile: Any
+    cluster: Any
+    layout: RankLayout
+    groups: ProcessGroups | None
+    stage: nn.Module
+    executor: PipelineExecutor
+    table: str
+
+
+def resolve_cluster(cluster: Any, world_size: int, device: torch.device) -> Any:
+    """A ``Cluster`` from an instance, a YAML path, or None (the launched world, homogeneous)."""
+    from lightning_autopipe.cluster import Cluster
+
+    if cluster is None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        return Cluster.local(world_size, device_name=name)
+    if isinstance(cluster, str | Path):
+        cluster = Cluster.load(cluster)
+    cluster.validate_world_size(world_size)
+    return cluster
+
+
+def search_plan(
+    profile: Any,
+    cluster: Any,
+    devices: Sequence[str],
+    replica_batch: int,
+    *,
+    planner: str = "autopipe",
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+    startup_slices: int | None = None,
+) -> Plan:
+    """The plan with the most samples/s that uses every launched device.
+
+    The dataloader's batch is one replica's (as with DDP), so a layout with ``R`` replicas
+    trains a global batch of ``replica_batch * R``; each pipeline depth dividing the world size
+    (or the pinned one) is planned and the fastest per sample wins.
+    """
+    from lightning_autopipe.planner import make_plan
+
+    world = len(devices)
+    if num_stages is not None and world % num_stages:
+        raise PlanError(
+            f"num_stages={num_stages} does not divide the {world} launched processes; every "
+            "stage needs the same number of replicas: pick a divisor of the world size"
+        )
+    depths = [num_stages] if num_stages else [s for s in range(1, world + 1) if world % s == 0]
+    best: tuple[float, Plan] | None = None
+    failures: list[str] = []
+    for depth in depths:
+        replicas = world // depth
+        try:
+            plan = make_plan(
+                profile,
+                cluster,
+                replica_batch * replicas,
+                planner=planner,
+                num_stages=depth,
+                replicas=replicas,
+                num_microbatches=num_microbatches,
+                startup_slices=startup_slices,
+                devices=list(devices),
+                uniform_replicas=True,
+                use_all_devices=True,
+            )
+        except PlanError as exc:
+            failures.append(f"{depth} stages x {replicas} replicas: {exc}")
+            continue
+        rate = replica_batch * replicas / max(plan.iteration_ms, 1e-9)
+        if best is None or rate > best[0]:
+            best = (rate, plan)
+    if best is None:
+        raise PlanError("no plan fits the launched devices: " + " | ".join(failures))
+    return best[1]
+
+
+def plan_table(plan: Plan, profile: Any) -> str:
+    """The planner's table when available (same text on every rank)."""
+    for mod in ("lightning_autopipe.planner.report", "lightning_autopipe.planner.cli"):
+        try:
+            fmt = __import__(mod, fromlist=["format_plan"]).format_plan
+        except (ImportError, AttributeError):
+            continue
+        if profile is not None:
+            return fmt(plan, profile)
+    rows = [
+        f"  stage {s}: blocks [{st.blocks[0]}, {st.blocks[1]}) on {', '.join(st.devices)}"
+        for s, st in enumerate(plan.stages)
+    ]
+    head = (
+        f"AutoPipe plan ({plan.planner}): {plan.num_stages} stages x {plan.replicas} replicas, "
+        f"{plan.num_microbatches} micro-batches, {plan.startup_slices} startup slices, "
+        f"predicted {plan.iteration_ms:.1f} ms/step"
+    )
+    return "\n".join([head, *rows])
+
+
+def _reraise_from_rank0(kind: str, message: str) -> None:
+    cls = getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, errors.AutoPipeError):
+        raise cls(f"(raised on rank 0) {message}")
+    raise PipelineRuntimeError(f"rank 0 failed while profiling/planning: {kind}: {message}")
+
+
+def _tie_locals(tie: Any) -> dict[int, str]:
+    """Stage index -> local parameter name of one tie group (graph layer's TieGroup)."""
+    for attr in ("locals", "local_names", "stages", "names"):
+        value = getattr(tie, attr, None)
+        if isinstance(value, dict):
+            return {int(k): str(v) for k, v in value.items()}
+    raise PipelineRuntimeError(f"cannot read the stages of tie group {tie!r}")
+
+
+def build_local_pipeline(
+    module: nn.Module,
+    example: tuple[Any, ...] | dict[str, Any],
+    replica_batch: int,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    plan_fn: Callable[[Any, Any, list[str]], Plan],
+    plan_given: bool = False,
+    broadcast: Callable[[Any, int], Any],
+    granularity: str = "sub-block",
+    profile_repeats: int = 3,
+    cluster_arg: Any = None,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+    bucket_bytes: int = 25 * 2**20,
+) -> LocalPipeline:
+    """Trace on every rank, plan on rank 0, agree on the plan, keep only the local stage.
+
+    Every rank traces (so an untraceable model raises the graph layer's ``TraceError`` on every
+    rank before any collective, never a hang); rank 0 profiles on ``device`` and plans, and its
+    plan (or its error) is broadcast. The module's parameters are then rebound to the local
+    stage (:func:`bind_local_stage`).
+    """
+    from lightning_autopipe.graph import split_model
+    from lightning_autopipe.profile import Profile, profile_blocks
+
+    loss_fn = getattr(module, "pipeline_loss", None)
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{type(module).__name__} has no pipeline_loss(outputs, batch); define it to return "
+            "the mean loss of one (slice of a) batch from forward's outputs"
+        )
+    cluster = resolve_cluster(cluster_arg, world_size, device)
+    names = [d.name for d in cluster.devices[:world_size]]
+    blocks = split_model(module, example, granularity=granularity)
+
+    payload: Any = None
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            profile = None
+            if not plan_given:
+                profile = profile_blocks(
+                    blocks, example, device=str(device), repeats=profile_repeats
+                )
+            plan = plan_fn(profile, cluster, names)
+            _check_fingerprint(plan, blocks)
+            payload = ("ok", plan.to_json(), profile.to_json() if profile is not None else None)
+        except Exception as exc:  # every rank must learn of it, or they would wait forever
+            failure = exc
+            payload = ("error", type(exc).__name__, str(exc))
+    payload = broadcast(payload, 0)
+    if payload[0] == "error":
+        if failure is not None:
+            raise failure
+        _reraise_from_rank0(payload[1], payload[2])
+    plan = Plan.from_json(payload[1])
+    profile = Profile.from_json(payload[2]) if payload[2] is not None else None
+
+    layout = layout_for_rank(plan, names, rank)
+    s = layout.stage
+    i, j = plan.stages[s].blocks
+    stage = blocks.stage(i, j).to(device)
+    bind_local_stage(module, stage, stage.param_names)
+
+    ties = list(blocks.tie_groups(plan.cuts))
+    tie_sets = [sorted(_tie_locals(t)) for t in ties]
+    local_params = dict(stage.named_parameters(remove_duplicate=False))
+    tied = []
+    for t, tie in enumerate(ties):
+        where = _tie_locals(tie)
+        if s in where and len(where) > 1:
+            tied.append(TiedParameter(t, local_params[where[s]], counted=s == min(where)))
+    groups = None
+    if dist.is_available() and dist.is_initialized():
+        groups = build_groups(layout, tie_sets, backend=backend, timeout=timeout)
+
+    gen = SCHEDULES[plan.schedule]
+    num_stages = plan.num_stages
+    executor = PipelineExecutor(
+        stage,
+        layout,
+        groups,
+        num_microbatches=plan.num_microbatches,
+        startup_slices=plan.startup_slices,
+        train_schedule=lambda m, k: lower_communication(gen(num_stages, m, k))[s],
+        eval_schedule=lambda m: lower_communication(forward_only(num_stages, m))[s],
+        inputs_fn=lambda batch: as_call_args(model_inputs(module, batch)),
+        flatten_inputs=blocks.flatten_inputs,
+        unflatten_outputs=blocks.unflatten_outputs,
+        loss_fn=loss_fn,
+        device=device,
+        tied=tied,
+        bucket_bytes=bucket_bytes,
+    )
+    return LocalPipeline(
+        plan=plan,
+        profile=profile,
+        cluster=cluster,
+        layout=layout,
+        groups=groups,
+        stage=stage,
+        executor=executor,
+        table=plan_table(plan, profile),
+    )
+
+
+def _check_fingerprint(plan: Plan, blocks: Any) -> None:
+    mine = getattr(blocks, "fingerprint", None)
+    if plan.fingerprint and mine and plan.fingerprint != mine:
+        raise PlanError(
+            f"the plan was made for a model with fingerprint {plan.fingerprint} but this model's "
+            f"blocks have {mine}; re-plan for this model (or drop `plan=`)"
+        )
+    if plan.num_blocks != len(blocks):
+        raise PlanError(
+            f"the plan covers {plan.num_blocks} blocks but the model splits into {len(blocks)}; "
+            "re-plan for this model and granularity"
+        )

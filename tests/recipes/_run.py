@@ -1,0 +1,67 @@
+"""Run recipes as separate processes (Lightning's launcher re-runs the command line, so a
+multi-rank run must never be started from inside pytest) and read what they logged."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The tiniest GPT that still has blocks to pipeline: every override is one the README shows.
+TINY_GPT = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.max_seq_len=16",
+    "data.batch_size=8",
+    "data.max_bytes=40000",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+]
+
+
+def env() -> dict[str, str]:
+    out = dict(os.environ)
+    out.pop("AUTOPIPE_RUN_DIR", None)
+    out.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return out
+
+
+def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` from the repository root; fail with its output on error."""
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode:
+        raise AssertionError(
+            f"{' '.join(args)} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def losses(run_dir: Path, key: str = "train_loss") -> dict[int, float]:
+    """``{step: value}`` of ``key`` in the run's CSV log."""
+    import csv
+
+    out = {}
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get(key):
+                out[int(row["step"])] = float(row[key])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

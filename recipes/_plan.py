@@ -1,4 +1,17 @@
-"""Plans in the recipes: the report printed at the start of a run, and ``--plan-only``."""
+"""Plans in the recipes: the report printed at the start of a run, and ``--plan-only``.
+
+``--plan-only`` answers "what would this recipe get on that cluster?" without launching: it
+plans exactly as the strategy would at the start of training (``search_plan``: every pipeline
+depth that uses all devices with the same replica count per stage, ``data.batch_size`` samples
+per replica), from one of two profiles:
+
+* **measured** (trace + profile this model's blocks on this machine's CPU), for the ``local``
+  cluster, whose devices *are* this machine's processes;
+* **analytic** (FLOP and byte counts, ``planner.analytic``), for clusters of GPUs (their
+  ``speed`` is relative to the analytic reference device, not to this CPU) and for models too
+  large to profile here. Its blocks are layer halves, so such a plan is for reading, not for
+  ``strategy.plan=`` (a real run re-profiles and re-plans on the cluster itself).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +20,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["PlanReport", "plan_only"]
+__all__ = ["PLAN_BANNER", "PlanReport", "plan_only", "choose_profile"]
 
 PLAN_BANNER = "== AutoPipe plan =="
+_MEASURE_LIMIT = 300_000_000  # parameters; beyond this a CPU profile takes too long / too much
 
 
 class PlanReport(pl.Callback):
@@ -24,30 +38,154 @@ class PlanReport(pl.Callback):
         plan = getattr(trainer.strategy, "plan", None)
         if plan is None or trainer.global_rank != 0:
             return
-        profile = getattr(trainer.strategy, "profile", None)
-        cluster = getattr(trainer.strategy, "cluster", None)
-        self.files = _show(plan, profile, cluster, self.run_dir, source=None)
+        strategy = trainer.strategy
+        self.files = show_plan(plan, strategy.profile, strategy.cluster, self.run_dir)
 
 
-def _show(plan: Any, profile: Any, cluster: Any, run_dir: Path, source: str | None) -> list[Path]:
-    from lightning_autopipe.planner import format_plan
-    from lightning_autopipe.planner.timeline import write_png
+def show_plan(
+    plan: Any, profile: Any, cluster: Any, run_dir: Path, source: str | None = None
+) -> list[Path]:
+    """Print the plan table; write ``plan.json`` and (with a profile) ``timeline.png``."""
+    from lightning_autopipe.runtime.pipeline import plan_table
 
     print(PLAN_BANNER)
     if source:
         print(f"profile: {source}")
-    print(format_plan(plan, profile) if profile is not None else plan.to_json(indent=1))
+    table = plan_table(plan, profile)
+    print(table)
+    if "balance" not in table:
+        print(
+            f"balance {plan.balance:.2f} (slowest stage / mean), bubble "
+            f"{plan.bubble_fraction:.0%}, planned in {plan.search_ms:.0f} ms"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     files = [run_dir / "plan.json"]
     plan.save(files[0])
     if profile is not None and cluster is not None:
         from lightning_autopipe.planner.simulate import simulate
+        from lightning_autopipe.planner.timeline import write_png
 
         files.append(run_dir / "timeline.png")
-        write_png(simulate(plan, profile, cluster), files[-1])
+        title = (
+            f"{plan.model or 'model'} on {cluster.name}: {plan.num_stages} stages x "
+            f"{plan.replicas} replicas, m={plan.num_microbatches}, k={plan.startup_slices}, "
+            f"{plan.iteration_ms:.1f} ms/step predicted"
+        )
+        write_png(simulate(plan, profile, cluster), files[-1], title=title)
+    for path in files:
+        print(f"wrote {path}")
     return files
+
+
+def _world(cfg: Any) -> int:
+    devices = cfg.trainer.devices
+    per_node = devices if isinstance(devices, int) and devices > 0 else 1
+    if isinstance(devices, str) and devices.isdigit():
+        per_node = int(devices)
+    return per_node * int(cfg.trainer.num_nodes)
+
+
+def _analytic_args(cfg: Any) -> dict[str, Any] | None:
+    """``analytic_profile`` arguments for this model, or None when it has no FLOP model."""
+    model = cfg.model
+    target = str(model._target_)
+    if target.endswith(("build_gpt", "build_bert")):
+        return {
+            "kind": "gpt" if target.endswith("build_gpt") else "bert",
+            "layers": model.n_layer,
+            "hidden": model.n_embd,
+            "heads": model.n_head,
+            "seq_len": cfg.data.block_size,
+            "vocab": model.vocab_size,
+        }
+    if target.endswith("build_resnet") and model.arch in ("resnet50", "resnet101", "resnet152"):
+        depth = int(str(model.arch).removeprefix("resnet"))
+        return {
+            "kind": "resnet",
+            "layers": depth,
+            "image_size": model.image_size,
+            "num_classes": model.num_classes,
+        }
+    return None
+
+
+def _param_count(cfg: Any) -> int:
+    import torch
+    from hydra.utils import instantiate
+
+    with torch.device("meta"):
+        net = instantiate(cfg.model)
+    return sum(p.numel() for p in net.parameters())
+
+
+def choose_profile(cfg: Any, cluster: Any, local: bool) -> tuple[Any, str]:
+    """The profile to plan from and a sentence saying which kind and why."""
+    analytic = _analytic_args(cfg)
+    params = _param_count(cfg)
+    if analytic is not None and (not local or params > _MEASURE_LIMIT):
+        from lightning_autopipe.planner.analytic import analytic_profile
+
+        profile = analytic_profile(**analytic, micro_batch_size=1, model=cfg.model.name)
+        why = (
+            f"cluster {cluster.name!r} describes devices other than this machine"
+            if not local
+            else f"{params / 1e6:.0f}M parameters are too many to profile here"
+        )
+        return profile, f"analytic (FLOP/byte counts, {profile.device}) because {why}"
+    if not local:
+        print(
+            f"note: no FLOP model for {cfg.model.name!r}; measuring on this CPU, so cluster "
+            f"speeds are taken relative to this machine"
+        )
+    return _measured_profile(cfg), f"measured on this machine's CPU ({params / 1e6:.2f}M params)"
+
+
+def _measured_profile(cfg: Any) -> Any:
+    """Trace and profile the recipe's own LightningModule, as the strategy does."""
+    from hydra.utils import instantiate
+
+    from lightning_autopipe.graph import split_model
+    from lightning_autopipe.profile import profile_blocks
+    from lightning_autopipe.runtime.local_stage import as_call_args
+
+    task = instantiate(cfg.task, model=instantiate(cfg.model))
+    example = as_call_args(task.example_input_array)
+    granularity = cfg.strategy.get("granularity", "sub-block")
+    blocks = split_model(task, example, granularity=granularity)
+    profile = profile_blocks(blocks, example, device="cpu", repeats=3)
+    profile.model = cfg.model.name
+    return profile
 
 
 def plan_only(cfg: Any, run_dir: Path) -> int:
     """Print the plan ``cfg`` would get on ``cfg.cluster`` and draw it; launch nothing."""
-    raise NotImplementedError
+    from lightning_autopipe.config import build_cluster
+    from lightning_autopipe.runtime.pipeline import search_plan
+
+    world = _world(cfg)
+    cluster = build_cluster(cfg.cluster, world_size=world)
+    local = not cfg.cluster.get("servers")
+    profile, source = choose_profile(cfg, cluster, local)
+    strategy = cfg.strategy
+    pins = {
+        key: (None if strategy.get(key, "auto") == "auto" else int(strategy[key]))
+        for key in ("num_stages", "num_microbatches", "startup_slices")
+    }
+    names = [d.name for d in cluster.devices]
+    plan = search_plan(
+        profile,
+        cluster,
+        names,
+        int(cfg.data.batch_size),
+        planner=str(strategy.get("planner", "autopipe")),
+        **pins,
+    )
+    print(
+        f"plan-only: {cfg.model.name} on cluster {cluster.name!r} ({len(names)} devices), "
+        f"{cfg.data.batch_size} samples per replica; nothing is launched"
+    )
+    files = show_plan(plan, profile, cluster, run_dir, source=source)
+    profile.save(run_dir / "profile.json")
+    print(f"wrote {run_dir / 'profile.json'}")
+    del files
+    return 0

@@ -1,0 +1,90 @@
+"""Recipes end to end: the main job (GPT, 30 steps) learns; BERT and ResNet run; plan-only."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.config import CONF_DIR
+from lightning_autopipe.planner.plan import Plan
+from tests.recipes._run import ROOT, losses, run
+
+BANNER = "== AutoPipe plan =="
+QUIET = ["trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
+
+
+def test_main_job_pipelines_gpt_on_two_ranks_and_the_loss_goes_down(tmp_path):
+    """``make demo`` with a short max_steps: defaults = TinyGPT, autopipe, 2 local CPU ranks."""
+    proc = run(["recipes/train_gpt.py", "trainer.max_steps=30", f"run_dir={tmp_path}", *QUIET])
+    assert BANNER in proc.stdout
+    plan = Plan.load(tmp_path / "plan.json")
+    assert len(plan.devices) == 2  # the local cluster = the 2 launched ranks
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+    logged = losses(tmp_path)
+    assert sorted(logged) == list(range(30))
+    values = [logged[s] for s in range(30)]
+    assert all(math.isfinite(v) for v in values)
+    first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
+    assert last < 0.85 * first, values
+    assert "train loss" in proc.stdout and str(tmp_path / "csv" / "metrics.csv") in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra"),
+    [
+        ("train_bert", ["model.max_seq_len=32", "data.batch_size=8", "data.max_bytes=40000"]),
+        ("train_resnet", ["data.batch_size=8", "data.num_samples=64"]),
+    ],
+)
+def test_recipe_runs_two_pipelined_steps(tmp_path, recipe, extra):
+    proc = run([f"recipes/{recipe}.py", "trainer.max_steps=2", f"run_dir={tmp_path}", *QUIET,
+                *extra])
+    assert BANNER in proc.stdout
+    assert len(Plan.load(tmp_path / "plan.json").devices) == 2
+    logged = losses(tmp_path)
+    assert sorted(logged) == [0, 1]
+    assert all(math.isfinite(v) and v > 0 for v in logged.values())
+
+
+def _run_in_process(monkeypatch, capsys, recipe: str, argv: list[str]) -> str:
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    monkeypatch.delenv("AUTOPIPE_RUN_DIR", raising=False)
+    from _common import run_recipe
+
+    assert run_recipe(recipe, argv) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_only_for_gpt2_xl_on_the_mixed_rack(tmp_path, monkeypatch, capsys):
+    out = _run_in_process(monkeypatch, capsys, "train_gpt",
+                          ["--plan-only", "cluster=mixed_rack", "model=gpt2_xl",
+                           f"run_dir={tmp_path}"])
+    assert BANNER in out and "analytic" in out
+    cluster = Cluster.load(CONF_DIR / "cluster" / "mixed_rack.yaml")
+    plan = Plan.load(tmp_path / "plan.json")
+    assert sorted(plan.devices) == sorted(d.name for d in cluster.devices)  # all 24 used
+    assert plan.model == "gpt2_xl" and plan.iteration_ms > 0
+    assert len({s.replicas for s in plan.stages}) == 1  # what the runtime can execute
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert profile["device"].startswith("analytic")
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+def test_plan_only_measures_a_small_model_for_the_local_cluster(tmp_path, monkeypatch, capsys):
+    out = _run_in_process(monkeypatch, capsys, "train_gpt",
+                          ["--plan-only", "trainer.devices=4", "strategy.num_stages=2",
+                           f"run_dir={tmp_path}"])
+    assert "measured" in out
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.num_stages == 2 and sorted(plan.devices) == [f"local:{i}" for i in range(4)]
+    assert plan.global_batch_size == 2 * 16  # data.batch_size per replica x 2 replicas
+
+
+def test_help_and_unknown_flags(monkeypatch, capsys):
+    out = _run_in_process(monkeypatch, capsys, "train_resnet", ["--help"])
+    assert "--plan-only" in out
+    with pytest.raises(SystemExit, match="--plan-onyl"):
+        _run_in_process(monkeypatch, capsys, "train_resnet", ["--plan-onyl"])

@@ -81,7 +81,8 @@ def test_option_composes_and_instantiates(group, option):
         if option in _PUBLISHED:
             assert n == _PUBLISHED[option]
         if option.startswith("bert_"):
-            assert n == {"bert_tiny": n, "bert_base": 109_514_298, "bert_large": 335_174_458}[option]
+            published = {"bert_base": 109_514_298, "bert_large": 335_174_458}
+            assert n == published.get(option, n)
     elif group == "data":
         dm = instantiate(cfg.data)
         assert isinstance(dm, pl.LightningDataModule)
@@ -89,14 +90,16 @@ def test_option_composes_and_instantiates(group, option):
     elif group == "task":
         network = instantiate(cfg.model)
         task = instantiate(cfg.task, model=network)
-        assert isinstance(task, pl.LightningModule) and hasattr(task, "pipeline_loss")
+        assert isinstance(task, pl.LightningModule)
+        assert hasattr(task, "pipeline_loss")
     elif group == "cluster":
         cluster = build_cluster(cfg.cluster)
         if option == "local":
             assert cluster is None
             assert build_cluster(cfg.cluster, world_size=3).num_devices == 3
         else:
-            assert isinstance(cluster, Cluster) and cluster.num_devices >= 2
+            assert isinstance(cluster, Cluster)
+            assert cluster.num_devices >= 2
     elif group == "strategy":
         if "_target_" in cfg.strategy:
             from lightning_autopipe import AutoPipeStrategy
@@ -121,7 +124,8 @@ def test_option_composes_and_instantiates(group, option):
 
 def test_experiment_presets_override_groups():
     cfg = compose("train_gpt", ["experiment=gpt2_mixed_rack_plan"])
-    assert cfg.model.name == "gpt2_xl" and cfg.plan_only
+    assert cfg.model.name == "gpt2_xl"
+    assert cfg.plan_only
     assert build_cluster(cfg.cluster).num_devices == 24
     assert cfg.data.block_size == 1024  # follows the model's context
 

@@ -41,7 +41,8 @@ def test_real_stdlib_is_capped_deterministic_and_in_vocab():
     b = load_stdlib_tokens(max_bytes=50_000)
     assert a.numel() == 50_000
     assert torch.equal(a, b)
-    assert int(a.max()) < VOCAB_SIZE and int(a.min()) >= 0
+    assert int(a.max()) < VOCAB_SIZE
+    assert int(a.min()) >= 0
     assert (a == EOS).any()  # several files, separated
     assert "def " in decode(a)
 
@@ -59,7 +60,8 @@ def test_causal_samples_are_shifted_contiguous_blocks():
     for i in range(len(ds)):
         x, y = ds[i]
         ref = tokens[i * 10 : i * 10 + 11].long()
-        assert torch.equal(x, ref[:-1]) and torch.equal(y, ref[1:])
+        assert torch.equal(x, ref[:-1])
+        assert torch.equal(y, ref[1:])
 
 
 def test_masked_lm_masking_rates_and_labels():
@@ -81,9 +83,11 @@ def test_masked_lm_masking_rates_and_labels():
     assert abs(chosen / total - 0.15) < 0.01
     assert abs(masked / chosen - 0.8) < 0.02
     # A random byte can equal the original, so "kept" is slightly above 10%.
-    assert abs(kept / chosen - 0.1) < 0.02 and abs(swapped / chosen - 0.1) < 0.02
+    assert abs(kept / chosen - 0.1) < 0.02
+    assert abs(swapped / chosen - 0.1) < 0.02
     a, b = ds[5], ds[5]
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # same in every process
+    assert torch.equal(a[0], b[0])
+    assert torch.equal(a[1], b[1])
 
 
 def test_synthetic_images_are_learnable_by_nearest_prototype():
@@ -104,7 +108,8 @@ def test_datamodules_give_fixed_size_batches_and_held_out_data():
     dm = StdlibTextDataModule(block_size=32, batch_size=4, max_bytes=20_000)
     dm.setup()
     x, y = next(iter(dm.train_dataloader()))
-    assert x.shape == y.shape == (4, 32) and x.dtype == torch.long
+    assert x.shape == y.shape == (4, 32)
+    assert x.dtype == torch.long
     assert all(b[0].shape[0] == 4 for b in dm.train_dataloader())  # drop_last
     train_end = len(dm.train_set) * 32
     assert torch.equal(dm.val_set.tokens, load_stdlib_tokens(20_000)[train_end:])
@@ -118,5 +123,6 @@ def test_datamodules_give_fixed_size_batches_and_held_out_data():
     images = SyntheticImageDataModule(num_classes=3, image_size=8, num_samples=40, batch_size=8)
     images.setup()
     img, lab = next(iter(images.train_dataloader()))
-    assert img.shape == (8, 3, 8, 8) and lab.shape == (8,)
+    assert img.shape == (8, 3, 8, 8)
+    assert lab.shape == (8,)
     assert not torch.equal(images.val_set[0][0], images.train_set[0][0])

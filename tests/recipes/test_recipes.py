@@ -29,7 +29,8 @@ def test_main_job_pipelines_gpt_on_two_ranks_and_the_loss_goes_down(tmp_path):
     assert all(math.isfinite(v) for v in values)
     first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
     assert last < 0.85 * first, values
-    assert "train loss" in proc.stdout and str(tmp_path / "csv" / "metrics.csv") in proc.stdout
+    assert "train loss" in proc.stdout
+    assert str(tmp_path / "csv" / "metrics.csv") in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -62,11 +63,13 @@ def test_plan_only_for_gpt2_xl_on_the_mixed_rack(tmp_path, monkeypatch, capsys):
     out = _run_in_process(monkeypatch, capsys, "train_gpt",
                           ["--plan-only", "cluster=mixed_rack", "model=gpt2_xl",
                            f"run_dir={tmp_path}"])
-    assert BANNER in out and "analytic" in out
+    assert BANNER in out
+    assert "analytic" in out
     cluster = Cluster.load(CONF_DIR / "cluster" / "mixed_rack.yaml")
     plan = Plan.load(tmp_path / "plan.json")
     assert sorted(plan.devices) == sorted(d.name for d in cluster.devices)  # all 24 used
-    assert plan.model == "gpt2_xl" and plan.iteration_ms > 0
+    assert plan.model == "gpt2_xl"
+    assert plan.iteration_ms > 0
     assert len({s.replicas for s in plan.stages}) == 1  # what the runtime can execute
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["device"].startswith("analytic")
@@ -79,7 +82,8 @@ def test_plan_only_measures_a_small_model_for_the_local_cluster(tmp_path, monkey
                            f"run_dir={tmp_path}"])
     assert "measured" in out
     plan = Plan.load(tmp_path / "plan.json")
-    assert plan.num_stages == 2 and sorted(plan.devices) == [f"local:{i}" for i in range(4)]
+    assert plan.num_stages == 2
+    assert sorted(plan.devices) == [f"local:{i}" for i in range(4)]
     assert plan.global_batch_size == 2 * 16  # data.batch_size per replica x 2 replicas
 
 

@@ -81,11 +81,14 @@ def _local_ranks(trainer_cfg: Any) -> int:
 
 
 def _set_threads(cfg: Any) -> None:
-    """One rank's share of the CPU cores (all ranks of a node share them)."""
+    """One rank's share of the CPU cores (all ranks of a node share them); an explicit
+    ``threads_per_rank`` wins, then a user's ``OMP_NUM_THREADS`` (torch already honours it)."""
     import torch
 
     if cfg.threads_per_rank:
         threads = int(cfg.threads_per_rank)
+    elif os.environ.get("OMP_NUM_THREADS"):
+        return
     elif cfg.trainer.accelerator == "cpu":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = max(1, (cores or 1) // _local_ranks(cfg.trainer))

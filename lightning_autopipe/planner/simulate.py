@@ -344,7 +344,7 @@ def simulate(
 
     def start_flow(now: float, src: int, dst: int, nbytes: float, done: tuple) -> None:
         gbps, lat_us, res = link(names[src], names[dst])
-        lat = lat_us / 1e3
+        lat = lat_us / 1e3 if done[0] == "msg" else 0.0  # a ring pays latency per step, below
         if nbytes <= 0 or not res or math.isinf(gbps):
             t = now + lat + (nbytes / (gbps * BYTES_PER_MS_PER_GBPS) if nbytes > 0 else 0.0)
             push(t, _EV_ARRIVE, done, now)

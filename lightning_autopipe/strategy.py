@@ -361,7 +361,7 @@ class AutoPipeStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         with context():
             loss = self._pipe.executor.eval_step(batch)
-        self.lightning_module.log(name, loss, prog_bar=True)
+        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 
     # ------------------------------------------------------------------- collectives

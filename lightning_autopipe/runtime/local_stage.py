@@ -49,7 +49,8 @@ def bind_local_stage(module: nn.Module, stage: nn.Module, param_names: dict[str,
     Every name under which the module reaches a local parameter (tied weights have several)
     now holds the stage's object; every other parameter slot is set to ``None`` and its storage
     freed. Buffers the stage owns are rebound too (batch-norm statistics stay visible through
-    ``module.state_dict()``); other buffers are left alone.
+    ``module.state_dict()``); other buffer slots are set to ``None`` (the stage keeps its own
+    non-persistent buffers such as attention masks).
 
     Args:
         module: the user's module (the traced root).
@@ -89,7 +90,6 @@ def bind_local_stage(module: nn.Module, stage: nn.Module, param_names: dict[str,
             p.grad = None
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     for name in orig_buffers:
-        if name in target:
-            owner, attr = _owner(module, name)
-            owner._buffers[attr] = target[name]
+        owner, attr = _owner(module, name)
+        owner._buffers[attr] = target.get(name)
     return freed

@@ -1,0 +1,58 @@
+"""Tiny models, data and losses shared by the Lightning launch script and its reference.
+
+No Lightning import here: the pytest process computes the single-process reference with plain
+torch from the same seeds and the same per-replica batches the DistributedSampler hands out.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_autopipe.models import SmallCNN, TinyGPT
+
+REPLICA_BATCH = 8  # the dataloader batch: one data-parallel replica's batch
+STEPS = 3
+VAL_BATCHES = 2
+LR = 0.1
+VOCAB, SEQ = 32, 8
+
+
+def build_net(model: str) -> nn.Module:
+    torch.manual_seed(0)
+    if model == "gpt":
+        return TinyGPT(vocab=VOCAB, seq_len=SEQ, d_model=16, n_layers=2, n_heads=2)
+    if model in ("cnn", "cnn_bn"):
+        return SmallCNN(widths=(4, 8), blocks_per_stage=1, batch_norm=model == "cnn_bn")
+    raise ValueError(model)
+
+
+def dataset(model: str, num: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if model == "gpt":
+        tokens = torch.randint(0, VOCAB, (num, SEQ + 1), generator=g)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return torch.randn(num, 3, 8, 8, generator=g), torch.randint(0, 10, (num,), generator=g)
+
+
+def loss_fn(outputs: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    targets = batch[1]
+    return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
+
+
+def replica_indices(num: int, replicas: int, replica: int) -> list[int]:
+    """What DistributedSampler(shuffle=False) gives replica ``replica`` (num divisible)."""
+    return list(range(num))[replica::replicas]
+
+
+def unit_slices(batch: int, m: int, k: int) -> list[tuple[int, int]]:
+    """Contiguous even micro-batches, micro-batch 0 cut into k even slices (the contract)."""
+    sizes = [batch // m + (1 if i < batch % m else 0) for i in range(m)]
+    out, start = [], 0
+    for mb, size in enumerate(sizes):
+        parts = [size // k + (1 if i < size % k else 0) for i in range(k)] if mb == 0 else [size]
+        for p in parts:
+            out.append((start, start + p))
+            start += p
+    return out

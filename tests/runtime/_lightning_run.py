@@ -1,0 +1,161 @@
+"""Launched by tests/runtime/test_strategy_equivalence.py: several Trainer.fit runs in one launch.
+
+    python tests/runtime/_lightning_run.py OUT_DIR WORLD CASE [CASE ...]
+
+CASE is ``<model>-<stages>s-k<slices>[-bf16][-clip]`` (model: gpt, cnn, cnn_bn), ``string``
+(``Trainer(strategy="autopipe")`` with every option on auto) or ``untraceable``. Lightning's
+popen launcher re-runs this script in every rank, so every rank runs every case in order and
+writes ``OUT_DIR/<case>.rank<r>.pt`` with what it saw.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_autopipe  # noqa: E402
+from tests.runtime import _cases as C  # noqa: E402
+
+
+class RecordingLogger(Logger):
+    """Keeps every logged metric (rank 0 is the only rank Lightning logs from)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "rec"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+
+class Task(pl.LightningModule):
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        self.kind = model
+        self.net = C.build_net(model) if model != "untraceable" else torch.nn.Linear(4, 4)
+        self.step_losses: list[float] = []
+        self.traces: list[list[str]] = []
+
+    def forward(self, x):
+        if self.kind == "untraceable" and x.sum() > 0:  # data-dependent control flow
+            return self.net(x) * 2
+        return self.net(x)
+
+    def pipeline_loss(self, outputs, batch):
+        if self.kind == "untraceable":
+            return outputs.pow(2).mean()
+        return C.loss_fn(outputs, batch)
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(batch[0]), batch)
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.pipeline_loss(self(batch[0]), batch)
+        self.log("val_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.log("train_loss", loss.detach(), on_step=True)
+        self.step_losses.append(float(loss))
+        pipe = getattr(self.trainer.strategy, "pipeline", None)
+        if pipe is not None:
+            self.traces.append([str(a) for a in pipe.executor.trace])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=C.LR)
+
+    def _loader(self, num: int, seed: int) -> DataLoader:
+        if self.kind == "untraceable":
+            x = torch.randn(num, 4)
+            return DataLoader(TensorDataset(x, x), batch_size=C.REPLICA_BATCH)
+        x, y = C.dataset(self.kind, num, seed)
+        return DataLoader(TensorDataset(x, y), batch_size=C.REPLICA_BATCH)
+
+    def train_dataloader(self):
+        return self._loader(C.REPLICA_BATCH * C.STEPS * self.replicas, seed=1)
+
+    def val_dataloader(self):
+        return self._loader(C.REPLICA_BATCH * C.VAL_BATCHES * self.replicas, seed=2)
+
+
+def run_case(case: str, world: int, out: Path) -> None:
+    parts = case.split("-")
+    model = {"string": "gpt", "untraceable": "untraceable"}.get(parts[0], parts[0])
+    precision = "bf16-mixed" if "bf16" in parts else "32-true"
+    clip = 0.05 if "clip" in parts else None
+    if parts[0] in ("string", "untraceable"):
+        strategy = "autopipe"
+        stages = None
+    else:
+        stages, k = int(parts[1].rstrip("s")), int(parts[2].lstrip("k"))
+        strategy = lightning_autopipe.AutoPipeStrategy(
+            num_stages=stages,
+            num_microbatches=4,
+            startup_slices=k,
+            profile_repeats=1,
+            timeout=60,
+        )
+    task = Task(model)
+    task.replicas = world // stages if stages else world  # only sizes the dataset
+    logger = RecordingLogger()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        precision=precision,
+        max_epochs=1,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=True,
+        num_sanity_val_steps=0,
+        gradient_clip_val=clip,
+    )
+    record: dict = {"case": case}
+    try:
+        trainer.fit(task)
+    except lightning_autopipe.AutoPipeError as exc:
+        record["error"] = (type(exc).__name__, str(exc))
+    st = trainer.strategy
+    record.update(
+        rank=trainer.global_rank,
+        losses=task.step_losses,
+        traces=task.traces,
+        logged=logger.rows,
+        plan=st.plan.to_json() if st.plan is not None else None,
+        state={k: v.detach().clone() for k, v in task.state_dict().items()},
+    )
+    torch.save(record, out / f"{case}.rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    out, world = Path(sys.argv[1]), int(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    for case in sys.argv[3:]:
+        run_case(case, world, out)
+
+
+if __name__ == "__main__":
+    main()

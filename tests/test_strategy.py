@@ -1,0 +1,223 @@
+"""AutoPipeStrategy inside Lightning's Trainer vs single-process training (real gloo ranks).
+
+Lightning's popen launcher re-runs the launching command in every rank, so each world size is
+one launch of ``tests/runtime/_lightning_run.py`` running every case's ``Trainer.fit`` in turn;
+this process computes the single-process reference with plain torch on the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.planner.schedule import build_schedule, lower_communication
+from lightning_autopipe.runtime.groups import layout_for_rank
+from tests.runtime import _cases as C
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "runtime" / "_lightning_run.py"
+CASES = {
+    2: [
+        "gpt-2s-k1",
+        "gpt-2s-k2",
+        "cnn-2s-k1",
+        "cnn-2s-k2",
+        "cnn_bn-2s-k2",
+        "gpt-2s-k2-bf16",
+        "string",
+        "untraceable",
+    ],
+    4: [
+        "gpt-4s-k1",
+        "gpt-4s-k2",
+        "cnn-4s-k1",
+        "cnn-4s-k2",
+        "cnn_bn-4s-k2",
+        "gpt-2s-k1",
+        "gpt-2s-k2-clip",
+        "cnn-2s-k1",
+        "cnn-2s-k2",
+        "cnn_bn-2s-k2",
+    ],
+}
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _launch(world: int, out: Path) -> dict[str, list[dict]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, str(SCRIPT), str(out), str(world), *CASES[world]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    if proc.returncode:
+        pytest.fail(
+            f"launch of {world} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    results: dict[str, list[dict]] = {}
+    for case in CASES[world]:
+        results[case] = [torch.load(out / f"{case}.rank{r}.pt") for r in range(world)]
+    return results
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return _launch(2, tmp_path_factory.mktemp("w2"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return _launch(4, tmp_path_factory.mktemp("w4"))
+
+
+# ------------------------------------------------------------------------------- reference
+def _reference(model: str, replicas: int, num: int, m: int, k: int, *, clip=None, bf16=False):
+    """Single process: whole global batch per step (batch norm: the same units in order)."""
+    net = C.build_net(model)
+    x, y = C.dataset(model, num, seed=1)
+    vx, vy = C.dataset(model, C.REPLICA_BATCH * C.VAL_BATCHES * replicas, seed=2)
+    opt = torch.optim.SGD(net.parameters(), lr=C.LR)
+    b = C.REPLICA_BATCH
+    idx = [C.replica_indices(num, replicas, r) for r in range(replicas)]
+    bn = model == "cnn_bn"
+    buffers = [{k_: v.clone() for k_, v in net.named_buffers()} for _ in range(replicas)]
+    losses = []
+    for t in range(len(idx[0]) // b):
+        opt.zero_grad()
+        parts = [(x[i[t * b : (t + 1) * b]], y[i[t * b : (t + 1) * b]]) for i in idx]
+        if bn:  # statistics per unit, each replica with its own running buffers
+            total = 0.0
+            for r, (px, py) in enumerate(parts):
+                _load_buffers(net, buffers[r])
+                for lo, hi in C.unit_slices(b, m, k):
+                    part = (px[lo:hi], py[lo:hi])
+                    loss = C.loss_fn(net(part[0]), part) * ((hi - lo) / b) / replicas
+                    loss.backward()
+                    total += loss.detach()
+                buffers[r] = {k_: v.clone() for k_, v in net.named_buffers()}
+            losses.append(total)
+        else:
+            gx, gy = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = C.loss_fn(net(gx), (gx, gy))
+            loss.backward()
+            losses.append(loss.detach().float())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+    net.eval()
+    vidx = [C.replica_indices(len(vx), replicas, r) for r in range(replicas)]
+    val = []
+    with torch.no_grad():
+        for t in range(C.VAL_BATCHES):
+            per = []
+            for r, i in enumerate(vidx):
+                if bn:
+                    _load_buffers(net, buffers[r])
+                sel = i[t * b : (t + 1) * b]
+                per.append(C.loss_fn(net(vx[sel]), (vx[sel], vy[sel])))
+            val.append(torch.stack(per).mean())
+    states = []
+    for r in range(replicas):
+        if bn:
+            _load_buffers(net, buffers[r])
+        states.append({f"net.{k_}": v.detach().clone() for k_, v in net.state_dict().items()})
+    return torch.stack(losses), torch.stack(val).mean(), states
+
+
+def _load_buffers(net, bufs):
+    for name, buf in net.named_buffers():
+        buf.copy_(bufs[name])
+
+
+def _check_case(case: str, ranks: list[dict], world: int) -> None:
+    model, stages, k = case.split("-")[0], int(case.split("-")[1][:-1]), int(case.split("-")[2][1:])
+    replicas = world // stages
+    plan = Plan.from_json(ranks[0]["plan"])
+    assert (plan.num_stages, plan.replicas, plan.startup_slices) == (stages, replicas, k)
+    num = C.REPLICA_BATCH * C.STEPS * replicas
+    losses, val, states = _reference(
+        model,
+        replicas,
+        num,
+        plan.num_microbatches,
+        k,
+        clip=0.05 if "clip" in case else None,
+    )
+    names = [d.name for d in Cluster.local(world).devices]
+    expected_trace = lower_communication(build_schedule(plan))
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+        # every rank returns the global-batch mean loss of each step
+        torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=RTOL, atol=ATOL)
+        layout = layout_for_rank(plan, names, rec["rank"])
+        assert rec["traces"][-1] == [str(a) for a in expected_trace[layout.stage]]
+        ref = states[layout.replica]
+        assert rec["state"], "the rank holds no parameters"
+        for key, value in rec["state"].items():
+            torch.testing.assert_close(
+                value.float(),
+                ref[key].float(),
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda s, key=key, r=rec["rank"]: f"{case} rank {r} {key}: {s}",
+            )
+    # together the ranks hold every parameter and persistent buffer of the model
+    assert set().union(*(rec["state"] for rec in ranks)) == set(states[0])
+    logged = ranks[0]["logged"]
+    train_logged = torch.tensor([row["train_loss"] for _, row in logged if "train_loss" in row])
+    torch.testing.assert_close(train_logged, losses, rtol=RTOL, atol=ATOL)
+    val_logged = [row["val_loss"] for _, row in logged if "val_loss" in row]
+    assert len(val_logged) == 1
+    torch.testing.assert_close(torch.tensor(val_logged[0]), val, rtol=RTOL, atol=ATOL)
+
+
+# ----------------------------------------------------------------------------------- tests
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in CASES[2] if c.count("-") == 2])
+def test_two_stages_one_replica_equals_single_process(world2, case):
+    _check_case(case, world2[case], 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES[4])
+def test_four_ranks_equal_single_process(world4, case):
+    _check_case(case, world4[case], 4)
+
+
+@pytest.mark.slow
+def test_bf16_mixed_tracks_single_process(world2):
+    ranks = world2["gpt-2s-k2-bf16"]
+    plan = Plan.from_json(ranks[0]["plan"])
+    losses, _, _ = _reference(
+        "gpt", 1, C.REPLICA_BATCH * C.STEPS, plan.num_microbatches, 2, bf16=True
+    )
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+        torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_string_strategy_with_auto_plan_equals_single_process(world2):
+    ranks = world2["string"]
+    assert all("error" not in rec for rec in ranks), [rec.get("error") for rec in ranks]
+    plan = Plan.from_json(ranks[0]["plan"])
+    assert plan.planner == "autopipe"
+    num = C.REPLICA_BATCH * C.STEPS * 2
+    losses, _, _ = _reference("gpt", plan.replicas, num, plan.num_microbatches, plan.startup_slices)
+    for rec in ranks:
+        torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_untraceable_model_fails_with_trace_error_on_every_rank(world2):
+    errors = [rec.get("error") for rec in world2["untraceable"]]
+    assert [e[0] if e else None for e in errors] == ["TraceError", "TraceError"], errors
+    assert json.dumps(errors)  # messages are plain strings

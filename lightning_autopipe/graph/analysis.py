@@ -1,0 +1,283 @@
+"""Node-level facts about a traced graph: values, module paths, and which nodes may float.
+
+A node is *anchored* when it runs in exactly one block (tensor-valued work that depends on the
+inputs), or *floating* when every block that needs it recomputes its own copy: parameters and
+buffers (``get_attr``), constants, and cheap non-tensor values such as sizes. Floating nodes are
+what keep SymInts, shapes and parameters from ever crossing a stage boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from lightning_autopipe.errors import InputError
+from lightning_autopipe.graph.trace import Traced, _short
+
+__all__ = ["GraphInfo", "ValueMeta", "analyze"]
+
+_NO_PATH = {"", "_empty_nn_module_stack_from_metadata_hook"}
+
+
+@dataclass(frozen=True)
+class ValueMeta:
+    """What a node produced on the example inputs."""
+
+    is_tensor: bool
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    nbytes: int = 0
+    requires_grad: bool = False
+
+
+@dataclass
+class GraphInfo:
+    """Facts about every node of ``traced.gm.graph`` (nodes are never mutated)."""
+
+    traced: Traced
+    nodes: list[fx.Node]
+    index: dict[fx.Node, int]
+    meta: dict[fx.Node, ValueMeta]
+    dropped: set[fx.Node]
+    floating: set[fx.Node]
+    anchored: list[fx.Node]
+    path: dict[fx.Node, str | None]
+    params_of: dict[fx.Node, dict[int, int]]  # node -> {id(param): numel} it reads directly
+    modules: dict[str, nn.Module]
+
+    def is_value(self, node: fx.Node) -> bool:
+        """Anchored nodes and model inputs: the only values that may cross blocks."""
+        return node in self._value_set
+
+    def __post_init__(self) -> None:
+        self._value_set = set(self.anchored) | set(self.traced.input_nodes)
+        self._reqs: dict[fx.Node, tuple[frozenset[fx.Node], frozenset[fx.Node]]] = {}
+
+    def reqs(self, node: fx.Node) -> tuple[frozenset[fx.Node], frozenset[fx.Node]]:
+        """Values and symbolic-size leaves that computing ``node`` needs.
+
+        Floating arguments are expanded (they are recomputed where used). A ``sym_size`` leaf
+        of an exported graph is returned separately: any available tensor carrying the same
+        symbol can stand in for its source tensor, which need not be carried.
+        """
+        if node in self._reqs:
+            return self._reqs[node]
+        values: set[fx.Node] = set()
+        syms: set[fx.Node] = set()
+        for arg in _arg_nodes(node):
+            if self.is_value(arg):
+                values.add(arg)
+            elif arg in self.floating:
+                if self.is_sym_leaf(arg):
+                    syms.add(arg)
+                else:
+                    sub_values, sub_syms = self.reqs(arg)
+                    values |= sub_values
+                    syms |= sub_syms
+        result = (frozenset(values), frozenset(syms))
+        self._reqs[node] = result
+        return result
+
+    def is_sym_leaf(self, node: fx.Node) -> bool:
+        return (
+            node.target is torch.ops.aten.sym_size.int
+            and isinstance(node.meta.get("val"), torch.SymInt)
+            and isinstance(node.args[0], fx.Node)
+        )
+
+    def sym_dims(self, node: fx.Node) -> dict[Any, int]:
+        """Symbolic size expression -> dim, for tensors of an exported graph."""
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return {}
+        out = {}
+        for d, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt):
+                out.setdefault(size.node.expr, d)
+        return out
+
+
+def _arg_nodes(node: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.map_arg((node.args, node.kwargs), lambda a: found.append(a) or a)
+    return found
+
+
+def _module_path(node: fx.Node) -> str | None:
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return None if path in _NO_PATH else str(path)
+
+
+def _is_dropped_kind(node: fx.Node) -> bool:
+    """Runtime guards of the trace (shape asserts, export's input guard) are not computation."""
+    if node.op == "call_module" and node.target == "_guards_fn":
+        return True
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", "") or str(node.target)
+    return "assert" in name or "sym_constrain_range" in str(node.target)
+
+
+def _is_impure(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).endswith("__")
+    if node.op == "call_module":
+        return False
+    try:
+        return node.is_impure()
+    except Exception:  # noqa: BLE001 - unknown targets are treated as pure
+        return False
+
+
+def _is_tensor_value(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph once on the example inputs and records what each node produced."""
+
+    def __init__(self, gm: fx.GraphModule, feeds: dict[fx.Node, Any], dropped: set[fx.Node]):
+        super().__init__(gm, garbage_collect_values=True)
+        self.feeds = feeds
+        self.dropped = dropped
+        self.meta: dict[fx.Node, ValueMeta] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "placeholder":
+            value = self.feeds[n]
+        elif n in self.dropped:
+            return None
+        else:
+            value = super().run_node(n)
+        if isinstance(value, torch.Tensor):
+            self.meta[n] = ValueMeta(
+                True,
+                tuple(value.shape),
+                value.dtype,
+                value.numel() * value.element_size(),
+                bool(value.requires_grad),
+            )
+        else:
+            self.meta[n] = ValueMeta(False)
+        return value
+
+
+def _buffers_snapshot(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buf, saved in snapshot:
+            buf.copy_(saved)
+
+
+def _record(traced: Traced, flat: tuple[torch.Tensor, ...], dropped: set[fx.Node]) -> dict:
+    feeds: dict[fx.Node, Any] = dict(zip(traced.input_nodes, flat))
+    feeds.update(traced.constant_inputs)
+    recorder = _Recorder(traced.gm, feeds, dropped)
+    snapshot = _buffers_snapshot(traced.gm) + _buffers_snapshot(traced.model)
+    current: list[fx.Node] = []
+    orig_run_node = recorder.run_node
+
+    def tracking(n: fx.Node) -> Any:
+        current[:] = [n]
+        return orig_run_node(n)
+
+    recorder.run_node = tracking  # type: ignore[method-assign]
+    try:
+        with torch.enable_grad():
+            recorder.run()
+    except Exception as exc:  # noqa: BLE001 - reported as an input problem with the node
+        node = current[0] if current else None
+        where = f"node {node.name} ({node.op} {node.target}) in module {_module_path(node)!r}"
+        shapes = ", ".join(str(s) for s in traced.example_shapes)
+        raise InputError(
+            f"running the traced model on example_inputs (shapes {shapes}) failed at {where}: "
+            f"{_short(exc)}; pass example inputs of the shape/dtype the model expects"
+        ) from exc
+    finally:
+        _restore(snapshot)
+    return recorder.meta
+
+
+def analyze(traced: Traced, flat_inputs: tuple[torch.Tensor, ...]) -> GraphInfo:
+    """Classify every node of the traced graph (see module docstring)."""
+    gm = traced.gm
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    output = nodes[-1]
+    dropped = {n for n in nodes if _is_dropped_kind(n)}
+    for n in reversed(nodes):  # dead code: pure nodes all of whose users are dropped
+        if n.op in ("placeholder", "output", "call_module") or n in dropped:
+            continue  # a module call stays: it may be made for its side effects
+        if all(u in dropped for u in n.users) and not _is_impure(n):
+            dropped.add(n)
+    meta = _record(traced, flat_inputs, dropped)
+
+    inputs = set(traced.input_nodes)
+    depends: dict[fx.Node, bool] = {}
+    floating: set[fx.Node] = set()
+    anchored: list[fx.Node] = []
+    for n in nodes:
+        if n is output or n in dropped:
+            continue
+        if n.op == "placeholder":
+            depends[n] = n in inputs
+            if n not in inputs:
+                floating.add(n)
+            continue
+        if n.op == "get_attr":
+            depends[n] = False
+            floating.add(n)
+            continue
+        depends[n] = any(depends.get(a, False) for a in _arg_nodes(n))
+        value = meta.get(n, ValueMeta(False))
+        pure = n.op != "call_module" and not _is_impure(n)
+        if pure and (not value.is_tensor or not depends[n]):
+            floating.add(n)
+        else:
+            anchored.append(n)
+
+    modules = dict(traced.model.named_modules(remove_duplicate=False))
+    gm_modules = dict(gm.named_modules(remove_duplicate=False))
+    path = {n: _module_path(n) for n in nodes}
+    params_of: dict[fx.Node, dict[int, int]] = {}
+    for n in nodes:
+        reads: dict[int, int] = {}
+        if n.op == "get_attr":
+            obj = _get_attr(gm, str(n.target))
+            if isinstance(obj, nn.Parameter):
+                reads[id(obj)] = obj.numel()
+        elif n.op == "call_module":
+            mod = gm_modules.get(str(n.target))
+            if mod is not None:
+                reads = {id(p): p.numel() for p in mod.parameters()}
+        params_of[n] = reads
+    return GraphInfo(
+        traced=traced,
+        nodes=nodes,
+        index=index,
+        meta=meta,
+        dropped=dropped,
+        floating=floating,
+        anchored=anchored,
+        path=path,
+        params_of=params_of,
+        modules=modules,
+    )
+
+
+def _get_attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

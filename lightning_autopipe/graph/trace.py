@@ -1,0 +1,350 @@
+"""Tracing front ends: capture a model as a torch.fx graph (fx, torch.export, or user-given).
+
+The result, :class:`Traced`, hides which front end ran: it holds one ``GraphModule`` whose
+placeholders are the model's *flattened* inputs and whose output node yields the flattened
+outputs, plus the recipes to flatten user inputs and rebuild model-shaped outputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from lightning_autopipe.errors import InputError, TraceError
+
+__all__ = ["Inputs", "Traced", "normalize_inputs", "trace"]
+
+Inputs = tuple[Any, ...] | dict[str, Any]
+TRACERS = ("auto", "fx", "export")
+_REMEDIES = (
+    "Remedies: (1) pass example_inputs and tracer='export' so torch.export can capture the "
+    "model (rewrite data-dependent Python branches with torch.where / torch.cond), or (2) pass "
+    "a pre-traced torch.fx.GraphModule (e.g. torch.fx.symbolic_trace(model, concrete_args=...)) "
+    "to split_model instead of the model."
+)
+
+
+@dataclass
+class Traced:
+    """A captured model.
+
+    Attributes:
+        gm: the graph module; run it on ``flatten(inputs)`` to get the flat outputs.
+        tracer: ``"fx"``, ``"export"`` or ``"graph_module"`` (a user-given GraphModule).
+        model: the module whose ``state_dict`` names are the original names.
+        input_nodes: placeholders fed by the user's inputs, in flattened order.
+        constant_inputs: placeholders specialised to a constant (unprovided defaults).
+        output_leaves: flattened outputs (graph nodes or constants) of the output node.
+        out_spec: pytree spec rebuilding the model-shaped output from ``output_leaves``.
+        flatten: user inputs (tuple or dict) -> tuple of tensors, in ``input_nodes`` order.
+        example_shapes: shapes of the flattened example inputs (batch dim 0 included).
+        dynamic_batch: whether dim 0 of the inputs may differ from the example's.
+    """
+
+    gm: fx.GraphModule
+    tracer: str
+    model: nn.Module
+    input_nodes: list[fx.Node]
+    constant_inputs: dict[fx.Node, Any]
+    output_leaves: list[Any]
+    out_spec: pytree.TreeSpec
+    flatten: Callable[[Inputs], tuple[torch.Tensor, ...]]
+    example_shapes: list[tuple[int, ...]]
+    dynamic_batch: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def normalize_inputs(example_inputs: Any) -> Inputs:
+    """Accept a tensor, a tuple/list of positional inputs or a dict of keyword inputs."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, list | tuple):
+        values: Any = tuple(example_inputs)
+        items = list(enumerate(values))
+    elif isinstance(example_inputs, dict):
+        values = dict(example_inputs)
+        items = list(values.items())
+    else:
+        raise InputError(
+            f"example_inputs must be a tuple of positional tensors or a dict of keyword tensors, "
+            f"got {type(example_inputs).__name__}"
+        )
+    for key, value in items:
+        if not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"example input {key!r} is a {type(value).__name__}, not a tensor; only tensors "
+                "cross pipeline stages: bake constants into the model (a wrapper module or "
+                "functools.partial) and pass tensors only"
+            )
+    return values
+
+
+def _bind(forward: Callable[..., Any], inputs: Inputs) -> inspect.Signature:
+    sig = inspect.signature(forward)
+    try:
+        if isinstance(inputs, dict):
+            sig.bind(**inputs)
+        else:
+            sig.bind(*inputs)
+    except TypeError as exc:
+        given = list(inputs) if isinstance(inputs, dict) else f"{len(inputs)} positional"
+        raise InputError(
+            f"example_inputs do not fit forward{sig}: {exc} (given: {given}); pass a tuple "
+            "matching the positional parameters or a dict keyed by parameter names"
+        ) from exc
+    return sig
+
+
+def _shapes(inputs: Inputs) -> str:
+    items = inputs.items() if isinstance(inputs, dict) else enumerate(inputs)
+    return ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in items)
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch: usually the construct that failed."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = os.path.dirname(torch.__file__)
+    for frame in reversed(frames):
+        if not frame.filename.startswith(torch_dir) and "lightning_autopipe" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return "<unknown location>"
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+# ----------------------------------------------------------------------------------- fx path
+def _positional_names(sig: inspect.Signature) -> list[str]:
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [n for n, p in sig.parameters.items() if p.kind not in kinds]
+
+
+def _from_graph_module(
+    gm: fx.GraphModule, model: nn.Module, inputs: Inputs, sig: inspect.Signature, tracer: str
+) -> Traced:
+    names = _positional_names(sig)
+    provided = list(inputs) if isinstance(inputs, dict) else names[: len(inputs)]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(names):
+        raise TraceError(
+            f"the traced graph has {len(placeholders)} placeholders but forward{sig} has "
+            f"{len(names)} parameters; *args/**kwargs forwards are not supported. {_REMEDIES}"
+        )
+    by_name = dict(zip(names, placeholders))
+    input_nodes = [by_name[n] for n in provided] if isinstance(inputs, dict) else [
+        by_name[n] for n in names[: len(inputs)]
+    ]
+    constants = {}
+    for name, node in by_name.items():
+        if name not in provided:
+            default = sig.parameters[name].default
+            constants[node] = None if default is inspect.Parameter.empty else default
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves, spec = pytree.tree_flatten(output.args[0])
+    order = list(provided)
+
+    def flatten(values: Inputs) -> tuple[torch.Tensor, ...]:
+        values = normalize_inputs(values)
+        if isinstance(values, dict):
+            if set(values) != set(order):
+                raise InputError(
+                    f"inputs have keys {sorted(values)} but the model was traced with "
+                    f"{sorted(order)}; pass the same keys as example_inputs"
+                )
+            return tuple(values[k] for k in order)
+        if len(values) != len(order):
+            raise InputError(
+                f"got {len(values)} positional inputs but the model was traced with "
+                f"{len(order)} ({order}); pass the same number as example_inputs"
+            )
+        return tuple(values)
+
+    flat = flatten(inputs)
+    return Traced(
+        gm=gm,
+        tracer=tracer,
+        model=model,
+        input_nodes=input_nodes,
+        constant_inputs=constants,
+        output_leaves=leaves,
+        out_spec=spec,
+        flatten=flatten,
+        example_shapes=[tuple(t.shape) for t in flat],
+    )
+
+
+def _trace_fx(model: nn.Module, inputs: Inputs, sig: inspect.Signature) -> Traced:
+    names = _positional_names(sig)
+    provided = set(inputs) if isinstance(inputs, dict) else set(names[: len(inputs)])
+    concrete = {
+        n: sig.parameters[n].default
+        for n in names
+        if n not in provided and sig.parameters[n].default is not inspect.Parameter.empty
+    }
+    gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+    return _from_graph_module(gm, model, inputs, sig, "fx")
+
+
+# ------------------------------------------------------------------------------- export path
+def _batch_size(inputs: Inputs) -> int | None:
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    dims = [v.shape[0] for v in values if v.dim() > 0]
+    return dims[0] if dims else None
+
+
+def _export(model: nn.Module, inputs: Inputs, dynamic: bool) -> Any:
+    from torch.export import Dim, export
+
+    batch = _batch_size(inputs)
+    args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
+    if not dynamic or batch is None:
+        return export(model, args, kwargs or None, strict=False)
+    if batch == 1:
+        # A size-1 example would be specialised (0/1 specialisation); trace on a doubled batch.
+        def grow(v: torch.Tensor) -> torch.Tensor:
+            return torch.cat([v, v]) if v.dim() > 0 and v.shape[0] == 1 else v
+
+        args = tuple(grow(v) for v in args)
+        kwargs = {k: grow(v) for k, v in kwargs.items()}
+        batch = 2
+    dim = Dim("batch", min=1, max=1 << 20)
+
+    def spec(v: torch.Tensor) -> dict[int, Any] | None:
+        return {0: dim} if v.dim() > 0 and v.shape[0] == batch else None
+
+    shapes: Any = {k: spec(v) for k, v in kwargs.items()} if kwargs else tuple(map(spec, args))
+    return export(model, args, kwargs or None, strict=False, dynamic_shapes=shapes)
+
+
+def _trace_export(model: nn.Module, inputs: Inputs) -> Traced:
+    notes = []
+    try:
+        ep = _export(model, inputs, dynamic=True)
+        dynamic = True
+    except Exception as exc:  # noqa: BLE001 - retried statically, reported if that fails too
+        notes.append(f"dynamic batch export failed ({_short(exc, 150)}); exported statically")
+        ep = _export(model, inputs, dynamic=False)
+        dynamic = False
+    gm = ep.module()
+    in_spec = gm._in_spec
+    out_spec = gm._out_spec
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = list(pytree.tree_flatten(output.args[0])[0])
+    kind = "kwargs" if isinstance(inputs, dict) else "args"
+    keys = list(inputs) if isinstance(inputs, dict) else None
+
+    def flatten(values: Inputs) -> tuple[torch.Tensor, ...]:
+        values = normalize_inputs(values)
+        if (kind == "kwargs") != isinstance(values, dict):
+            raise InputError(
+                f"the model was traced with {kind}; pass inputs the same way "
+                f"(got {type(values).__name__})"
+            )
+        if isinstance(values, dict):
+            if set(values) != set(keys or ()):
+                raise InputError(
+                    f"inputs have keys {sorted(values)} but the model was traced with "
+                    f"{sorted(keys or ())}; pass the same keys as example_inputs"
+                )
+            kw_spec = in_spec.child(1) if hasattr(in_spec, "child") else in_spec.children_specs[1]
+            ordered = {k: values[k] for k in kw_spec.context}
+            flat, spec = pytree.tree_flatten(((), ordered))
+        else:
+            flat, spec = pytree.tree_flatten((tuple(values), {}))
+        if spec != in_spec:
+            raise InputError(
+                f"inputs flatten to {spec} but the exported model expects {in_spec}; pass "
+                "inputs with the structure of example_inputs"
+            )
+        return tuple(flat)
+
+    flat = flatten(inputs)
+    if len(flat) != len(placeholders):
+        raise TraceError(
+            f"exported graph has {len(placeholders)} inputs but example_inputs flatten to "
+            f"{len(flat)}. {_REMEDIES}"
+        )
+    return Traced(
+        gm=gm,
+        tracer="export",
+        model=model,
+        input_nodes=placeholders,
+        constant_inputs={},
+        output_leaves=leaves,
+        out_spec=out_spec,
+        flatten=flatten,
+        example_shapes=[tuple(t.shape) for t in flat],
+        dynamic_batch=dynamic,
+        notes=notes,
+    )
+
+
+def _eager_check(model: nn.Module, inputs: Inputs) -> None:
+    """Tell bad inputs apart from an untraceable model: run the model itself once."""
+    try:
+        with torch.no_grad():
+            model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    except Exception as exc:  # noqa: BLE001 - re-raised as InputError with context
+        raise InputError(
+            f"the model fails on the given example_inputs ({_shapes(inputs)}): {_short(exc)} "
+            f"at {_user_frame(exc)}; pass inputs of the shape/dtype the model expects"
+        ) from exc
+
+
+def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced:
+    """Capture ``model`` as a graph, trying ``torch.fx`` first and ``torch.export`` second.
+
+    Raises:
+        TraceError: neither front end could capture the model; the message names the failing
+            construct and the remedies.
+        InputError: ``example_inputs`` do not fit the model's forward signature or shapes.
+    """
+    if tracer not in TRACERS:
+        raise ValueError(f"tracer must be one of {TRACERS}, got {tracer!r}")
+    if example_inputs is None:
+        raise InputError(
+            "split_model needs example_inputs (a tuple of positional tensors or a dict of keyword "
+            "tensors) to trace, check and profile the model"
+        )
+    inputs = normalize_inputs(example_inputs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module or fx.GraphModule, got {type(model)}")
+    sig = _bind(model.forward, inputs)
+    if isinstance(model, fx.GraphModule):
+        return _from_graph_module(model, model, inputs, sig, "graph_module")
+    fx_error: BaseException | None = None
+    if tracer in ("auto", "fx"):
+        try:
+            return _trace_fx(model, inputs, sig)
+        except InputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fx failing is the common case for HF models
+            fx_error = exc
+        if tracer == "fx":
+            raise TraceError(
+                f"torch.fx.symbolic_trace failed on {type(model).__name__}: {_short(fx_error)} "
+                f"at {_user_frame(fx_error)}. {_REMEDIES}"
+            ) from fx_error
+    try:
+        return _trace_export(model, inputs)
+    except (InputError, TraceError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - converted into a TraceError naming both failures
+        _eager_check(model, inputs)
+        parts = [f"torch.export failed: {_short(exc)} at {_user_frame(exc)}"]
+        if fx_error is not None:
+            parts.insert(0, f"torch.fx failed: {_short(fx_error, 200)} at {_user_frame(fx_error)}")
+        raise TraceError(
+            f"cannot capture {type(model).__name__} as a graph. {'; '.join(parts)}. {_REMEDIES}"
+        ) from exc

@@ -11,6 +11,7 @@ from lightning_autopipe.errors import (
     ScheduleError,
     TraceError,
 )
+from lightning_autopipe.graph import BlockGraph, split_model
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.profile import BlockProfile, Profile, profile_blocks
 from lightning_autopipe.strategy import AutoPipeStrategy, _register
@@ -21,6 +22,7 @@ _register()
 __all__ = [
     "AutoPipeError",
     "AutoPipeStrategy",
+    "BlockGraph",
     "BlockProfile",
     "BlockRangeError",
     "ClusterError",
@@ -34,5 +36,6 @@ __all__ = [
     "StagePlan",
     "TraceError",
     "profile_blocks",
+    "split_model",
 ]
 __version__ = "0.1.0"

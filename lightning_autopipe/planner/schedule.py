@@ -213,10 +213,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int, startup_slices: int = 1)
     ``k > 1`` the last stage (``d = 0``) runs ``F0.0 B0.0 F0.1 B0.1 ...``: its first backward
     starts after only ``1/k`` of a micro-batch has crossed the pipeline, and the gradients of
     the early slices flow back while the later slices and micro-batches still flow forward.
-    Every stage keeps the same forward lead in *samples* as plain 1F1B, so a stage never waits
-    for a whole micro-batch to arrive behind a slice, and the activations it holds in flight
-    stay bounded by ``d + 1`` micro-batches (the slices of micro-batch 0 together count as one),
-    exactly as in plain 1F1B.
+    Every stage keeps the same forward lead in *samples* as plain 1F1B (counting units instead
+    would let a few small slices stand in for whole micro-batches and starve the steady phase),
+    so the activations it holds in flight stay bounded by ``d + 1`` micro-batches (the slices
+    of micro-batch 0 together count as one), exactly as in plain 1F1B.
 
     4 stages, m = 4 micro-batches, k = 2 slices, forward 2 and backward 4 ticks per micro-batch
     (a slice takes 1 and 2), free transfers (:func:`ascii_timeline`); digits are forwards of that
@@ -237,8 +237,8 @@ def one_f_one_b(num_stages: int, num_microbatches: int, startup_slices: int = 1)
 
     What slicing can save: micro-batch 1 still enters after all of micro-batch 0 has left stage 0,
     so the last stage cannot start it before ``S f`` (``f``, ``b``: forward and backward time of a
-    micro-batch per stage); the step shrinks by ``min((S - 1) f (1 - 1/k), b)`` on a balanced
-    pipeline with free transfers (3 ticks above), and the schedule reaches that bound.
+    micro-batch per stage); with ``m >= 2`` on a balanced pipeline with free transfers the step
+    shrinks by exactly ``min((S - 1) f (1 - 1/k), b)`` (3 ticks above), which is that bound.
 
     Args:
         num_stages: pipeline depth ``S``.

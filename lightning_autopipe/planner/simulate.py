@@ -34,6 +34,7 @@ Cost model (the one every planner here is judged by):
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -269,21 +270,23 @@ def simulate(
     acts_of = [[(_CODE[a.kind], uidx[a.unit]) for a in lowered[s]] for s in range(num_stages)]
 
     # transfer peers: out_f[d] = [(dst, fraction)], out_b[d] likewise; in-degree per direction
-    out_f: list[list[tuple[int, float]]] = [[] for _ in range(nd)]
-    out_b: list[list[tuple[int, float]]] = [[] for _ in range(nd)]
+    out_f: list[list[tuple]] = [[] for _ in range(nd)]  # (dst, bytes per sample, gbps, lat, res)
+    out_b: list[list[tuple]] = [[] for _ in range(nd)]
     indeg = [[0, 0] for _ in range(nd)]  # [from previous stage, from next stage]
+    link = cluster._link  # cached (gbps, latency_us, resources) of a -> b
     for s in range(num_stages - 1):
+        per_sample = costs[s].activation_bytes / mbs  # activations out = gradients back
         for i, j, frac in _overlaps(reps[s], reps[s + 1]):
             a, b = stage_devs[s][i], stage_devs[s + 1][j]
-            out_f[a].append((b, frac))
-            out_b[b].append((a, frac))
+            gbps, lat, res = link(names[a], names[b])
+            out_f[a].append((b, per_sample * frac, gbps, lat / 1e3, res))
+            gbps, lat, res = link(names[b], names[a])
+            out_b[b].append((a, per_sample * frac, gbps, lat / 1e3, res))
             indeg[b][0] += 1
             indeg[a][1] += 1
-    act_bytes = [c.activation_bytes / mbs for c in costs]  # per sample
 
     # ------------------------------------------------------------------ event loop state
     heap: list[tuple] = []
-    seq = 0
     ptr = [0] * nd
     waiting = [-1] * nd
     left = [[indeg[d][0]] * nu + [indeg[d][1]] * nu for d in range(nd)]
@@ -293,15 +296,15 @@ def simulate(
     raw: list[tuple] = []
     res_flows: dict[tuple, set] = {}
     res_cap: dict[tuple, float] = {}
-    link = cluster._link  # cached (gbps, latency_us, resources)
     ar_state: dict[int, list] = {}
     ar_ms = [0.0] * num_stages
     dirty: list[_Flow] = []
 
+    heappush, heappop = heapq.heappush, heapq.heappop
+    tick = itertools.count().__next__
+
     def push(t: float, typ: int, a: object, b: object = None) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, typ, a, b))
+        heappush(heap, (t, tick(), typ, a, b))
 
     def rebalance(now: float, seeds: list[_Flow]) -> None:
         """Max-min fair rates for the flows connected to ``seeds`` through shared resources."""
@@ -342,20 +345,29 @@ def simulate(
                 f.ver += 1
                 push(now + max(f.rem, 0.0) / f.rate, _EV_FLOW, f, f.ver)
 
-    def start_flow(now: float, src: int, dst: int, nbytes: float, done: tuple) -> None:
-        gbps, lat_us, res = link(names[src], names[dst])
-        lat = lat_us / 1e3 if done[0] == "msg" else 0.0  # a ring pays latency per step, below
-        if nbytes <= 0 or not res or math.isinf(gbps):
+    def start_flow(
+        now: float, nbytes: float, gbps: float, lat: float, res: tuple, done: tuple
+    ) -> None:
+        if nbytes <= 0 or not res or gbps == math.inf:
             t = now + lat + (nbytes / (gbps * BYTES_PER_MS_PER_GBPS) if nbytes > 0 else 0.0)
-            push(t, _EV_ARRIVE, done, now)
+            heappush(heap, (t, tick(), _EV_ARRIVE, done, now))
             return
         f = _Flow(nbytes, res, lat, done, now)
+        alone = True
         for r in res:
-            if r not in res_flows:
-                res_flows[r] = set()
+            fl = res_flows.get(r)
+            if fl is None:
+                fl = res_flows[r] = set()
                 res_cap[r] = cluster.resource_gbps(r) * BYTES_PER_MS_PER_GBPS
-            res_flows[r].add(f)
-        dirty.append(f)  # rates are settled once per time stamp, in the event loop
+            elif fl:
+                alone = False
+            fl.add(f)
+        if alone:  # nothing to share with (yet): full speed, no rebalancing needed
+            f.rate = min(res_cap[r] for r in res)
+            f.ver = 1
+            heappush(heap, (now + nbytes / f.rate, tick(), _EV_FLOW, f, 1))
+        else:
+            dirty.append(f)  # rates are settled once per time stamp, in the event loop
 
     def start_allreduce(s: int, now: float) -> None:
         ring = cluster.ring_order([names[d] for d in stage_devs[s]])
@@ -364,8 +376,8 @@ def simulate(
         lat = max(cluster.latency_us(ring[i], ring[(i + 1) % n]) for i in range(n)) / 1e3
         ar_state[s] = [n, now, 2 * (n - 1) * lat]
         for i in range(n):
-            a, b = dev_index[ring[i]], dev_index[ring[(i + 1) % n]]
-            start_flow(now, a, b, nbytes, ("ar", s, a, b))
+            gbps, _, res = link(ring[i], ring[(i + 1) % n])
+            start_flow(now, nbytes, gbps, 0.0, res, ("ar", s))  # latency: per ring step, above
 
     def finish_device(d: int, now: float) -> None:
         finish[d] = now
@@ -383,16 +395,15 @@ def simulate(
             if code <= _B:
                 dur = fdur[d][u] if code == _F else bdur[d][u]
                 busy[d] += dur
-                raw.append((d, code, u, now, now + dur, -1))
+                end = now + dur
+                raw.append((d, code, u, now, end, -1))
                 ptr[d] = p + 1
-                push(now + dur, _EV_FREE, d)
+                heappush(heap, (end, tick(), _EV_FREE, d, None))
                 return
-            if code in (_SF, _SB):
-                s = stage_of[d]
-                peers = out_f[d] if code == _SF else out_b[d]
-                per = act_bytes[s if code == _SF else s - 1] * gsamples[u]
-                for dst, frac in peers:
-                    start_flow(now, d, dst, per * frac, ("msg", d, dst, code, u))
+            if code < _RF:  # a send (codes are ordered F, B, SF, SB, RF, RB)
+                g = gsamples[u]
+                for dst, per, gbps, lat, res in out_f[d] if code == _SF else out_b[d]:
+                    start_flow(now, per * g, gbps, lat, res, ("msg", d, dst, code, u))
             else:  # receive
                 slot = u if code == _RF else nu + u
                 if left[d][slot] > 0:
@@ -410,7 +421,7 @@ def simulate(
         rebalance(0.0, dirty)
         dirty.clear()
     while heap:
-        t, _, typ, a, b = heapq.heappop(heap)
+        t, _, typ, a, b = heappop(heap)
         if typ == _EV_FREE:
             advance(a, t)
         elif typ == _EV_FLOW:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -197,6 +198,23 @@ def test_startup_slices_shorten_a_deep_pipeline() -> None:
     devs = [d.name for d in pcie.devices][::2]  # 8 stages spread over both servers
     real = {k: simulate(_chain(8, 8, k, devs), prof, pcie).iteration_ms for k in (1, 2)}
     assert real[2] < real[1]
+
+
+@pytest.mark.parametrize(("fwd", "bwd"), [(1.0, 2.0), (2.0, 1.0), (1.0, 3.0)])
+def test_startup_slices_save_exactly_the_bound_on_balanced_pipelines(fwd, bwd) -> None:  # noqa: ANN001
+    # micro-batch 1 enters after all slices left stage 0, so at best the last stage starts
+    # it S f after the step begins: slicing saves min((S - 1) f (1 - 1/k), b) and no more
+    for num_stages, m, k in itertools.product(range(2, 7), range(2, 6), range(2, 5)):
+        prof = _profile([fwd] * num_stages, [bwd] * num_stages)
+        times = {}
+        for kk in (1, k):
+            plan = _chain(num_stages, m, kk)
+            plan.global_batch_size = MBS * k * m  # micro-batch: k profiles' worth of samples
+            times[kk] = simulate(plan, prof, _free(num_stages)).iteration_ms
+        f, b = fwd * k, bwd * k
+        assert times[1] == pytest.approx((num_stages - 1 + m) * (f + b))
+        saving = min((num_stages - 1) * f * (1 - 1 / k), b)
+        assert times[k] == pytest.approx(times[1] - saving), (num_stages, m, k)
 
 
 def _two_servers(nic_gbps: float) -> Cluster:

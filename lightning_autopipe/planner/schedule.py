@@ -11,8 +11,11 @@ An :class:`Action` prints and parses as short text, ``"<stage><kind><microbatch>
 * ``2SF0.1`` stage 2 sends the activations of (0, 1) to stage 3; ``3RF0.1`` receives them
 * ``3SB0.1`` stage 3 sends the input gradients of (0, 1) to stage 2; ``2RB0.1`` receives them
 
-Compute-only schedules (``F``/``B``) come from the generators; :func:`lower_communication`
-inserts the send/receive actions the runtime executes and the simulator prices.
+Compute-only schedules (``F``/``B``) come from the generators (:func:`one_f_one_b` with split
+startup micro-batch, :func:`gpipe`, :func:`forward_only`; :func:`build_schedule` picks one for a
+Plan); :func:`lower_communication` inserts the send/receive actions the runtime executes and the
+simulator prices. :func:`validate`, :func:`format_grid` and :func:`ascii_timeline` live in
+``planner/replay.py`` and are re-exported here.
 """
 
 from __future__ import annotations

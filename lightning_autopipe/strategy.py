@@ -159,6 +159,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._pipe: LocalPipeline | None = None
+        self._grads: list[Tensor | None] | None = None
         self._hidden_example: Any = None
         # Filled by setup (the recipes' plan report reads them):
         self.plan: Plan | None = None
@@ -256,6 +257,11 @@ class AutoPipeStrategy(ParallelStrategy):
             )
         module = self.lightning_module
         assert module is not None
+        if not module.automatic_optimization:
+            raise PlanError(
+                "AutoPipeStrategy needs automatic optimization (the schedule runs forward and "
+                "backward itself); remove `self.automatic_optimization = False`"
+            )
         example, batch_size = _example(trainer, module)
         self._pipe = build_local_pipeline(
             module,
@@ -333,14 +339,33 @@ class AutoPipeStrategy(ParallelStrategy):
 
     # ---------------------------------------------------------------------- step hooks
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the whole schedule (every forward and backward) and sync the gradients.
+
+        Lightning zeroes gradients *between* ``training_step`` and ``backward``, so the
+        gradients are put aside here and handed back in :meth:`backward`.
+        """
         assert self._pipe is not None
         batch = args[0] if args else kwargs["batch"]
+        params = self._pipe.executor.parameters
+        for p in params:
+            p.grad = None
         with self.precision_plugin.train_step_context():
-            return self._pipe.executor.train_step(batch)
+            loss = self._pipe.executor.train_step(batch)
+        self._grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return loss
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """No-op: the schedule already ran every backward inside ``training_step``."""
-        return closure_loss
+        """Install the gradients the schedule computed; the before/after-backward hooks run."""
+        assert self._pipe is not None
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._grads is not None:
+            for p, g in zip(self._pipe.executor.parameters, self._grads):
+                p.grad = g
+            self._grads = None
+        return self.precision_plugin.post_backward(closure_loss, module)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Tensor:
         return self._eval_step(

@@ -85,7 +85,7 @@ def _reference(model: str, replicas: int, num: int, m: int, k: int, *, clip=None
     vx, vy = C.dataset(model, C.REPLICA_BATCH * C.VAL_BATCHES * replicas, seed=2)
     opt = torch.optim.SGD(net.parameters(), lr=C.LR)
     b = C.REPLICA_BATCH
-    idx = [C.replica_indices(num, replicas, r) for r in range(replicas)]
+    idx = [C.replica_indices(num, replicas, r, shuffle=True) for r in range(replicas)]
     bn = model == "cnn_bn"
     buffers = [{k_: v.clone() for k_, v in net.named_buffers()} for _ in range(replicas)]
     losses = []
@@ -113,7 +113,7 @@ def _reference(model: str, replicas: int, num: int, m: int, k: int, *, clip=None
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
     net.eval()
-    vidx = [C.replica_indices(len(vx), replicas, r) for r in range(replicas)]
+    vidx = [C.replica_indices(len(vx), replicas, r, shuffle=False) for r in range(replicas)]
     val = []
     with torch.no_grad():
         for t in range(C.VAL_BATCHES):

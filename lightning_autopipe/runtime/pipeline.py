@@ -143,12 +143,11 @@ def _reraise_from_rank0(kind: str, message: str) -> None:
 
 
 def _tie_locals(tie: Any) -> dict[int, str]:
-    """Stage index -> local parameter name of one tie group (graph layer's TieGroup)."""
-    for attr in ("locals", "local_names", "stages", "names"):
-        value = getattr(tie, attr, None)
-        if isinstance(value, dict):
-            return {int(k): str(v) for k, v in value.items()}
-    raise PipelineRuntimeError(f"cannot read the stages of tie group {tie!r}")
+    """Stage index -> local name of the parameter in that stage (graph layer's ``TieGroup``)."""
+    return {
+        int(s): str(names[0] if isinstance(names, tuple | list) else names)
+        for s, names in tie.stages.items()
+    }
 
 
 def build_local_pipeline(

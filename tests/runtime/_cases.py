@@ -41,9 +41,18 @@ def loss_fn(outputs: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> 
     return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
 
 
-def replica_indices(num: int, replicas: int, replica: int) -> list[int]:
-    """What DistributedSampler(shuffle=False) gives replica ``replica`` (num divisible)."""
-    return list(range(num))[replica::replicas]
+def replica_indices(num: int, replicas: int, replica: int, shuffle: bool) -> list[int]:
+    """What Lightning's DistributedSampler gives ``replica`` in epoch 0.
+
+    Lightning shuffles every training loader it wraps (seed ``PL_GLOBAL_SEED``, unset: 0) and
+    keeps validation loaders in order.
+    """
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(
+        range(num), num_replicas=replicas, rank=replica, shuffle=shuffle, seed=0
+    )
+    return list(sampler)
 
 
 def unit_slices(batch: int, m: int, k: int) -> list[tuple[int, int]]:

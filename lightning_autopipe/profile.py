@@ -13,10 +13,15 @@ checked against the model it is used with.
 
 from __future__ import annotations
 
+import copy
 import json
+import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 __all__ = ["BlockProfile", "Profile", "profile_blocks"]
 
@@ -127,5 +132,144 @@ class Profile:
         return cls.from_json(Path(path).read_text())
 
 
-def profile_blocks(*args: Any, **kwargs: Any) -> Profile:  # replaced by the graph work
-    raise NotImplementedError
+# Timer floor: a block whose work is below the clock's resolution (a reshape, a residual add)
+# can measure 0 ms, but planners divide by and compare costs, so every cost stays positive.
+_MIN_MS = 1e-3
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prepare(values: tuple[Any, ...], grads: list[bool]) -> tuple[Any, ...]:
+    """Fresh leaves like those a pipeline stage receives: detached, grad where it flows."""
+    out = []
+    for v, g in zip(values, grads):
+        if isinstance(v, torch.Tensor):
+            v = v.detach()
+            if g and v.is_floating_point():
+                v.requires_grad_(True)
+        out.append(v)
+    return tuple(out)
+
+
+def _grad_targets(outputs: tuple[Any, ...]) -> list[torch.Tensor]:
+    return [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _saved_bytes(stage: Any, inputs: tuple[Any, ...], skip: set[int]) -> tuple[int, tuple]:
+    """Bytes of the distinct storages autograd saves for backward (parameters excluded)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in skip:
+            storages[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs = stage(*inputs)
+    return sum(storages.values()), outputs
+
+
+def _time_block(
+    stage: Any, values: tuple[Any, ...], grads: list[bool], device: torch.device, runs: int
+) -> tuple[list[float], list[float], tuple[Any, ...]]:
+    fwd, bwd = [], []
+    outputs: tuple[Any, ...] = ()
+    for _ in range(runs):
+        inputs = _prepare(values, grads)
+        _sync(device)
+        t0 = time.perf_counter()
+        outputs = stage(*inputs)
+        _sync(device)
+        t1 = time.perf_counter()
+        targets = _grad_targets(outputs)
+        if targets:
+            torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
+        _sync(device)
+        t2 = time.perf_counter()
+        fwd.append((t1 - t0) * 1e3)
+        bwd.append((t2 - t1) * 1e3)
+    return fwd, bwd, outputs
+
+
+def profile_blocks(
+    blocks: Any,
+    example_inputs: Any,
+    device: str = "cpu",
+    warmup: int = 1,
+    repeats: int = 3,
+    model_name: str | None = None,
+) -> Profile:
+    """Measure every block of a split model on ``device`` for one micro-batch.
+
+    Each block runs as its own stage on the real values that reach it when the chain runs on
+    ``example_inputs`` (their batch size is the micro-batch size). Its inputs are fresh leaves
+    (gradients flow into them, as in a pipeline), its outputs are back-propagated with ones.
+
+    Args:
+        blocks: a :class:`~lightning_autopipe.graph.BlockGraph` from ``split_model``.
+        example_inputs: one micro-batch (tuple of positional or dict of keyword tensors).
+        device: where to run; off the CPU each block runs on a copy of its parameters, so the
+            user's model stays where it is.
+        warmup: untimed runs per block (the first also measures saved-activation memory).
+        repeats: timed runs per block; the median is reported.
+        model_name: recorded in the profile (default: the model's class name).
+
+    Returns:
+        A :class:`Profile` with ``fingerprint = blocks.fingerprint``. Parameter gradients and
+        buffers (e.g. batch-norm statistics) of the model are restored afterwards.
+    """
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, {repeats=}")
+    dev = torch.device(device)
+    flat = blocks.flatten_inputs(example_inputs)
+    batch = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
+    model = blocks.model
+    saved_grads = [(p, p.grad) for p in model.parameters()]
+    saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    values: tuple[Any, ...] = tuple(t.to(dev) for t in flat)
+    out: list[BlockProfile] = []
+    try:
+        for b in range(len(blocks)):
+            stage = blocks.stage(b, b + 1)
+            if dev.type != "cpu":
+                stage = copy.deepcopy(stage).to(dev)
+            grads = [v.requires_grad for v in blocks.boundary(b)]
+            skip = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+            memory, outputs = _saved_bytes(stage, _prepare(values, grads), skip)
+            targets = _grad_targets(outputs)
+            if targets:  # free the graph of the memory run
+                torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
+            fwd, bwd, outputs = _time_block(stage, values, grads, dev, max(warmup - 1, 0))
+            fwd, bwd, outputs = _time_block(stage, values, grads, dev, repeats)
+            params = {id(p): p for p in stage.parameters()}
+            out.append(
+                BlockProfile(
+                    name=blocks.names[b],
+                    forward_ms=max(statistics.median(fwd), _MIN_MS),
+                    backward_ms=max(statistics.median(bwd), _MIN_MS),
+                    param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+                    activation_bytes=sum(
+                        o.numel() * o.element_size() for o in outputs if isinstance(o, torch.Tensor)
+                    ),
+                    memory_bytes=int(memory),
+                )
+            )
+            values = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+    finally:
+        with torch.no_grad():
+            for buf, old in saved_buffers:
+                buf.copy_(old)
+        for p, g in saved_grads:
+            p.grad = g
+    return Profile(
+        model=model_name or type(model).__name__,
+        micro_batch_size=batch,
+        device=str(dev),
+        blocks=out,
+        fingerprint=blocks.fingerprint,
+    )

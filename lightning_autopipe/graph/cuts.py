@@ -5,7 +5,7 @@ Nodes are keyed by the module that ran them. A *layer* is a child of a container
 module whose children are numbered): one transformer layer, one ResNet block. At ``"layer"``
 granularity each layer is one block and the runs of nodes between layers (embeddings, heads)
 form one block each. At ``"sub-block"`` granularity a layer is split at its direct children,
-and children that hold few parameters (< 20 % of the largest sibling: norms, activations,
+and children that hold few parameters (< 8 % of the largest sibling: norms, activations,
 residual adds) are merged into a neighbour across whichever of their two boundaries carries
 *more* live values, which keeps the boundaries with the fewest live tensors: pre-LN
 transformers split into attention and MLP halves with their residual adds, ResNet blocks into
@@ -25,7 +25,7 @@ from lightning_autopipe.graph.analysis import GraphInfo
 __all__ = ["Block", "GRANULARITIES", "choose_blocks"]
 
 GRANULARITIES = ("sub-block", "layer")
-_LIGHT = 0.2  # a segment with < 20 % of its group's largest parameter count is "light"
+_LIGHT = 0.08  # a segment with < 8 % of its group's largest parameter count is "light"
 
 
 @dataclass

@@ -1,0 +1,109 @@
+"""``python -m lightning_autopipe profile``: split a model, profile its blocks, print and save."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from lightning_autopipe.errors import AutoPipeError
+
+if TYPE_CHECKING:
+    from lightning_autopipe.profile import Profile
+
+__all__ = ["format_profile", "profile_main"]
+
+
+def _bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover - loop always returns
+
+
+def format_profile(profile: Profile) -> str:
+    """A per-block table of a :class:`~lightning_autopipe.profile.Profile`."""
+    width = max(4, *(len(b.name) for b in profile.blocks))
+    head = (
+        f"{'#':>3}  {'block':<{width}}  {'fwd ms':>9}  {'bwd ms':>9}  {'params':>10}  "
+        f"{'activation':>10}  {'memory':>10}"
+    )
+    lines = [head, "-" * len(head)]
+    for i, b in enumerate(profile.blocks):
+        lines.append(
+            f"{i:>3}  {b.name:<{width}}  {b.forward_ms:>9.3f}  {b.backward_ms:>9.3f}  "
+            f"{_bytes(b.param_bytes):>10}  {_bytes(b.activation_bytes):>10}  "
+            f"{_bytes(b.memory_bytes):>10}"
+        )
+    lines.append("-" * len(head))
+    total_fwd = sum(b.forward_ms for b in profile.blocks)
+    total_bwd = sum(b.backward_ms for b in profile.blocks)
+    params = sum(b.param_bytes for b in profile.blocks)
+    memory = sum(b.memory_bytes for b in profile.blocks)
+    lines.append(
+        f"{'':>3}  {'total':<{width}}  {total_fwd:>9.3f}  {total_bwd:>9.3f}  "
+        f"{_bytes(params):>10}  {'':>10}  {_bytes(memory):>10}"
+    )
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from lightning_autopipe.models import MODEL_NAMES
+
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_autopipe profile",
+        description="Split a model into blocks and measure each block's costs.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"one of {', '.join(MODEL_NAMES)}, or 'package.module:factory' returning "
+        "(model, example_inputs)",
+    )
+    p.add_argument("--size", default="small", help="tiny | small | real (gpt2: xl; bert: base)")
+    p.add_argument("--granularity", default="sub-block", choices=["sub-block", "layer"])
+    p.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tracer", default="auto", choices=["auto", "fx", "export"])
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="write the profile JSON here")
+    return p
+
+
+def profile_main(argv: list[str]) -> int:
+    """Entry point of ``python -m lightning_autopipe profile``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    from lightning_autopipe.graph.blocks import split_model
+    from lightning_autopipe.models import build_model
+    from lightning_autopipe.profile import profile_blocks
+
+    try:
+        start = time.perf_counter()
+        model, example = build_model(args.model, args.size, batch_size=args.micro_batch_size)
+        blocks = split_model(model, example, granularity=args.granularity, tracer=args.tracer)
+        split_s = time.perf_counter() - start
+        profile = profile_blocks(
+            blocks,
+            example,
+            device=args.device,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            model_name=args.model if ":" in args.model else f"{args.model}-{args.size}",
+        )
+    except (AutoPipeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"model {profile.model}: {len(blocks)} blocks ({args.granularity}, traced by "
+        f"{blocks.tracer} in {split_s:.1f} s), micro-batch {profile.micro_batch_size}, "
+        f"device {profile.device}, fingerprint {profile.fingerprint}"
+    )
+    print(format_profile(profile))
+    if args.out:
+        profile.save(args.out)
+        print(f"wrote {args.out}")
+    return 0

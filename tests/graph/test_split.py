@@ -1,0 +1,160 @@
+"""split_model on real architectures: chained stages give the original outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_autopipe import split_model
+from lightning_autopipe.models import build_model
+from tests.graph._reference import call, check_split, main_output, random_cuts
+
+
+def _cut_sets(n: int) -> list[list[int]]:
+    """Every block its own stage, plus two seeded random partitions."""
+    return [list(range(n + 1)), random_cuts(n, 3, seed=n), random_cuts(n, 5, seed=n + 1)]
+
+
+@pytest.mark.parametrize(
+    ("name", "size"),
+    [
+        ("tiny_gpt", "tiny"),
+        ("small_cnn", "tiny"),
+        ("small_cnn_bn", "tiny"),
+        ("resnet18", "small"),
+        ("resnet50", "small"),
+        ("vit_b_16", "tiny"),
+    ],
+)
+def test_fx_models_match_original(name: str, size: str) -> None:
+    torch.manual_seed(0)
+    model, example = build_model(name, size)
+    blocks = split_model(model, example)
+    assert blocks.tracer == "fx"
+    assert len(blocks) >= 4
+    for cuts in _cut_sets(len(blocks)):
+        check_split(blocks, model, example, cuts)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_hf_models_match_original_through_export(name: str) -> None:
+    torch.manual_seed(0)
+    model, example = build_model(name, "tiny")  # 2 layers, d 64, vocab 256, seq 16, batch 2
+    blocks = split_model(model, example)
+    assert blocks.tracer == "export"
+    assert blocks.dynamic_batch
+    for cuts in _cut_sets(len(blocks)):
+        check_split(blocks, model, example, cuts)
+    # micro-batches and startup slices are smaller or larger than the traced batch
+    for batch in (1, 3):
+        other = {k: torch.cat([v, v])[:batch] for k, v in example.items()}
+        check_split(blocks, model, other, random_cuts(len(blocks), 3, seed=batch))
+
+
+def test_tied_embeddings_form_a_tie_group_across_stages() -> None:
+    model, example = build_model("tiny_gpt", "tiny")
+    blocks = split_model(model, example)
+    n = len(blocks)
+    (tie,) = blocks.tie_groups([0, 1, n - 1, n])
+    assert set(tie.aliases) == {"wte.weight", "lm_head.weight"}
+    assert set(tie.stages) == {0, 2}
+    # in one stage the tied weight stays one Parameter, still reported under both names
+    (single,) = blocks.tie_groups([0, n])
+    assert set(single.stages) == {0}
+    assert set(single.stages[0]) == {"wte.weight", "lm_head.weight"}
+    stage = blocks.stage(0, n)
+    assert stage.get_parameter("wte.weight") is stage.get_parameter("lm_head.weight")
+
+
+def test_hf_gpt2_tie_and_names() -> None:
+    model, example = build_model("gpt2", "tiny")
+    blocks = split_model(model, example)
+    n = len(blocks)
+    (tie,) = blocks.tie_groups([0, 2, n])
+    assert set(tie.aliases) == {"transformer.wte.weight", "lm_head.weight"}
+    assert set(tie.stages) == {0, 1}
+    assert blocks.names[0] == "transformer.wte"
+    assert blocks.names[-1] == "lm_head"
+    assert "transformer.h.1.attn" in blocks.names
+    assert "transformer.h.1.mlp" in blocks.names
+
+
+def test_sub_block_is_finer_than_layer_and_cuts_are_narrow() -> None:
+    model, example = build_model("gpt2", "tiny")
+    layers = model.config.n_layer
+    fine = split_model(model, example, granularity="sub-block")
+    coarse = split_model(model, example, granularity="layer")
+    assert len(fine) >= 2 * layers
+    assert len(coarse) < len(fine)
+    assert [f"transformer.h.{i}" for i in range(layers)] == coarse.names[1:-1]
+    # a naive node-order cut carries up to 16 tensors (FACTS.md); ours carry the residual
+    # stream plus the attention mask at most
+    assert max(len(fine.boundary(k)) for k in range(1, len(fine))) <= 2
+    for k in range(1, len(fine)):
+        for v in fine.boundary(k):
+            assert isinstance(v.shape, tuple)
+            assert v.shape[0] == 2
+
+
+def test_resnet_sub_blocks_follow_convolution_groups() -> None:
+    model, example = build_model("resnet50", "small")
+    fine = split_model(model, example)
+    coarse = split_model(model, example, granularity="layer")
+    assert coarse.names[1:-1] == [
+        f"layer{s}.{b}" for s, n in zip(range(1, 5), (3, 4, 6, 3), strict=True) for b in range(n)
+    ]
+    assert "layer1.0.conv1" in fine.names
+    assert "layer1.0.conv2" in fine.names
+    assert "layer1.0.conv3" in fine.names
+    assert len(fine) > 2 * len(coarse)
+    assert max(len(fine.boundary(k)) for k in range(1, len(fine))) <= 2  # activation + skip
+
+
+def test_run_and_stage_io_and_fingerprint() -> None:
+    model, example = build_model("tiny_gpt", "tiny")
+    blocks = split_model(model, example)
+    n = len(blocks)
+    expected = call(model, example)
+    torch.testing.assert_close(blocks.run(example, cuts=[0, 2, 5, n]), expected)
+    torch.testing.assert_close(blocks.run(example), expected)
+    io = blocks.stage_io(2, 4)
+    assert io.blocks == (2, 4)
+    assert [v.name for v in io.inputs] == list(blocks.stage(2, 4).input_names)
+    assert all(v.requires_grad and v.dtype == torch.float32 for v in io.outputs)
+    assert blocks.stage_io(0, 1).inputs[0].dtype == torch.int64
+    assert not blocks.stage_io(0, 1).inputs[0].requires_grad
+    again = split_model(build_model("tiny_gpt", "tiny")[0], example)
+    assert again.fingerprint == blocks.fingerprint
+    other = split_model(build_model("tiny_gpt", "small")[0], build_model("tiny_gpt", "small")[1])
+    assert other.fingerprint != blocks.fingerprint
+    assert split_model(model, example, granularity="layer").fingerprint != blocks.fingerprint
+
+
+def test_stage_outlives_the_original_model() -> None:
+    model, example = build_model("tiny_gpt", "tiny")
+    blocks = split_model(model, example)
+    stage = blocks.stage(1, 3)
+    inputs = blocks.stage(0, 1)(*blocks.flatten_inputs(example))
+    expected = stage(*inputs)
+    assert not [n for n in stage.graph.nodes if n.op == "placeholder"][len(inputs) :]
+    del model, blocks
+    import gc
+
+    gc.collect()
+    torch.testing.assert_close(stage(*inputs), expected)
+
+
+def test_pretraced_graph_module_is_used_as_is() -> None:
+    model, example = build_model("tiny_gpt", "tiny")
+    gm = torch.fx.symbolic_trace(model)
+    blocks = split_model(gm, example)
+    assert blocks.tracer == "graph_module"
+    check_split(blocks, gm, example, random_cuts(len(blocks), 3, seed=0))
+    torch.testing.assert_close(main_output(blocks.run(example)), model(*example))
+
+
+def test_fx_path_accepts_other_batch_sizes_and_keyword_inputs() -> None:
+    model, example = build_model("tiny_gpt", "tiny")
+    blocks = split_model(model, {"input_ids": example[0]})
+    ids = torch.randint(0, 128, (5, 16))
+    torch.testing.assert_close(blocks.run({"input_ids": ids}, [0, 3, len(blocks)]), model(ids))

@@ -41,6 +41,7 @@ from functools import cached_property
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import PlanError, ScheduleError
+from lightning_autopipe.planner.fluid import FluidLinks
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.schedule import (
     Kind,
@@ -194,20 +195,6 @@ def _overlaps(r_a: int, r_b: int) -> list[tuple[int, int, float]]:
     return out
 
 
-class _Flow:
-    __slots__ = ("rem", "rate", "t", "res", "ver", "lat", "done", "start")
-
-    def __init__(self, rem: float, res: tuple, lat: float, done: tuple, start: float) -> None:
-        self.rem = rem
-        self.rate = 0.0
-        self.t = start
-        self.res = res
-        self.ver = 0
-        self.lat = lat
-        self.done = done  # payload handed back on arrival
-        self.start = start
-
-
 def simulate(
     plan: Plan,
     profile: Profile,
@@ -251,11 +238,9 @@ def simulate(
     specs = [cluster.device(n).spec for n in names]
     nd = len(names)
     stage_of = [0] * nd
-    rep_of = [0] * nd
     for s, st in enumerate(plan.stages):
-        for i, n in enumerate(st.devices):
+        for n in st.devices:
             stage_of[dev_index[n]] = s
-            rep_of[dev_index[n]] = i
     stage_devs = [[dev_index[n] for n in st.devices] for st in plan.stages]
 
     # per-device compute durations per unit, and per-stage action codes
@@ -294,11 +279,8 @@ def simulate(
     finish = [0.0] * nd
     stage_left = list(reps)
     raw: list[tuple] = []
-    res_flows: dict[tuple, set] = {}
-    res_cap: dict[tuple, float] = {}
     ar_state: dict[int, list] = {}
     ar_ms = [0.0] * num_stages
-    dirty: list[_Flow] = []
 
     heappush, heappop = heapq.heappush, heapq.heappop
     tick = itertools.count().__next__
@@ -306,68 +288,18 @@ def simulate(
     def push(t: float, typ: int, a: object, b: object = None) -> None:
         heappush(heap, (t, tick(), typ, a, b))
 
-    def rebalance(now: float, seeds: list[_Flow]) -> None:
-        """Max-min fair rates for the flows connected to ``seeds`` through shared resources."""
-        comp: set[_Flow] = set(seeds)
-        stack = list(comp)
-        rs: set[tuple] = set()
-        while stack:
-            for r in stack.pop().res:
-                if r not in rs:
-                    rs.add(r)
-                    for g in res_flows[r]:
-                        if g not in comp:
-                            comp.add(g)
-                            stack.append(g)
-        old = {}
-        for f in comp:
-            f.rem -= f.rate * (now - f.t)
-            f.t = now
-            old[f] = f.rate
-        if len(comp) == 1:
-            (f,) = comp
-            f.rate = min(res_cap[r] for r in f.res)
-        else:
-            cap = {r: res_cap[r] for r in rs}
-            cnt = {r: len(res_flows[r]) for r in rs}
-            todo = set(comp)
-            while todo:
-                share, r0 = min((cap[r] / n, r) for r, n in cnt.items() if n > 0)
-                for f in res_flows[r0]:
-                    if f in todo:
-                        todo.discard(f)
-                        f.rate = share
-                        for r in f.res:
-                            cap[r] -= share
-                            cnt[r] -= 1
-        for f in comp:
-            if f.rate != old[f]:  # unchanged rate: its pending completion event stays right
-                f.ver += 1
-                push(now + max(f.rem, 0.0) / f.rate, _EV_FLOW, f, f.ver)
+    links = FluidLinks(
+        lambda r: cluster.resource_gbps(r) * BYTES_PER_MS_PER_GBPS, heap, tick, _EV_FLOW
+    )
 
     def start_flow(
         now: float, nbytes: float, gbps: float, lat: float, res: tuple, done: tuple
     ) -> None:
-        if nbytes <= 0 or not res or gbps == math.inf:
+        if nbytes <= 0 or not res or gbps == math.inf:  # nothing to share: a pure delay
             t = now + lat + (nbytes / (gbps * BYTES_PER_MS_PER_GBPS) if nbytes > 0 else 0.0)
             heappush(heap, (t, tick(), _EV_ARRIVE, done, now))
-            return
-        f = _Flow(nbytes, res, lat, done, now)
-        alone = True
-        for r in res:
-            fl = res_flows.get(r)
-            if fl is None:
-                fl = res_flows[r] = set()
-                res_cap[r] = cluster.resource_gbps(r) * BYTES_PER_MS_PER_GBPS
-            elif fl:
-                alone = False
-            fl.add(f)
-        if alone:  # nothing to share with (yet): full speed, no rebalancing needed
-            f.rate = min(res_cap[r] for r in res)
-            f.ver = 1
-            heappush(heap, (now + nbytes / f.rate, tick(), _EV_FLOW, f, 1))
         else:
-            dirty.append(f)  # rates are settled once per time stamp, in the event loop
+            links.start(now, nbytes, res, (lat, done, now))
 
     def start_allreduce(s: int, now: float) -> None:
         ring = cluster.ring_order([names[d] for d in stage_devs[s]])
@@ -417,23 +349,16 @@ def simulate(
     has_backward = any(a.kind is Kind.BACKWARD for acts in schedule.values() for a in acts)
     for d in range(nd):
         advance(d, 0.0)
-    if dirty:
-        rebalance(0.0, dirty)
-        dirty.clear()
+    links.settle(0.0)
     while heap:
         t, _, typ, a, b = heappop(heap)
         if typ == _EV_FREE:
             advance(a, t)
         elif typ == _EV_FLOW:
-            f = a
-            if b != f.ver:
+            if not links.finish(a, b):
                 continue
-            for r in f.res:
-                res_flows[r].discard(f)
-            f.rate = 0.0
-            f.ver = -1
-            dirty.extend(g for r in f.res for g in res_flows[r])
-            push(t + f.lat, _EV_ARRIVE, f.done, f.start)
+            lat, done, start = a.payload
+            push(t + lat, _EV_ARRIVE, done, start)
         elif typ == _EV_ARRIVE:
             if a[0] == "msg":
                 _, src, dst, code, u = a
@@ -457,11 +382,8 @@ def simulate(
             for d in stage_devs[s]:
                 finish[d] = t
                 raw.append((d, _AR, -1, start, t, -1))
-        if dirty and (not heap or heap[0][0] > t):
-            live = [f for f in dirty if f.ver >= 0]
-            dirty.clear()
-            if live:
-                rebalance(t, live)
+        if links.pending and (not heap or heap[0][0] > t):
+            links.settle(t)
 
     stuck = [names[d] for d in range(nd) if ptr[d] < len(acts_of[stage_of[d]])]
     if stuck:

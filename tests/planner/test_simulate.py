@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import math
@@ -12,6 +13,7 @@ import pytest
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import ClusterError, PlanError
+from lightning_autopipe.planner.fluid import FluidLinks
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.schedule import Kind, gpipe, one_f_one_b
 from lightning_autopipe.planner.simulate import simulate
@@ -371,3 +373,22 @@ def test_trace_and_png_are_written(tmp_path: Path) -> None:
     img = matplotlib.image.imread(png)
     assert img.shape[0] > 100
     assert img.shape[1] > 500
+
+
+def test_fluid_links_share_max_min_fairly() -> None:
+    # resource A (10 bytes/ms) carries flows 1 and 2, B (4 bytes/ms) carries flow 1 only:
+    # B caps flow 1 at 4, so flow 2 gets the remaining 6 of A (not an equal 5 / 5 split)
+    heap: list = []
+    links = FluidLinks({"A": 10.0, "B": 4.0}.__getitem__, heap, itertools.count().__next__, 7)
+    links.start(0.0, 40.0, ("A", "B"), "one")
+    links.start(0.0, 30.0, ("A",), "two")
+    links.settle(0.0)
+    done = {}
+    while heap:
+        t, _, kind, flow, ver = heapq.heappop(heap)
+        assert kind == 7
+        if links.finish(flow, ver):
+            done[flow.payload] = t
+            links.settle(t)
+    # flow 2: 30 bytes at 6/ms ends at 5; flow 1: 20 bytes by then, 20 more at 4/ms -> 10
+    assert done == pytest.approx({"two": 5.0, "one": 10.0})

@@ -88,26 +88,38 @@ class Layout:
         return tuple(len(g) for g in self.groups)
 
     @classmethod
-    def from_cluster(cls, cluster: Cluster, groups: list[list[str]]) -> Layout:
+    def from_cluster(
+        cls, cluster: Cluster, groups: list[list[str]], *, optimistic: bool = False
+    ) -> Layout:
+        """Reduce ``groups`` (devices of each stage, in pipeline order) to cost-model numbers.
+
+        With ``optimistic=True`` every stage runs at its fastest replica's speed over its fastest
+        links without contention: the result is a lower bound of :func:`simulate` (all event
+        times of a replay are monotone in the durations), which the exact search prunes with.
+        """
         devs = [[cluster.device(n) for n in g] for g in groups]
         lat, per_byte = [], []
         for a, b in zip(groups, groups[1:]):
             pairs = _pairs(list(a), list(b))
-            lat.append(max(cluster.latency_us(x, y) for x, y in pairs) / 1e3)
-            bw = _contended_gbps(cluster, pairs)
+            if optimistic:
+                lat.append(min(cluster.latency_us(x, y) for x, y in pairs) / 1e3)
+                bw = max(cluster.bandwidth_gbps(x, y) for x, y in pairs)
+            else:
+                lat.append(max(cluster.latency_us(x, y) for x, y in pairs) / 1e3)
+                bw = _contended_gbps(cluster, pairs)
             per_byte.append(1.0 / (bw * BYTES_PER_MS_PER_GBPS))
-        ar_lat, ar_pb = [], []
-        for g in groups:
-            base = cluster.allreduce_ms(list(g), 1) if len(g) > 1 else 0.0
-            big = cluster.allreduce_ms(list(g), 1 << 30) if len(g) > 1 else 0.0
-            slope = (big - base) / ((1 << 30) - 1)
-            ar_pb.append(slope)
-            ar_lat.append(max(base - slope, 0.0))
+        if optimistic:
+            ar_lat, ar_pb = _allreduce_costs(cluster, [g for g in groups], contended=False)
+        else:
+            ar_lat, ar_pb = _allreduce_costs(cluster, groups)
+        pick = max if optimistic else min
         return cls(
             groups=tuple(tuple(g) for g in groups),
-            speeds=tuple(min(d.spec.speed for d in g) for g in devs),
+            speeds=tuple(pick(d.spec.speed for d in g) for g in devs),
             capacity=tuple(min(d.spec.memory_bytes for d in g) for g in devs),
-            overhead_ms=tuple(max(d.spec.overhead_ms for d in g) for g in devs),
+            overhead_ms=tuple(
+                (min if optimistic else max)(d.spec.overhead_ms for d in g) for g in devs
+            ),
             link_lat_ms=tuple(lat),
             link_ms_per_byte=tuple(per_byte),
             ar_lat_ms=tuple(ar_lat),
@@ -137,6 +149,44 @@ def _contended_gbps(cluster: Cluster, pairs: list[tuple[str, str]]) -> float:
     return worst
 
 
+def _allreduce_costs(
+    cluster: Cluster, groups: list[list[str]], contended: bool = True
+) -> tuple[list[float], list[float]]:
+    """Per group: ring all-reduce (latency ms, ms per parameter byte), all rings contending.
+
+    The stages' all-reduces run at the end of the step, close together; rings whose edges
+    share a NIC or a PCIe level split its bandwidth, which decides between keeping a stage's
+    replicas in one server and spreading them.
+    """
+    rings = []
+    use: dict[tuple, int] = {}
+    for g in groups:
+        ring = cluster.ring_order(list(g))
+        edges = [(ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring))]
+        edges = edges if len(ring) > 1 else []
+        res = [cluster.link_resources(a, b) for a, b in edges]
+        for rs in res:
+            for r in rs:
+                use[r] = use.get(r, 0) + 1
+        rings.append((edges, res))
+    lat, per_byte = [], []
+    for edges, res in rings:
+        n = len(edges)
+        if n < 2:
+            lat.append(0.0)
+            per_byte.append(0.0)
+            continue
+        bw = float("inf")
+        for (a, b), rs in zip(edges, res):
+            e = cluster.bandwidth_gbps(a, b)
+            for r in rs if contended else ():
+                e = min(e, cluster.resource_gbps(r) / use[r])
+            bw = min(bw, e)
+        lat.append(2 * (n - 1) * max(cluster.latency_us(a, b) for a, b in edges) / 1e3)
+        per_byte.append(2 * (n - 1) / n / (bw * BYTES_PER_MS_PER_GBPS))
+    return lat, per_byte
+
+
 @dataclass(frozen=True)
 class _Compiled:
     """A compute-only schedule flattened into dependency order (see :func:`compile_schedule`)."""
@@ -153,53 +203,95 @@ def compile_schedule(schedule: Schedule, fracs: list[float]) -> _Compiled:
     Raises:
         ScheduleError: the schedule deadlocks (some stage waits for a unit never produced).
     """
-    num = len(schedule)
     ulist = sorted({a.unit for acts in schedule.values() for a in acts})
     uidx = {u: i for i, u in enumerate(ulist)}
+    lists = [
+        [(a.kind is Kind.BACKWARD, uidx[a.unit]) for a in schedule[s]]
+        for s in range(len(schedule))
+    ]
+    return _compile_lists(lists, fracs)
+
+
+def _one_f_one_b_lists(num: int, m: int, k: int) -> list[list[tuple[bool, int]]]:
+    """:func:`~.schedule.one_f_one_b` as (is_backward, unit index) lists, without Action objects.
+
+    Same rule as the generator (a test checks they agree): stage ``s`` forwards every unit
+    starting before ``end + (S - 1 - s) k`` (positions in slices) before the backward of a unit
+    ending at ``end``.
+    """
+    spans = [(u, u + 1) for u in range(k)] + [(mb * k, (mb + 1) * k) for mb in range(1, m)]
+    nu = len(spans)
+    out = []
+    for s in range(num):
+        lead = (num - 1 - s) * k
+        acts: list[tuple[bool, int]] = []
+        nxt = 0
+        for u in range(nu):
+            lim = spans[u][1] + lead
+            while nxt < nu and spans[nxt][0] < lim:
+                acts.append((False, nxt))
+                nxt += 1
+            acts.append((True, u))
+        out.append(acts)
+    return out
+
+
+def _compile_lists(lists: list[list[tuple[bool, int]]], fracs: list[float]) -> _Compiled:
+    """Topological order of per-stage (is_backward, unit) lists (worklist, linear time)."""
+    num = len(lists)
+    nu = len(fracs)
+    done_f = [[-1] * nu for _ in range(num)]
+    done_b = [[-1] * nu for _ in range(num)]
     pos = [0] * num
-    done: dict[tuple[int, bool, int], int] = {}
     last = [-1] * num
     order: list[tuple[int, bool, int, int, int]] = []
-    progress = True
-    while progress:
-        progress = False
-        for s in range(num):
-            acts = schedule[s]
-            while pos[s] < len(acts):
-                a = acts[pos[s]]
-                is_b = a.kind is Kind.BACKWARD
-                u = uidx[a.unit]
-                dep = None
-                if not is_b and s > 0:
-                    dep = (s - 1, False, u)
-                elif is_b and s < num - 1:
-                    dep = (s + 1, True, u)
-                if dep is not None and dep not in done:
+    work = list(range(num))
+    queued = [True] * num
+    while work:
+        s = work.pop()
+        queued[s] = False
+        acts = lists[s]
+        p = pos[s]
+        while p < len(acts):
+            is_b, u = acts[p]
+            if is_b:
+                if u >= nu:
+                    raise ScheduleError(f"stage {s} runs the backward of unknown unit {u}")
+                cross = done_b[s + 1][u] if s < num - 1 else -1
+                if s < num - 1 and cross < 0:
                     break
-                done[(s, is_b, u)] = len(order)
-                order.append((s, is_b, u, last[s], done[dep] if dep else -1))
-                last[s] = len(order) - 1
-                pos[s] += 1
-                progress = True
-    stuck = [s for s in range(num) if pos[s] < len(schedule[s])]
+            else:
+                cross = done_f[s - 1][u] if s > 0 else -1
+                if s > 0 and cross < 0:
+                    break
+            n = len(order)
+            order.append((s, is_b, u, last[s], cross))
+            last[s] = n
+            nb = s - 1 if is_b else s + 1
+            (done_b if is_b else done_f)[s][u] = n
+            if 0 <= nb < num and not queued[nb]:
+                queued[nb] = True
+                work.append(nb)
+            p += 1
+        pos[s] = p
+    stuck = [s for s in range(num) if pos[s] < len(lists[s])]
     if stuck:
         raise ScheduleError(f"schedule deadlocks: stages {stuck} wait for units never produced")
     inflight = []
-    for s in range(num):
+    for acts in lists:
         cur = peak = 0.0
-        for a in schedule[s]:
-            cur += (-1 if a.kind is Kind.BACKWARD else 1) * fracs[uidx[a.unit]]
+        for is_b, u in acts:
+            cur += -fracs[u] if is_b else fracs[u]
             peak = max(peak, cur)
         inflight.append(peak)
     return _Compiled(tuple(order), tuple(last), tuple(inflight), tuple(fracs))
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=1024)
 def _compiled(num_stages: int, num_microbatches: int, startup_slices: int, mb: int) -> _Compiled:
-    from lightning_autopipe.planner.schedule import one_f_one_b
-
     fracs = [sz / mb for sz in slice_sizes(mb, startup_slices)] + [1.0] * (num_microbatches - 1)
-    return compile_schedule(one_f_one_b(num_stages, num_microbatches, startup_slices), fracs)
+    lists = _one_f_one_b_lists(num_stages, num_microbatches, startup_slices)
+    return _compile_lists(lists, fracs)
 
 
 @dataclass
@@ -229,6 +321,11 @@ def stage_times(
     return fw, bw, scale
 
 
+def _extrapolation_point(num_stages: int) -> int:
+    """Micro-batch count beyond which 1F1B is in its periodic steady phase (with margin)."""
+    return 2 * num_stages + 6
+
+
 def evaluate(
     costs: BlockCosts,
     layout: Layout,
@@ -239,18 +336,75 @@ def evaluate(
     *,
     optimizer_factor: float = 2.0,
     critical_path: bool = True,
+    exact: bool = False,
 ) -> Estimate:
-    """Replay 1F1B for the stage boundaries ``cuts`` (``[0, c1, ..., N]``) on ``layout``."""
+    """Replay 1F1B for the stage boundaries ``cuts`` (``[0, c1, ..., N]``) on ``layout``.
+
+    Many micro-batches make the replay long but add nothing new: after the warm-up, 1F1B
+    repeats one period per micro-batch. Unless ``exact``, a step with ``m > 2 S + 6``
+    micro-batches is replayed with ``m0 = 2 S + 6`` and ``m0 + S + 1`` micro-batches (at the
+    real per-micro-batch durations) and extended linearly by the mean period between them
+    (within about 1% of the full replay; the steady phase can cycle over several micro-batches).
+    """
     num = layout.num_stages
     m, k = num_microbatches, startup_slices
     mb = max(1, batch // (m * max(layout.replicas)))
-    comp = _compiled(num, m, k, mb)
     fw, bw, scale = stage_times(costs, layout, cuts, batch, m)
     ovh = layout.overhead_ms
     cut_ms = [
         costs.act[cuts[s + 1] - 1] * scale[s] * layout.link_ms_per_byte[s] for s in range(num - 1)
     ]
-    lat = layout.link_lat_ms
+    ar = [
+        layout.ar_lat_ms[s]
+        + (costs.params[cuts[s + 1]] - costs.params[cuts[s]]) * layout.ar_ms_per_byte[s]
+        if len(layout.groups[s]) > 1 else 0.0
+        for s in range(num)
+    ]
+    m0 = _extrapolation_point(num)
+    if exact or m <= m0:
+        comp = _compiled(num, m, k, mb)
+        finish, end, via = _replay(comp, fw, bw, ovh, cut_ms, layout.link_lat_ms, ar)
+        total = max(finish)
+    else:
+        win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
+        first = _compiled(num, m0, k, mb)
+        f1, _, _ = _replay(first, fw, bw, ovh, cut_ms, layout.link_lat_ms, ar)
+        comp = _compiled(num, m0 + win, k, mb)
+        finish, end, via = _replay(comp, fw, bw, ovh, cut_ms, layout.link_lat_ms, ar)
+        period = max(0.0, max(finish) - max(f1)) / win
+        total = max(finish) + (m - m0 - win) * period
+    peaks, fits = [], True
+    for s in range(num):
+        i, j = cuts[s], cuts[s + 1]
+        peak = (costs.params[j] - costs.params[i]) * (2.0 + optimizer_factor) + (
+            costs.mem[j] - costs.mem[i]
+        ) * scale[s] * comp.inflight[s]
+        peaks.append(peak)
+        fits = fits and peak <= layout.capacity[s]
+    share = [0.0] * num
+    crit = 0
+    if critical_path:
+        order, fracs = comp.order, comp.fracs
+        n = comp.last[max(range(num), key=finish.__getitem__)]
+        while n >= 0:
+            s, is_b, u, prev, cross = order[n]
+            share[s] += (bw[s] if is_b else fw[s]) * fracs[u] + ovh[s]
+            n = cross if via[n] else prev
+        crit = max(range(num), key=share.__getitem__)
+    stage_ms = [fw[s] + bw[s] + 2 * ovh[s] for s in range(num)]
+    return Estimate(total, crit, stage_ms, peaks, fits, share)
+
+
+def _replay(
+    comp: _Compiled,
+    fw: list[float],
+    bw: list[float],
+    ovh: tuple[float, ...],
+    cut_ms: list[float],
+    lat: tuple[float, ...],
+    ar: list[float],
+) -> tuple[list[float], list[float], list[bool]]:
+    """Finish time per stage (all-reduce included), end time and start cause per action."""
     fracs = comp.fracs
     order = comp.order
     end = [0.0] * len(order)
@@ -264,28 +418,5 @@ def evaluate(
                 t = tc
                 via[n] = True
         end[n] = t + (bw[s] if is_b else fw[s]) * fracs[u] + ovh[s]
-    finish = []
-    for s in range(num):
-        pb = costs.params[cuts[s + 1]] - costs.params[cuts[s]]
-        ar = layout.ar_lat_ms[s] + pb * layout.ar_ms_per_byte[s] if len(layout.groups[s]) > 1 else 0
-        finish.append(end[comp.last[s]] + ar)
-    total = max(finish)
-    peaks, fits = [], True
-    for s in range(num):
-        i, j = cuts[s], cuts[s + 1]
-        peak = (costs.params[j] - costs.params[i]) * (2.0 + optimizer_factor) + (
-            costs.mem[j] - costs.mem[i]
-        ) * scale[s] * comp.inflight[s]
-        peaks.append(peak)
-        fits = fits and peak <= layout.capacity[s]
-    share = [0.0] * num
-    crit = 0
-    if critical_path:
-        n = comp.last[max(range(num), key=finish.__getitem__)]
-        while n >= 0:
-            s, is_b, u, prev, cross = order[n]
-            share[s] += (bw[s] if is_b else fw[s]) * fracs[u] + ovh[s]
-            n = cross if via[n] else prev
-        crit = max(range(num), key=share.__getitem__)
-    stage_ms = [fw[s] + bw[s] + 2 * ovh[s] for s in range(num)]
-    return Estimate(total, crit, stage_ms, peaks, fits, share)
+    finish = [end[comp.last[s]] + ar[s] for s in range(len(ar))]
+    return finish, end, via

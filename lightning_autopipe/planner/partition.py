@@ -135,9 +135,15 @@ def _greedy(
         remaining = num - s - 1
         j = bisect_right(work, work[i] + cap * speeds[s] + 1e-12, i + 1, hi + 1) - 1
         j = min(j, hi - remaining)
-        if limits is not None:
-            while j > i and not limits.ok(first + s, i, j):
-                j -= 1
+        if limits is not None and j > i and not limits.ok(first + s, i, j):
+            lo_ok, hi_bad = i, j  # memory is monotone in j: binary search the last fit
+            while hi_bad - lo_ok > 1:
+                mid = (lo_ok + hi_bad) // 2
+                if limits.ok(first + s, i, mid):
+                    lo_ok = mid
+                else:
+                    hi_bad = mid
+            j = lo_ok
         if j <= i:
             return None
         cuts.append(j)

@@ -1,0 +1,365 @@
+"""The joint search: pipeline depth x replicas x micro-batches x startup slices, then a Plan.
+
+:func:`make_plan` is the one entry point the strategy, the CLI and the benchmark call. For
+``planner="autopipe"`` it searches in four levels, each more exact and applied to fewer shapes:
+
+1. every (stages ``S``, replicas ``R``, micro-batches ``m``) allowed by the pins, the devices and
+   the batch is scored in O(S) by a closed form on the fastest ``S x R`` devices: perfectly
+   balanced stages, ``(m + S - 1)`` stage times, cut transfers and the first stage's all-reduce;
+2. the best dozen are placed (:func:`~.mapping.map_stages`) and scored by the 1F1B replay with
+   their balanced partition;
+3. the best few get the AutoPipe partitioner and the startup slicer;
+4. the best two or three are simulated (:func:`~.simulate.simulate`, link contention included)
+   and the fastest that fits memory wins.
+
+The yardstick planners (``baselines``) are dispatched from here too, so every planner's result is
+scored by the same simulator and returned as the same :class:`Plan`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
+from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
+from lightning_autopipe.planner.mapping import map_stages, speed_order
+from lightning_autopipe.planner.partition import autopipe_partition, choose_startup_slices
+from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.profile import Profile
+
+__all__ = ["make_plan", "PLANNERS", "Proposal", "finish_plan", "microbatch_choices"]
+
+PLANNERS = ("autopipe", "dapple", "piper", "time", "parameters", "uniform", "optimal")
+GiB = 2**30
+_SIM_BUDGET = 3000  # devices x units: simulate finalists only while their sum stays below
+_REPLAY_BUDGET = 150_000  # replayed actions per shape the AutoPipe partitioner may spend
+_LEVEL2, _LEVEL3 = 8, 3  # shapes placed by the mapper / refined by the partitioner
+
+
+def _replay_cost(stages: int, m: int, k: int) -> int:
+    """Actions one fast-model evaluation replays (long steps are extrapolated, two replays)."""
+    m0 = 2 * stages + 6
+    return 2 * stages * (m + k) if m <= m0 else 4 * stages * (m0 + stages + k)
+
+
+@dataclass
+class Proposal:
+    """A planner's answer before scoring: device groups per stage, cuts, m and k."""
+
+    groups: list[list[str]]
+    cuts: list[int]
+    num_microbatches: int
+    startup_slices: int = 1
+
+
+def microbatch_choices(batch: int, replicas: int, num_stages: int) -> list[int]:
+    """Micro-batch counts that divide the per-replica batch, capped at ``max(32, 8 S)``."""
+    per = batch // replicas
+    cap = max(32, 8 * num_stages)
+    return [m for m in range(1, min(per, cap) + 1) if per % m == 0]
+
+
+def make_plan(
+    profile: Profile,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    planner: str = "autopipe",
+    num_stages: int | None = None,
+    replicas: int | None = None,
+    num_microbatches: int | None = None,
+    startup_slices: int | None = None,
+    devices: list[str] | None = None,
+    uniform_replicas: bool = False,
+    use_all_devices: bool = False,
+    memory_check: bool = True,
+    max_startup_slices: int = 8,
+    optimizer_factor: float = 2.0,
+) -> Plan:
+    """Plan training of ``profile`` on ``cluster`` for ``global_batch_size`` samples per step.
+
+    Args:
+        planner: ``autopipe`` or a yardstick (``dapple``, ``piper``, ``time``, ``parameters``,
+            ``uniform``, ``optimal``); shapes a yardstick does not choose itself (and that are
+            not pinned) are taken from the AutoPipe search, so partitions compare like for like.
+        num_stages, replicas, num_microbatches, startup_slices: pin that choice.
+        devices: restrict to these device names (e.g. the launched world); default all.
+        uniform_replicas: every stage gets the same replica count (the runtime needs it).
+        use_all_devices: stages x replicas must equal the number of devices.
+        memory_check: raise :class:`MemoryPlanError` when the best plan does not fit.
+
+    Returns:
+        The plan with the simulator's predictions, ``search_ms`` and the profile's identity.
+
+    Raises:
+        PlanError: impossible pins (more stages than blocks, batch not divisible, too many
+            slices, unknown planner); ClusterError: unknown or too few devices;
+        MemoryPlanError: nothing fits memory.
+    """
+    t0 = time.perf_counter()
+    if planner not in PLANNERS:
+        raise PlanError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
+    devs = _check_inputs(profile, cluster, global_batch_size, devices, num_stages, replicas,
+                         num_microbatches, startup_slices, use_all_devices)
+    costs = BlockCosts.from_profile(profile)
+    pins = dict(num_stages=num_stages, replicas=replicas, num_microbatches=num_microbatches,
+                startup_slices=startup_slices)
+    excluded = 0.0
+    if planner == "autopipe":
+        props = _autopipe(costs, cluster, devs, global_batch_size, pins, use_all_devices,
+                          max_startup_slices, optimizer_factor)
+    else:
+        from lightning_autopipe.planner import baselines
+
+        props, excluded = baselines.propose(
+            planner, profile, costs, cluster, devs, global_batch_size, pins=pins,
+            uniform_replicas=uniform_replicas, use_all_devices=use_all_devices,
+            optimizer_factor=optimizer_factor, max_startup_slices=max_startup_slices,
+        )
+    # Level 4: the simulator picks among the finalists when that is cheap; otherwise the fast
+    # model's favourite stands (it tracks the simulator closely) and is simulated only to report
+    # its predictions, which is not part of the search time.
+    chosen, spent = [], 0
+    for p in props:
+        spent += sum(len(g) for g in p.groups) * (p.num_microbatches + p.startup_slices)
+        if spent > _SIM_BUDGET:
+            break
+        chosen.append(p)
+    if len(chosen) >= 2:
+        plans = [finish_plan(p, planner, profile, cluster, global_batch_size, optimizer_factor)
+                 for p in chosen]
+        search_ms = (time.perf_counter() - t0) * 1e3 - excluded
+    else:
+        search_ms = (time.perf_counter() - t0) * 1e3 - excluded
+        plans = [finish_plan(props[0], planner, profile, cluster, global_batch_size,
+                             optimizer_factor)]
+    fitting = [p for p in plans if _fits(p, cluster)]
+    best = min(fitting or plans, key=lambda p: p.iteration_ms)
+    if memory_check and not fitting:
+        raise _memory_error(best, cluster, global_batch_size)
+    best.search_ms = search_ms
+    return best
+
+
+def finish_plan(
+    prop: Proposal,
+    planner: str,
+    profile: Profile,
+    cluster: Cluster,
+    batch: int,
+    optimizer_factor: float = 2.0,
+) -> Plan:
+    """Turn a proposal into a Plan carrying the simulator's predictions."""
+    cuts = prop.cuts
+    stages = [StagePlan((cuts[s], cuts[s + 1]), list(g)) for s, g in enumerate(prop.groups)]
+    plan = Plan(planner, batch, prop.num_microbatches, prop.startup_slices, stages,
+                model=profile.model, fingerprint=profile.fingerprint)
+    res = simulate(plan, profile, cluster, optimizer_bytes_per_param_byte=optimizer_factor)
+    for st, ms in zip(plan.stages, res.stage_ms):
+        st.stage_ms = ms
+    plan.iteration_ms = res.iteration_ms
+    plan.bubble_fraction = res.bubble_fraction
+    plan.peak_memory_bytes = dict(res.peak_memory_bytes)
+    mean = sum(res.stage_ms) / len(res.stage_ms)
+    plan.balance = max(res.stage_ms) / mean if mean > 0 else 1.0
+    return plan
+
+
+# ---------------------------------------------------------------------------- checks
+def _check_inputs(
+    profile: Profile,
+    cluster: Cluster,
+    batch: int,
+    devices: list[str] | None,
+    num_stages: int | None,
+    replicas: int | None,
+    m: int | None,
+    k: int | None,
+    use_all: bool,
+) -> list[str]:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise PlanError(f"global_batch_size must be a positive integer, got {batch!r}")
+    for name, v in (("num_stages", num_stages), ("replicas", replicas),
+                    ("num_microbatches", m), ("startup_slices", k)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise PlanError(f"{name} must be a positive integer or None, got {v!r}")
+    devs = [d.name for d in cluster.devices] if devices is None else list(devices)
+    for d in devs:
+        cluster.device(d)  # ClusterError naming the bad device
+    if len(set(devs)) != len(devs):
+        raise ClusterError(f"device list {devs} names a device twice")
+    if not devs:
+        raise ClusterError("no devices to plan for; pass at least one device name")
+    n, nd = len(profile.blocks), len(devs)
+    if num_stages is not None and num_stages > n:
+        raise PlanError(
+            f"cannot split {n} blocks of {profile.model!r} into {num_stages} stages; use at most "
+            f"{n} stages (or profile the model at a finer block granularity)"
+        )
+    need = (num_stages or 1) * (replicas or 1)
+    if need > nd:
+        raise ClusterError(
+            f"{num_stages or 1} stages x {replicas or 1} replicas need {need} devices but only "
+            f"{nd} are available ({cluster.name!r}); use fewer stages or replicas, or add devices"
+        )
+    if use_all and num_stages and replicas and need != nd:
+        raise PlanError(
+            f"use_all_devices needs stages x replicas == {nd} devices, but {num_stages} x "
+            f"{replicas} = {need}; pin a shape whose product is {nd}"
+        )
+    r = replicas or 1
+    if batch % r:
+        raise PlanError(
+            f"global batch {batch} is not divisible into {r} replicas; use a multiple of {r}"
+        )
+    if m is not None and batch % (r * m):
+        ok = [x for x in range(1, batch // r + 1) if (batch // r) % x == 0]
+        raise PlanError(
+            f"global batch {batch} is not divisible into {r} replicas x {m} micro-batches "
+            f"= {r * m}; use a batch that is a multiple of {r * m}, or num_microbatches in "
+            f"{ok[:12]}"
+        )
+    if k is not None and m is not None and k > batch // (r * m):
+        raise PlanError(
+            f"cannot split a micro-batch of {batch // (r * m)} samples into {k} startup slices;"
+            f" use startup_slices <= {batch // (r * m)} or fewer micro-batches"
+        )
+    return devs
+
+
+def _fits(plan: Plan, cluster: Cluster) -> bool:
+    return all(b <= cluster.device(d).spec.memory_bytes for d, b in plan.peak_memory_bytes.items())
+
+
+def _memory_error(plan: Plan, cluster: Cluster, batch: int) -> MemoryPlanError:
+    over = max(plan.peak_memory_bytes,
+               key=lambda d: plan.peak_memory_bytes[d] / cluster.device(d).spec.memory_bytes)
+    need, have = plan.peak_memory_bytes[over], cluster.device(over).spec.memory_bytes
+    s = next(i for i, st in enumerate(plan.stages) if over in st.devices)
+    return MemoryPlanError(
+        f"no plan fits device memory: the best plan ({plan.num_stages} stages, "
+        f"{[st.replicas for st in plan.stages][0]} replicas, {plan.num_microbatches} "
+        f"micro-batches of global batch {batch}) needs {need / GiB:.2f} GiB on {over} (stage {s}, "
+        f"blocks {list(plan.stages[s].blocks)}) which has {have / GiB:.2f} GiB; use more "
+        "stages, a smaller micro-batch (more micro-batches or a smaller batch), more devices, "
+        "or pass memory_check=False to get the plan anyway"
+    )
+
+
+# ---------------------------------------------------------------------------- AutoPipe
+@dataclass
+class _Shape:
+    stages: int
+    replicas: int
+    microbatches: int
+    score: float
+    fits: bool
+
+
+def _shapes(
+    costs: BlockCosts,
+    cluster: Cluster,
+    devs: list[str],
+    batch: int,
+    pins: dict,
+    use_all: bool,
+    optimizer_factor: float,
+) -> list[_Shape]:
+    """Level 1: every allowed (S, R, m) with its closed-form estimate."""
+    order = speed_order(cluster, devs)
+    specs = [cluster.device(d).spec for d in order]
+    nd, n = len(order), costs.num_blocks
+    work = costs.compute[-1]
+    big = max(costs.compute[i + 1] - costs.compute[i] for i in range(n))
+    params, mem = costs.params[-1], costs.mem[-1]
+    act = sum(costs.act[:-1]) / max(1, n - 1)
+    mbs = costs.micro_batch_size
+    out = []
+    s_list = [pins["num_stages"]] if pins["num_stages"] else range(1, min(n, nd) + 1)
+    for s in s_list:
+        if pins["replicas"]:
+            r_list = [pins["replicas"]]
+        elif use_all:
+            r_list = [nd // s] if nd % s == 0 else []
+        else:
+            r_list = sorted({r for r in range(1, nd // s + 1) if batch % r == 0})
+        for r in r_list:
+            if s * r > nd or batch % r:
+                continue
+            chunks = [specs[i * r : (i + 1) * r] for i in range(s)]
+            speeds = [min(x.speed for x in c) for c in chunks]
+            cap = min(min(x.memory_bytes for x in c) for c in chunks)
+            ovh = max(x.overhead_ms for c in chunks for x in c)
+            sum_sp = sum(speeds)
+            g0 = order[:r]
+            ar = cluster.allreduce_ms(g0, int(params / s)) if r > 1 else 0.0
+            hop = 0.0
+            if s > 1:
+                a, b = order[0], order[r % nd]
+                hop = cluster.latency_us(a, b) / 1e3 + act / (
+                    cluster.bandwidth_gbps(a, b) * 1.25e5)
+            # perfectly balanced stages, plus half a block of rounding on the slowest stage
+            base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
+            m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else (
+                microbatch_choices(batch, r, s))
+            for m in m_list:
+                scale = batch / (m * r * mbs)
+                tau = base * scale + 2 * ovh
+                est = (m + s - 1) * tau + 2 * (s - 1) * hop * scale + ar
+                need = params / s * (2 + optimizer_factor) + mem / s * scale * min(s, m)
+                out.append(_Shape(s, r, m, est, need <= cap))
+    return out
+
+
+def _autopipe(
+    costs: BlockCosts,
+    cluster: Cluster,
+    devs: list[str],
+    batch: int,
+    pins: dict,
+    use_all: bool,
+    max_slices: int,
+    optimizer_factor: float,
+) -> list[Proposal]:
+    shapes = _shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor)
+    if not shapes:
+        raise PlanError(
+            f"no (stages x replicas) shape uses all {len(devs)} devices with global batch "
+            f"{batch}; pick a device count with more divisors or drop use_all_devices"
+        )
+    shapes.sort(key=lambda x: (not x.fits, x.score))
+    k_pin = pins["startup_slices"]
+    level2 = []
+    for sh in shapes[:_LEVEL2]:
+        mr = map_stages(costs, cluster, devs, sh.stages, sh.replicas, batch, sh.microbatches,
+                        k_pin or 1, optimizer_factor=optimizer_factor)
+        level2.append((mr, sh))
+    level2.sort(key=lambda x: (not x[0].estimate.fits, x[0].estimate.iteration_ms))
+    level3 = []
+    for mr, sh in level2[:_LEVEL3]:
+        m = sh.microbatches
+        budget = max(20, min(400, _REPLAY_BUDGET // _replay_cost(sh.stages, m, max_slices)))
+        part = autopipe_partition(costs, mr.layout, batch, m, k_pin or 1,
+                                  optimizer_factor=optimizer_factor, max_evaluations=budget)
+        if k_pin:
+            k, est = k_pin, part.estimate
+        else:
+            k, est = choose_startup_slices(costs, mr.layout, part.cuts, batch, m, max_slices,
+                                           optimizer_factor=optimizer_factor)
+        level3.append((est, Proposal([list(g) for g in mr.layout.groups], part.cuts, m, k)))
+        if k != 1 and not k_pin:  # the slicer's pick, and plain 1F1B in case contention differs
+            level3.append((part.estimate, Proposal([list(g) for g in mr.layout.groups],
+                                                   part.cuts, m, 1)))
+    level3.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
+    return [p for _, p in level3[:3]]
+
+
+def _estimate(costs: BlockCosts, cluster: Cluster, prop: Proposal, batch: int) -> float:
+    """Fast-model iteration time of a proposal (used by the yardsticks' own searches)."""
+    layout = Layout.from_cluster(cluster, prop.groups)
+    return evaluate(costs, layout, prop.cuts, batch, prop.num_microbatches,
+                    prop.startup_slices, critical_path=False).iteration_ms
+

@@ -39,11 +39,26 @@ class PlanReport(pl.Callback):
         if plan is None or trainer.global_rank != 0:
             return
         strategy = trainer.strategy
-        self.files = show_plan(plan, strategy.profile, strategy.cluster, self.run_dir)
+        self.files = show_plan(
+            plan, strategy.profile, strategy.cluster, self.run_dir, table=not _strategy_printed()
+        )
+
+
+def _strategy_printed() -> bool:
+    """The strategy logs its plan table through Lightning's rank-zero INFO logger; when that
+    logger is on, the table is already on screen and is not printed twice."""
+    import logging
+
+    return logging.getLogger("lightning.pytorch.utilities.rank_zero").isEnabledFor(logging.INFO)
 
 
 def show_plan(
-    plan: Any, profile: Any, cluster: Any, run_dir: Path, source: str | None = None
+    plan: Any,
+    profile: Any,
+    cluster: Any,
+    run_dir: Path,
+    source: str | None = None,
+    table: bool = True,
 ) -> list[Path]:
     """Print the plan table; write ``plan.json`` and (with a profile) ``timeline.png``."""
     from lightning_autopipe.runtime.pipeline import plan_table
@@ -51,13 +66,15 @@ def show_plan(
     print(PLAN_BANNER)
     if source:
         print(f"profile: {source}")
-    table = plan_table(plan, profile)
-    print(table)
-    if "balance" not in table:
-        print(
-            f"balance {plan.balance:.2f} (slowest stage / mean), bubble "
-            f"{plan.bubble_fraction:.0%}, planned in {plan.search_ms:.0f} ms"
-        )
+    text = plan_table(plan, profile)
+    if table:
+        print(text)
+    print(
+        f"{plan.num_stages} stages x {plan.replicas} replicas, {plan.num_microbatches} "
+        f"micro-batches, {plan.startup_slices} startup slices: predicted "
+        f"{plan.iteration_ms:.1f} ms/step, balance {plan.balance:.2f} (slowest stage / mean), "
+        f"bubble {plan.bubble_fraction:.0%}"
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     files = [run_dir / "plan.json"]
     plan.save(files[0])

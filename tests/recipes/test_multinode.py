@@ -34,7 +34,13 @@ def test_two_torchrun_nodes_match_one_four_process_run(tmp_path):
         )
         for rank in (0, 1)
     ]
-    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:  # a node whose peer died would otherwise wait for it forever
+            if node.poll() is None:
+                node.kill()
+                node.wait()
     for node, out in zip(nodes, outputs):
         assert node.returncode == 0, out[-6000:]
     ref, multi = losses(ref_dir), losses(multi_dir)

@@ -1,0 +1,120 @@
+"""profile_blocks: per-block costs against the whole model and against hand-computed values."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_autopipe import Profile, profile_blocks, split_model
+from lightning_autopipe.models import build_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Timing on a shared 2-core box: one intra-op thread keeps medians stable."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _whole_model_ms(model: nn.Module, inputs: tuple, runs: int) -> tuple[float, float]:
+    """Fastest forward and backward of the unsplit model over ``runs`` (after a warm-up)."""
+    fwd, bwd = [], []
+    for r in range(runs + 1):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        out = model(*inputs)
+        t1 = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        t2 = time.perf_counter()
+        if r:
+            fwd.append((t1 - t0) * 1e3)
+            bwd.append((t2 - t1) * 1e3)
+    model.zero_grad(set_to_none=True)
+    return min(fwd), min(bwd)
+
+
+def test_block_costs_sum_to_the_whole_model() -> None:
+    """Per-block times add up to the whole model's forward and backward time.
+
+    Measurement: three profiles interleaved with three timings of the unsplit model; each
+    side keeps its fastest value (per block, resp. overall). Other processes on a shared CPU
+    only ever *add* time, so minima are stable where single medians swing by 2x.
+
+    Tolerance: the block sums must lie within [0.6, 1.6] x the whole model (measured here:
+    about 0.85 forward, 1.0 backward). Each block pays a little Python overhead of its own
+    and the unsplit model pays nn.Module call overhead the graph code avoids, hence the
+    width; a double-counted model would sit near 2x and one missing its attention or MLP
+    halves (about half of the time) below 0.6x.
+    """
+    torch.manual_seed(0)
+    model, example = build_model("tiny_gpt", "small", batch_size=8)  # d 128, 4 layers, seq 64
+    blocks = split_model(model, example)
+    profiles, whole = [], []
+    for _ in range(3):
+        profiles.append(profile_blocks(blocks, example, repeats=3))
+        whole.append(_whole_model_ms(model, example, runs=3))
+    n = len(blocks)
+    fwd = sum(min(p.blocks[b].forward_ms for p in profiles) for b in range(n))
+    bwd = sum(min(p.blocks[b].backward_ms for p in profiles) for b in range(n))
+    ratio_fwd = fwd / min(w[0] for w in whole)
+    ratio_bwd = bwd / min(w[1] for w in whole)
+    assert 0.6 <= ratio_fwd <= 1.6, (ratio_fwd, profiles[0].blocks, whole)
+    assert 0.6 <= ratio_bwd <= 1.6, (ratio_bwd, profiles[0].blocks, whole)
+
+
+def test_profile_structure_bytes_and_json() -> None:
+    model, example = build_model("tiny_gpt", "tiny", batch_size=3)
+    blocks = split_model(model, example)
+    prof = profile_blocks(blocks, example, warmup=0, repeats=1, model_name="tiny")
+    assert prof.names == blocks.names
+    assert prof.micro_batch_size == 3
+    assert prof.device == "cpu"
+    assert prof.model == "tiny"
+    assert prof.fingerprint == blocks.fingerprint
+    assert all(b.forward_ms > 0 and b.backward_ms > 0 for b in prof.blocks)
+    # parameters: every block's own, the tied embedding counted in both blocks that use it
+    wte = model.wte.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(b.param_bytes for b in prof.blocks) == total + wte.numel() * wte.element_size()
+    # activations: what crosses the following boundary
+    for k, b in enumerate(prof.blocks):
+        assert b.activation_bytes == sum(v.nbytes for v in blocks.boundary(k + 1))
+    assert blocks.names[:2] == ["wte", "wpe"]
+    # token embeddings (fp32) and the position ids wpe looks up (int64)
+    assert prof.blocks[0].activation_bytes == 3 * 16 * 32 * 4 + 16 * 8
+    assert Profile.from_json(prof.to_json()) == prof
+
+
+def test_memory_is_what_autograd_keeps() -> None:
+    """Linear + tanh: autograd keeps the Linear's input and the tanh's output, nothing else
+    (the weight is a parameter, counted in param_bytes)."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16), nn.Tanh())
+    x = torch.randn(4, 32)
+    blocks = split_model(model, (x,))
+    assert blocks.names == ["0", "2"]  # the parameter-free tanh joins its Linear
+    prof = profile_blocks(blocks, (x,), warmup=0, repeats=1)
+    assert [b.memory_bytes for b in prof.blocks] == [4 * (32 + 64) * 4, 4 * (64 + 16) * 4]
+    assert [b.param_bytes for b in prof.blocks] == [(32 * 64 + 64) * 4, (64 * 16 + 16) * 4]
+
+
+def test_profiling_leaves_the_model_as_it_was() -> None:
+    model, example = build_model("small_cnn_bn", "tiny")
+    blocks = split_model(model, example)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile_blocks(blocks, example, warmup=1, repeats=2)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # batch-norm statistics restored
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_bad_repeat_counts() -> None:
+    model, example = build_model("tiny_gpt", "tiny")
+    blocks = split_model(model, example)
+    with pytest.raises(ValueError, match="repeats"):
+        profile_blocks(blocks, example, repeats=0)

@@ -214,10 +214,11 @@ def build_local_pipeline(
     layout = layout_for_rank(plan, names, rank)
     s = layout.stage
     i, j = plan.stages[s].blocks
+    # Tie groups first: they look at every stage, which binding strips of foreign parameters.
+    ties = list(blocks.tie_groups(plan.cuts))
     stage = blocks.stage(i, j).to(device)
     bind_local_stage(module, stage, stage.param_names)
 
-    ties = list(blocks.tie_groups(plan.cuts))
     tie_sets = [sorted(_tie_locals(t)) for t in ties]
     local_params = dict(stage.named_parameters(remove_duplicate=False))
     tied = []

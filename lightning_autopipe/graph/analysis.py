@@ -149,8 +149,10 @@ class _Recorder(fx.Interpreter):
         self.feeds = feeds
         self.dropped = dropped
         self.meta: dict[fx.Node, ValueMeta] = {}
+        self.current: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
+        self.current = n
         if n.op == "placeholder":
             value = self.feeds[n]
         elif n in self.dropped:
@@ -185,20 +187,16 @@ def _record(traced: Traced, flat: tuple[torch.Tensor, ...], dropped: set[fx.Node
     feeds.update(traced.constant_inputs)
     recorder = _Recorder(traced.gm, feeds, dropped)
     snapshot = _buffers_snapshot(traced.gm) + _buffers_snapshot(traced.model)
-    current: list[fx.Node] = []
-    orig_run_node = recorder.run_node
-
-    def tracking(n: fx.Node) -> Any:
-        current[:] = [n]
-        return orig_run_node(n)
-
-    recorder.run_node = tracking  # type: ignore[method-assign]
     try:
         with torch.enable_grad():
             recorder.run()
     except Exception as exc:  # noqa: BLE001 - reported as an input problem with the node
-        node = current[0] if current else None
-        where = f"node {node.name} ({node.op} {node.target}) in module {_module_path(node)!r}"
+        node = recorder.current
+        where = (
+            f"node {node.name} ({node.op} {node.target}) in module {_module_path(node)!r}"
+            if node is not None
+            else "the start"
+        )
         shapes = ", ".join(str(s) for s in traced.example_shapes)
         raise InputError(
             f"running the traced model on example_inputs (shapes {shapes}) failed at {where}: "

@@ -141,9 +141,7 @@ def _from_graph_module(
             f"{len(names)} parameters; *args/**kwargs forwards are not supported. {_REMEDIES}"
         )
     by_name = dict(zip(names, placeholders))
-    input_nodes = [by_name[n] for n in provided] if isinstance(inputs, dict) else [
-        by_name[n] for n in names[: len(inputs)]
-    ]
+    input_nodes = [by_name[n] for n in provided]
     constants = {}
     for name, node in by_name.items():
         if name not in provided:
@@ -155,19 +153,19 @@ def _from_graph_module(
 
     def flatten(values: Inputs) -> tuple[torch.Tensor, ...]:
         values = normalize_inputs(values)
-        if isinstance(values, dict):
-            if set(values) != set(order):
+        if not isinstance(values, dict):  # positional: bind to the leading parameter names
+            if len(values) > len(names):
                 raise InputError(
-                    f"inputs have keys {sorted(values)} but the model was traced with "
-                    f"{sorted(order)}; pass the same keys as example_inputs"
+                    f"got {len(values)} positional inputs but forward takes {len(names)} "
+                    f"({names}); pass the inputs example_inputs had ({order})"
                 )
-            return tuple(values[k] for k in order)
-        if len(values) != len(order):
+            values = dict(zip(names, values))
+        if set(values) != set(order):
             raise InputError(
-                f"got {len(values)} positional inputs but the model was traced with "
-                f"{len(order)} ({order}); pass the same number as example_inputs"
+                f"inputs bind to {sorted(values)} but the model was traced with {sorted(order)}; "
+                "pass the same inputs as example_inputs (positionally or by name)"
             )
-        return tuple(values)
+        return tuple(values[k] for k in order)
 
     flat = flatten(inputs)
     return Traced(

@@ -77,6 +77,8 @@ def test_later_inputs_must_match_the_traced_structure() -> None:
         blocks.flatten_inputs((torch.randint(0, 128, (2, 8)),))
     with pytest.raises(InputError, match="2 positional inputs"):
         blocks.flatten_inputs((torch.zeros(2, 16), torch.zeros(2, 16)))
+    with pytest.raises(InputError, match="traced with"):
+        blocks.flatten_inputs({"ids": torch.zeros(2, 16)})
     hf, example = build_model("gpt2", "tiny")
     hf_blocks = split_model(hf, example)
     with pytest.raises(InputError, match="keys"):

@@ -158,3 +158,25 @@ def test_fx_path_accepts_other_batch_sizes_and_keyword_inputs() -> None:
     blocks = split_model(model, {"input_ids": example[0]})
     ids = torch.randint(0, 128, (5, 16))
     torch.testing.assert_close(blocks.run({"input_ids": ids}, [0, 3, len(blocks)]), model(ids))
+    torch.testing.assert_close(blocks.run((ids,), [0, 2, len(blocks)]), model(ids))
+
+
+@pytest.mark.parametrize(("name", "size"), [("tiny_gpt", "tiny"), ("small_cnn_bn", "tiny")])
+def test_export_front_end_on_fx_traceable_models(name: str, size: str) -> None:
+    """The export path (aten graph, lifted parameters, symbolic batch) on models fx can also
+    trace: same outputs and gradients, also at a batch size other than the traced one."""
+    model, example = build_model(name, size)
+    blocks = split_model(model, example, tracer="export")
+    assert blocks.tracer == "export"
+    n = len(blocks)
+    for cuts in (list(range(n + 1)), random_cuts(n, 3, seed=0)):
+        check_split(blocks, model, example, cuts)
+    bigger = tuple(torch.cat([t, t[:1]]) for t in example)
+    check_split(blocks, model, bigger, random_cuts(n, 3, seed=1))
+
+
+def test_layer_granularity_matches_original_too() -> None:
+    model, example = build_model("resnet18", "tiny")
+    blocks = split_model(model, example, granularity="layer")
+    assert blocks.names[1:-1] == [f"layer{s}.{b}" for s in range(1, 5) for b in range(2)]
+    check_split(blocks, model, example, list(range(len(blocks) + 1)))

@@ -160,7 +160,6 @@ def train(cfg: Any) -> int:
     from lightning_autopipe.config import build_cluster
 
     run_dir = run_dir_for(cfg.recipe, cfg.run_dir)
-    _set_threads(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
     _check_vocab(cfg, datamodule)
@@ -199,6 +198,7 @@ def run_recipe(config_name: str, argv: list[str] | None = None) -> int:
     if flags["cfg"]:
         print(OmegaConf.to_yaml(cfg))
         return 0
+    _set_threads(cfg)  # plan-only too: a measured profile should see a rank's share of cores
     if flags["plan_only"] or cfg.plan_only:
         from _plan import plan_only
 

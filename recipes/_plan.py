@@ -40,7 +40,12 @@ class PlanReport(pl.Callback):
             return
         strategy = trainer.strategy
         self.files = show_plan(
-            plan, strategy.profile, strategy.cluster, self.run_dir, table=not _strategy_printed()
+            plan,
+            strategy.profile,
+            strategy.cluster,
+            self.run_dir,
+            table=not _strategy_printed(),
+            model_name=self.model_name,
         )
 
 
@@ -59,6 +64,7 @@ def show_plan(
     run_dir: Path,
     source: str | None = None,
     table: bool = True,
+    model_name: str | None = None,
 ) -> list[Path]:
     """Print the plan table; write ``plan.json`` and (with a profile) ``timeline.png``."""
     from lightning_autopipe.runtime.pipeline import plan_table
@@ -69,12 +75,13 @@ def show_plan(
     text = plan_table(plan, profile)
     if table:
         print(text)
-    print(
-        f"{plan.num_stages} stages x {plan.replicas} replicas, {plan.num_microbatches} "
-        f"micro-batches, {plan.startup_slices} startup slices: predicted "
-        f"{plan.iteration_ms:.1f} ms/step, balance {plan.balance:.2f} (slowest stage / mean), "
-        f"bubble {plan.bubble_fraction:.0%}"
-    )
+    if "balance" not in text:  # the planner's table already has the summary
+        print(
+            f"{plan.num_stages} stages x {plan.replicas} replicas, {plan.num_microbatches} "
+            f"micro-batches, {plan.startup_slices} startup slices: predicted "
+            f"{plan.iteration_ms:.1f} ms/step, balance {plan.balance:.2f} (slowest stage / "
+            f"mean), bubble {plan.bubble_fraction:.0%}"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     files = [run_dir / "plan.json"]
     plan.save(files[0])
@@ -84,7 +91,7 @@ def show_plan(
 
         files.append(run_dir / "timeline.png")
         title = (
-            f"{plan.model or 'model'} on {cluster.name}: {plan.num_stages} stages x "
+            f"{model_name or plan.model or 'model'} on {cluster.name}: {plan.num_stages} stages x "
             f"{plan.replicas} replicas, m={plan.num_microbatches}, k={plan.startup_slices}, "
             f"{plan.iteration_ms:.1f} ms/step predicted"
         )
@@ -169,9 +176,11 @@ def _measured_profile(cfg: Any) -> Any:
     example = as_call_args(task.example_input_array)
     granularity = cfg.strategy.get("granularity", "sub-block")
     blocks = split_model(task, example, granularity=granularity)
-    profile = profile_blocks(blocks, example, device="cpu", repeats=3)
-    profile.model = cfg.model.name
-    return profile
+    # More repeats than a training run's profile: one process, and the median must survive
+    # a machine that is busy with other work.
+    return profile_blocks(
+        blocks, example, device="cpu", warmup=2, repeats=9, model_name=cfg.model.name
+    )
 
 
 def plan_only(cfg: Any, run_dir: Path) -> int:
@@ -184,6 +193,12 @@ def plan_only(cfg: Any, run_dir: Path) -> int:
     local = not cfg.cluster.get("servers")
     profile, source = choose_profile(cfg, cluster, local)
     strategy = cfg.strategy
+    if not local and strategy.get("num_stages", "auto") != "auto":
+        print(
+            f"note: the strategy pins num_stages={strategy.num_stages} (the recipes' default "
+            "'pipeline' does, for the local CPU demo); add strategy=autopipe to let the planner "
+            f"choose the depth for {cluster.name!r}"
+        )
     pins = {
         key: (None if strategy.get(key, "auto") == "auto" else int(strategy[key]))
         for key in ("num_stages", "num_microbatches", "startup_slices")
@@ -201,8 +216,7 @@ def plan_only(cfg: Any, run_dir: Path) -> int:
         f"plan-only: {cfg.model.name} on cluster {cluster.name!r} ({len(names)} devices), "
         f"{cfg.data.batch_size} samples per replica; nothing is launched"
     )
-    files = show_plan(plan, profile, cluster, run_dir, source=source)
+    show_plan(plan, profile, cluster, run_dir, source=source, model_name=cfg.model.name)
     profile.save(run_dir / "profile.json")
     print(f"wrote {run_dir / 'profile.json'}")
-    del files
     return 0

@@ -52,7 +52,9 @@ def test_recipe_runs_two_pipelined_steps(tmp_path, recipe, extra):
 
 def _run_in_process(monkeypatch, capsys, recipe: str, argv: list[str]) -> str:
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
-    monkeypatch.delenv("AUTOPIPE_RUN_DIR", raising=False)
+    # setenv (not delenv) so that what the recipe exports is undone after the test
+    monkeypatch.setenv("AUTOPIPE_RUN_DIR", "")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     from _common import run_recipe
 
     assert run_recipe(recipe, argv) == 0

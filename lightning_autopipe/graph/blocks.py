@@ -131,7 +131,7 @@ class BlockGraph:
                     have = list(needs) + list(computed)
                     if not any(expr in info.sym_dims(v) for v in have):
                         src = s.args[0]
-                        if src not in computed:
+                        if info.is_value(src) and src not in computed:
                             needs[src] = None
                 if n in members:
                     computed[n] = None

@@ -140,7 +140,8 @@ class _Builder:
                 f"internal: value {n.name} is used in a stage that neither receives nor computes "
                 "it; please report this with the model"
             )
-        if info.is_sym_leaf(n) and n.args[0] not in self.env:
+        src = n.args[0] if n.args else None
+        if info.is_sym_leaf(n) and src not in self.env and info.is_value(src):
             new = self._substitute(n)
         else:
             new = self.graph.node_copy(n, self.lookup)

@@ -180,3 +180,31 @@ def test_layer_granularity_matches_original_too() -> None:
     blocks = split_model(model, example, granularity="layer")
     assert blocks.names[1:-1] == [f"layer{s}.{b}" for s in range(1, 5) for b in range(2)]
     check_split(blocks, model, example, list(range(len(blocks) + 1)))
+
+
+class _SharedLayer(torch.nn.Module):
+    """One Linear applied twice, in different places of the chain (ALBERT-style sharing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.shared = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.shared(torch.tanh(self.layers[0](x)))
+        x = torch.tanh(self.layers[1](x))
+        return self.layers[2](self.shared(x)) + x
+
+
+def test_module_shared_across_stages_is_a_tie_group() -> None:
+    torch.manual_seed(0)
+    model = _SharedLayer()
+    example = (torch.randn(3, 8),)
+    blocks = split_model(model, example)
+    n = len(blocks)
+    assert n >= 4
+    cuts = list(range(n + 1))
+    check_split(blocks, model, example, cuts)  # gradients of both uses are summed
+    shared = {t.name: set(t.stages) for t in blocks.tie_groups(cuts)}
+    assert set(shared) == {"shared.weight", "shared.bias"}
+    assert len(shared["shared.weight"]) == 2

@@ -208,3 +208,14 @@ def test_module_shared_across_stages_is_a_tie_group() -> None:
     shared = {t.name: set(t.stages) for t in blocks.tie_groups(cuts)}
     assert set(shared) == {"shared.weight", "shared.bias"}
     assert len(shared["shared.weight"]) == 2
+
+
+def test_export_from_a_single_sample_still_has_a_dynamic_batch() -> None:
+    """A batch-1 example would be specialised by torch.export (0/1 specialisation); the
+    tracer exports on a doubled batch so later micro-batches of any size still run."""
+    model, example = build_model("gpt2", "tiny", batch_size=1)
+    blocks = split_model(model, example)
+    assert blocks.dynamic_batch
+    ids = torch.randint(0, 256, (3, 16))
+    out = blocks.run({"input_ids": ids}, [0, 2, len(blocks)])
+    torch.testing.assert_close(out.logits, model(input_ids=ids).logits)

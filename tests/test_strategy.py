@@ -32,6 +32,7 @@ CASES = {
         "cnn-2s-k2",
         "cnn_bn-2s-k2",
         "gpt-2s-k2-bf16",
+        "cnn-2s-k1-validate",
         "string",
         "untraceable",
     ],
@@ -78,7 +79,9 @@ def world4(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------- reference
-def _reference(model: str, replicas: int, num: int, m: int, k: int, *, clip=None, bf16=False):
+def _reference(
+    model: str, replicas: int, num: int, m: int, k: int, *, clip=None, bf16=False, steps=None
+):
     """Single process: whole global batch per step (batch norm: the same units in order)."""
     net = C.build_net(model)
     x, y = C.dataset(model, num, seed=1)
@@ -89,7 +92,7 @@ def _reference(model: str, replicas: int, num: int, m: int, k: int, *, clip=None
     bn = model == "cnn_bn"
     buffers = [{k_: v.clone() for k_, v in net.named_buffers()} for _ in range(replicas)]
     losses = []
-    for t in range(len(idx[0]) // b):
+    for t in range(len(idx[0]) // b if steps is None else steps):
         opt.zero_grad()
         parts = [(x[i[t * b : (t + 1) * b]], y[i[t * b : (t + 1) * b]]) for i in idx]
         if bn:  # statistics per unit, each replica with its own running buffers
@@ -129,7 +132,8 @@ def _reference(model: str, replicas: int, num: int, m: int, k: int, *, clip=None
         if bn:
             _load_buffers(net, buffers[r])
         states.append({f"net.{k_}": v.detach().clone() for k_, v in net.state_dict().items()})
-    return torch.stack(losses), torch.stack(val).mean(), states
+    losses_t = torch.stack(losses) if losses else torch.zeros(0)
+    return losses_t, torch.stack(val).mean(), states
 
 
 def _load_buffers(net, bufs):
@@ -202,6 +206,16 @@ def test_bf16_mixed_tracks_single_process(world2):
     for rec in ranks:
         assert "error" not in rec, rec.get("error")
         torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_validate_alone_runs_the_forward_only_pipeline(world2):
+    ranks = world2["cnn-2s-k1-validate"]
+    _, val, _ = _reference("cnn", 1, C.REPLICA_BATCH * C.STEPS, 4, 1, steps=0)
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+        got = torch.tensor(rec["validated"][0]["val_loss"])
+        torch.testing.assert_close(got, val, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 
     python tests/runtime/_lightning_run.py OUT_DIR WORLD CASE [CASE ...]
 
-CASE is ``<model>-<stages>s-k<slices>[-bf16][-clip]`` (model: gpt, cnn, cnn_bn), ``string``
-(``Trainer(strategy="autopipe")`` with every option on auto) or ``untraceable``. Lightning's
+CASE is ``<model>-<stages>s-k<slices>[-bf16][-clip][-validate]`` (model: gpt, cnn, cnn_bn;
+``validate`` runs ``Trainer.validate`` only), ``string`` (``Trainer(strategy="autopipe")`` with
+every option on auto) or ``untraceable``. Lightning's
 popen launcher re-runs this script in every rank, so every rank runs every case in order and
 writes ``OUT_DIR/<case>.rank<r>.pt`` with what it saw.
 """
@@ -135,7 +136,10 @@ def run_case(case: str, world: int, out: Path) -> None:
     )
     record: dict = {"case": case}
     try:
-        trainer.fit(task)
+        if "validate" in parts:
+            record["validated"] = trainer.validate(task, verbose=False)
+        else:
+            trainer.fit(task)
     except lightning_autopipe.AutoPipeError as exc:
         record["error"] = (type(exc).__name__, str(exc))
     st = trainer.strategy

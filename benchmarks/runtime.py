@@ -226,6 +226,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "runtime.md"))
+    ap.add_argument("--only", nargs="*", default=None, help="debug: run only these rows (substr)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     command = "python benchmarks/runtime.py " + " ".join(sys.argv[1:])
@@ -257,6 +258,12 @@ def main() -> None:
         for m in (4, 8, 16):
             jobs.append({"name": f"pipelining {sched} m={m}", "kind": sched, "cut": cut, "m": m})
 
+    if args.only is not None:  # debugging a few rows: no table
+        jobs = [j for j in jobs if any(o in j["name"] for o in args.only)]
+        mp.spawn(
+            _worker, args=(_free_port(), jobs, args.steps, args.warmup, "/dev/null"), nprocs=WORLD
+        )
+        return
     print("single process (1 thread) ...", flush=True)
     single = _single(args.steps, args.warmup)
     print(f"  {'single process':<34} {single * 1e3:8.1f} ms/step", flush=True)

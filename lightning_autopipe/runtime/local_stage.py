@@ -83,9 +83,9 @@ def bind_local_stage(module: nn.Module, stage: nn.Module, param_names: dict[str,
         if name in target:
             new = target[name]
             owner._parameters[attr] = new if isinstance(new, nn.Parameter) else nn.Parameter(new)
-            continue
-        owner._parameters[attr] = None
-        if id(p) not in kept and p.numel():
+        else:
+            owner._parameters[attr] = None
+        if id(p) not in kept and p.numel():  # a foreign parameter, or a copy the stage replaced
             freed += p.numel() * p.element_size()
             p.grad = None
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)

@@ -135,14 +135,19 @@ def _report(run_dir: Path, plan_files: list[Path]) -> None:
     print("\n== done ==")
     if metrics.exists():
         steps, losses = loss_summary(metrics)
-        if losses:
+        if len(losses) == 1:
+            print(
+                f"train loss {losses[0]:.4f} at step {steps[0]} (one logged step; "
+                "trainer.log_every_n_steps=1 logs every step)"
+            )
+        elif losses:
             trend = "down" if losses[-1] < losses[0] else "NOT down"
             print(
                 f"train loss {losses[0]:.4f} (step {steps[0]}) -> {losses[-1]:.4f} "
                 f"(step {steps[-1]}): {trend} over {len(losses)} logged steps"
             )
-            if not all(math.isfinite(v) for v in losses):
-                print("warning: a logged loss is not finite")
+        if not all(math.isfinite(v) for v in losses):
+            print("warning: a logged loss is not finite")
         print(f"logs:     {metrics}")
     for path in plan_files:
         if path.exists():

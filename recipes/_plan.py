@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 
 __all__ = ["PLAN_BANNER", "PlanReport", "plan_only", "choose_profile"]
 
-PLAN_BANNER = "== AutoPipe plan =="
+PLAN_BANNER = "== AutoPipe plan:"
 _MEASURE_LIMIT = 300_000_000  # parameters; beyond this a CPU profile takes too long / too much
 
 
@@ -69,7 +69,11 @@ def show_plan(
     """Print the plan table; write ``plan.json`` and (with a profile) ``timeline.png``."""
     from lightning_autopipe.runtime.pipeline import plan_table
 
-    print(PLAN_BANNER)
+    print(
+        f"{PLAN_BANNER} {plan.num_stages} stages x {plan.replicas} replicas, "
+        f"{plan.num_microbatches} micro-batches, {plan.startup_slices} startup slices, "
+        f"predicted {plan.iteration_ms:.1f} ms/step =="
+    )
     if source:
         print(f"profile: {source}")
     text = plan_table(plan, profile)

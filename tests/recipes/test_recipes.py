@@ -12,7 +12,7 @@ from lightning_autopipe.config import CONF_DIR
 from lightning_autopipe.planner.plan import Plan
 from tests.recipes._run import ROOT, losses, run
 
-BANNER = "== AutoPipe plan =="
+BANNER = "== AutoPipe plan: 2 stages x "
 QUIET = ["trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
 
 
@@ -64,8 +64,8 @@ def _run_in_process(monkeypatch, capsys, recipe: str, argv: list[str]) -> str:
 def test_plan_only_for_gpt2_xl_on_the_mixed_rack(tmp_path, monkeypatch, capsys):
     out = _run_in_process(monkeypatch, capsys, "train_gpt",
                           ["--plan-only", "cluster=mixed_rack", "model=gpt2_xl",
-                           f"run_dir={tmp_path}"])
-    assert BANNER in out
+                           "strategy=autopipe", f"run_dir={tmp_path}"])
+    assert "== AutoPipe plan:" in out
     assert "analytic" in out
     cluster = Cluster.load(CONF_DIR / "cluster" / "mixed_rack.yaml")
     plan = Plan.load(tmp_path / "plan.json")

@@ -14,6 +14,7 @@ copies across their stages gives what a single process would compute for the sha
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.schedule import Action, Kind, slice_sizes
 from lightning_autopipe.runtime.comm import recv_tensors, send_tensors
+from lightning_autopipe.runtime.gradsync import GradientSync
 from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout
 
 __all__ = ["PipelineExecutor", "TiedParameter", "fit_units", "unit_bounds", "slice_batch"]
@@ -155,12 +156,19 @@ class PipelineExecutor:
         self.tied = sorted(tied, key=lambda t: t.tie)  # same all-reduce order on every rank
         self.bucket_bytes = bucket_bytes
         self.trace: list[Action] = []
+        self.timeline: list[tuple[Action, float, float]] = []
         self._schedules: dict[tuple[bool, int, int], list[Action]] = {}
+        self._params = [p for p in stage.parameters() if p.requires_grad]
+        self._dp_sync: GradientSync | None = None
+        if layout.num_replicas > 1 and self._params:
+            assert groups is not None
+            self._dp_sync = GradientSync(self._params, groups.dp, layout.num_replicas, bucket_bytes)
 
     # ------------------------------------------------------------------------- public steps
     @property
     def parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.stage.parameters() if p.requires_grad]
+        """The stage's trainable parameters (what this rank's optimizer must hold)."""
+        return list(self._params)
 
     def train_step(self, batch: Any) -> Tensor:
         """Forward and backward of every unit, then gradient sync; returns the global mean loss.
@@ -239,8 +247,11 @@ class PipelineExecutor:
         sends: list[Any] = []
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         trace: list[Action] = []
+        timeline: list[tuple[Action, float, float]] = []
+        last_b = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD), default=-1)
 
-        for a in actions:
+        for idx, a in enumerate(actions):
+            t0 = time.perf_counter()
             unit = a.unit
             if unit not in bounds:
                 raise PipelineRuntimeError(f"action {a} names a unit outside {list(bounds)}")
@@ -270,6 +281,8 @@ class PipelineExecutor:
             elif a.kind is Kind.RECV_B:
                 out_grads[unit] = recv_tensors(layout.next_rank, tag, self.device)
             elif a.kind is Kind.BACKWARD:
+                if idx == last_b and self._dp_sync is not None:
+                    self._dp_sync.arm()  # gradients become final during this backward
                 inputs, result = saved.pop(unit)
                 if layout.is_last:
                     result.backward()
@@ -282,9 +295,11 @@ class PipelineExecutor:
             elif a.kind is Kind.SEND_B:
                 sends += send_tensors(in_grads.pop(unit), layout.prev_rank, tag, self.device)
             trace.append(a)
+            timeline.append((a, t0, time.perf_counter()))
         for work, _buf in sends:
             work.wait()
         self.trace = trace
+        self.timeline = timeline
         return self._global_loss(loss_sum)
 
     @staticmethod
@@ -308,41 +323,13 @@ class PipelineExecutor:
         return loss_sum
 
     def _sync_gradients(self) -> None:
-        """Average gradients over the stage's replicas (bucketed), then sum tied copies."""
-        params = self.parameters
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.layout.num_replicas > 1 and params:
-            works = []
-            for bucket in self._buckets(params):
-                grads = [p.grad for p in bucket]
-                flat = _flatten_dense_tensors(grads)
-                works.append(
-                    (dist.all_reduce(flat, group=self.groups.dp, async_op=True), flat, grads)
-                )
-            for work, flat, grads in works:
-                work.wait()
-                flat /= self.layout.num_replicas
-                for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                    g.copy_(synced)
+        """Average gradients over the stage's replicas (overlapped, bucketed), sum tied copies."""
+        if self._dp_sync is not None:
+            self._dp_sync.finish()
         for t in self.tied:
             group = self.groups.ties.get(t.tie) if self.groups is not None else None
-            if group is not None and t.param.grad is not None:
-                dist.all_reduce(t.param.grad, group=group)
-
-    def _buckets(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-        """Parameters in reverse order (last-computed gradients first), grouped by dtype+size."""
-        buckets: list[list[nn.Parameter]] = []
-        current: list[nn.Parameter] = []
-        used = 0
-        for p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            if current and (used + nbytes > self.bucket_bytes or p.dtype != current[0].dtype):
-                buckets.append(current)
-                current, used = [], 0
-            current.append(p)
-            used += nbytes
-        if current:
-            buckets.append(current)
-        return buckets
+            if group is None:
+                continue
+            if t.param.grad is None:
+                t.param.grad = torch.zeros_like(t.param)
+            dist.all_reduce(t.param.grad, group=group)

@@ -42,6 +42,7 @@ from lightning_autopipe.profile import profile_blocks  # noqa: E402
 VOCAB, SEQ, LAYERS, D, HEADS = 512, 128, 8, 256, 4
 BATCH, WORLD, PROFILE_MB = 32, 2, 4
 LR = 0.01
+_STATS: list[dict[str, float]] = []  # per AutoPipe run: where this rank's last step went
 
 
 class GPTTask(nn.Module):
@@ -141,11 +142,20 @@ def _run_autopipe(rank: int, plan_json: str, steps: int, warmup: int) -> float:
     opt = torch.optim.SGD(module.parameters(), lr=LR)
 
     def step() -> None:
+        t0 = time.perf_counter()
         pipe.executor.train_step(batch)
+        t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        stats["sync_ms"] = (t1 - pipe.executor.timeline[-1][2]) * 1e3
+        stats["step_ms"] = (t1 - t0) * 1e3
 
-    return _timed(step, steps, warmup)
+    stats: dict[str, float] = {}
+    sec = _timed(step, steps, warmup)
+    for kind in ("F", "B", "RF", "RB"):
+        stats[kind] = sum(e - b for a, b, e in pipe.executor.timeline if a.kind.value == kind) * 1e3
+    _STATS.append(stats)
+    return sec
 
 
 def _run_pipelining(rank: int, cut: int, schedule: str, m: int, steps: int, warmup: int) -> float:
@@ -192,8 +202,15 @@ def _worker(rank: int, port: int, jobs: list[dict], steps: int, warmup: int, out
             else:
                 sec = _run_pipelining(rank, job["cut"], kind, job["m"], steps, warmup)
             results[job["name"]] = sec
+            if kind == "autopipe":
+                both: list[Any] = [None] * WORLD
+                dist.all_gather_object(both, _STATS[-1])
+                results[job["name"] + " stats"] = both
             if rank == 0:
                 print(f"  {job['name']:<34} {sec * 1e3:8.1f} ms/step", flush=True)
+                if kind == "autopipe":
+                    for r, st in enumerate(both):
+                        print("    rank", r, {k: round(v) for k, v in st.items()}, flush=True)
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -353,6 +370,21 @@ def _table(single, measured, rows, best, profile, cluster, blocks, cut) -> list[
         for m in (4, 8, 16):
             name = f"pipelining {sched} m={m}"
             lines.append(row(name, f"2x1, blocks {cut}/{len(blocks) - cut}", measured[name]))
+    lines += [
+        "",
+        "Where an AutoPipe step goes (last timed step, per rank, ms): forward / backward compute,"
+        " blocked in receives of activations (RF) / gradients (RB), gradient sync after the last"
+        " action.",
+        "",
+        "| run | rank | F | B | RF wait | RB wait | sync | step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, _ in rows:
+        for r, st in enumerate(measured[name + " stats"]):
+            lines.append(
+                f"| {name} | {r} | {st['F']:.0f} | {st['B']:.0f} | {st['RF']:.0f} | "
+                f"{st['RB']:.0f} | {st['sync_ms']:.0f} | {st['step_ms']:.0f} |"
+            )
     b1_name, b1 = best("1f1b")
     pinned = measured[rows[0][0]]
     auto = measured[rows[3][0]]

@@ -406,6 +406,27 @@ class AutoPipeStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    # ------------------------------------------------------------------ checkpoint state
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's ``state_dict`` under the original names, on every rank.
+
+        Each rank holds one stage; replica 0 of every stage contributes its tensors, so a
+        checkpoint written by rank 0 loads into the plain module (e.g. under
+        ``strategy="auto"``). Optimizer state stays per stage.
+        """
+        module = self.lightning_module
+        assert module is not None
+        local = module.state_dict()
+        if self._pipe is None or not _distributed_is_initialized() or self.world_size == 1:
+            return local
+        mine = {k: v.detach().cpu() for k, v in local.items()}
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine if self._pipe.layout.replica == 0 else {})
+        merged: dict[str, Any] = {}
+        for part in gathered:
+            merged.update(part)
+        return merged
+
     # ------------------------------------------------------------------------ teardown
     def teardown(self) -> None:
         module = self.lightning_module

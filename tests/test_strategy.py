@@ -37,7 +37,7 @@ CASES = {
         "untraceable",
     ],
     4: [
-        "gpt-4s-k1",
+        "gpt-4s-k1-ckpt",
         "gpt-4s-k2",
         "cnn-4s-k1",
         "cnn-4s-k2",
@@ -65,6 +65,8 @@ def _launch(world: int, out: Path) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {}
     for case in CASES[world]:
         results[case] = [torch.load(out / f"{case}.rank{r}.pt") for r in range(world)]
+        for rec in results[case]:
+            rec["ckpt_dir"] = out / f"ckpt-{case}"
     return results
 
 
@@ -175,6 +177,12 @@ def _check_case(case: str, ranks: list[dict], world: int) -> None:
             )
     # together the ranks hold every parameter and persistent buffer of the model
     assert set().union(*(rec["state"] for rec in ranks)) == set(states[0])
+    if "ckpt" in case:  # rank 0 wrote the whole model, under the original names
+        path = ranks[0]["ckpt_dir"] / "last.ckpt"
+        saved = torch.load(path, weights_only=False)["state_dict"]
+        assert set(saved) == set(states[0])
+        for key, value in saved.items():
+            torch.testing.assert_close(value, states[0][key], rtol=RTOL, atol=ATOL)
     logged = ranks[0]["logged"]
     train_logged = torch.tensor([row["train_loss"] for _, row in logged if "train_loss" in row])
     torch.testing.assert_close(train_logged, losses, rtol=RTOL, atol=ATOL)

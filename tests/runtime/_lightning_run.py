@@ -2,7 +2,7 @@
 
     python tests/runtime/_lightning_run.py OUT_DIR WORLD CASE [CASE ...]
 
-CASE is ``<model>-<stages>s-k<slices>[-bf16][-clip][-validate]`` (model: gpt, cnn, cnn_bn;
+CASE is ``<model>-<stages>s-k<slices>[-bf16][-clip][-validate][-ckpt]`` (model: gpt, cnn, cnn_bn;
 ``validate`` runs ``Trainer.validate`` only), ``string`` (``Trainer(strategy="autopipe")`` with
 every option on auto) or ``untraceable``. Lightning's
 popen launcher re-runs this script in every rank, so every rank runs every case in order and
@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -120,6 +121,9 @@ def run_case(case: str, world: int, out: Path) -> None:
     task = Task(model)
     task.replicas = world // stages if stages else world  # only sizes the dataset
     logger = RecordingLogger()
+    callbacks = []
+    if "ckpt" in parts:  # a checkpoint written by rank 0 must hold the whole model
+        callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt-{case}", filename="last"))
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -128,7 +132,8 @@ def run_case(case: str, world: int, out: Path) -> None:
         max_epochs=1,
         logger=logger,
         log_every_n_steps=1,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=True,
         num_sanity_val_steps=0,

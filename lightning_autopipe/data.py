@@ -9,13 +9,15 @@ launchers or two strategies see exactly the same batches.
 
 from __future__ import annotations
 
+import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 __all__ = [
     "EOS",
@@ -209,15 +211,40 @@ class SyntheticImages(Dataset):
         return image, torch.tensor(label)
 
 
-class _FixedDataModule(pl.LightningDataModule):
-    """Train/val loaders over two datasets; fixed batch size (``drop_last``) for pipelining."""
+class _ReplicaOrder(RandomSampler):
+    """A random order: the one Lightning's ``DistributedSampler`` gives a single replica.
 
-    def __init__(self, batch_size: int, num_workers: int = 0) -> None:
+    Under a distributed strategy Lightning replaces a ``RandomSampler`` with
+    ``DistributedSampler(dataset, shuffle=True, seed=$PL_GLOBAL_SEED)``, re-seeded every epoch,
+    while a single-device run keeps the loader's own sampler. Drawing exactly that order here
+    makes one replica see the same batches under ``strategy="auto"`` as under DDP or the
+    pipeline. (Being a ``RandomSampler`` is what lets Lightning replace it cleanly; any other
+    sampler would be wrapped, and sharded after this shuffle.)
+    """
+
+    def __init__(self, data_source: Dataset) -> None:
+        super().__init__(data_source)  # type: ignore[arg-type]
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(int(os.getenv("PL_GLOBAL_SEED", "0")) + self.epoch)
+        return iter(torch.randperm(len(self.data_source), generator=g).tolist())  # type: ignore[arg-type]
+
+
+class _FixedDataModule(pl.LightningDataModule):
+    """Train/val loaders over two datasets; fixed batch size (``drop_last``) for pipelining;
+    training order as a one-replica ``DistributedSampler`` (see :class:`_ReplicaOrder`)."""
+
+    def __init__(self, batch_size: int, num_workers: int = 0, seed: int = 0) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.seed = seed
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -233,24 +260,23 @@ class _FixedDataModule(pl.LightningDataModule):
                     f"one batch of {self.batch_size}; raise the corpus size or lower batch_size"
                 )
 
-    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
-        if dataset is None:
-            self.setup()
-            return self._loader(self.train_set if shuffle else self.val_set, shuffle)
+    def _loader(self, dataset: Dataset | None, train: bool) -> DataLoader:
         return DataLoader(
-            dataset,
+            dataset,  # type: ignore[arg-type]
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=_ReplicaOrder(dataset) if train else None,  # type: ignore[arg-type]
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        self.setup()
+        return self._loader(self.train_set, train=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        self.setup()
+        return self._loader(self.val_set, train=False)
 
 
 def _split(n: int, val_fraction: float, min_val: int) -> int:
@@ -280,11 +306,10 @@ class StdlibTextDataModule(_FixedDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__(batch_size, num_workers)
+        super().__init__(batch_size, num_workers, seed)
         self.block_size = block_size
         self.max_bytes = max_bytes
         self.val_fraction = val_fraction
-        self.seed = seed
 
     def _tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = load_stdlib_tokens(self.max_bytes)
@@ -337,14 +362,13 @@ class SyntheticImageDataModule(_FixedDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__(batch_size, num_workers)
+        super().__init__(batch_size, num_workers, seed)
         self.num_classes = num_classes
         self.image_size = image_size
         self.channels = channels
         self.num_samples = num_samples
         self.val_samples = val_samples
         self.noise = noise
-        self.seed = seed
 
     def _datasets(self) -> tuple[Dataset, Dataset]:
         args = (self.num_classes, self.image_size, self.channels, self.noise)

@@ -126,3 +126,19 @@ def test_datamodules_give_fixed_size_batches_and_held_out_data():
     assert img.shape == (8, 3, 8, 8)
     assert lab.shape == (8,)
     assert not torch.equal(images.val_set[0][0], images.train_set[0][0])
+
+
+def test_training_order_is_what_a_one_replica_distributed_sampler_gives(monkeypatch):
+    """So ``strategy="auto"`` sees the batches Lightning's DistributedSampler hands a replica."""
+    from torch.utils.data import DistributedSampler
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    dm = StdlibTextDataModule(block_size=32, batch_size=4, max_bytes=20_000)
+    loader = dm.train_dataloader()
+    reference = DistributedSampler(dm.train_set, num_replicas=1, rank=0, shuffle=True, seed=7)
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        reference.set_epoch(epoch)
+        assert list(loader.sampler) == list(reference)
+    x, _ = next(iter(loader))
+    assert torch.equal(x[1], dm.train_set[list(reference)[1]][0])

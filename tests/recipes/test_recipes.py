@@ -16,21 +16,35 @@ BANNER = "== AutoPipe plan: 2 stages x "
 QUIET = ["trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
 
 
-def test_main_job_pipelines_gpt_on_two_ranks_and_the_loss_goes_down(tmp_path):
-    """``make demo`` with a short max_steps: defaults = TinyGPT, autopipe, 2 local CPU ranks."""
-    proc = run(["recipes/train_gpt.py", "trainer.max_steps=30", f"run_dir={tmp_path}", *QUIET])
+def test_main_job_pipelines_gpt_on_two_ranks_and_the_loss_goes_down(
+    tmp_path, monkeypatch, capsys
+):
+    """``make demo`` with a short max_steps: defaults = TinyGPT, autopipe, 2 local CPU ranks.
+
+    Reference: the same recipe with plain Lightning on one process (``strategy=auto``) logs the
+    same losses, step for step: the pipeline is the same training, not an approximation.
+    """
+    pipe_dir, ref_dir = tmp_path / "pipeline", tmp_path / "single"
+    proc = run(["recipes/train_gpt.py", "trainer.max_steps=30", f"run_dir={pipe_dir}", *QUIET])
     assert BANNER in proc.stdout
-    plan = Plan.load(tmp_path / "plan.json")
+    plan = Plan.load(pipe_dir / "plan.json")
     assert len(plan.devices) == 2  # the local cluster = the 2 launched ranks
-    assert (tmp_path / "timeline.png").stat().st_size > 10_000
-    logged = losses(tmp_path)
+    assert plan.replicas == 1  # so its global batch is the single process's batch
+    assert (pipe_dir / "timeline.png").stat().st_size > 10_000
+    logged = losses(pipe_dir)
     assert sorted(logged) == list(range(30))
     values = [logged[s] for s in range(30)]
     assert all(math.isfinite(v) for v in values)
     first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
     assert last < 0.85 * first, values
     assert "train loss" in proc.stdout
-    assert str(tmp_path / "csv" / "metrics.csv") in proc.stdout
+    assert str(pipe_dir / "csv" / "metrics.csv") in proc.stdout
+
+    _run_in_process(monkeypatch, capsys, "train_gpt",
+                    ["strategy=auto", "trainer.devices=1", "trainer.max_steps=30",
+                     f"run_dir={ref_dir}", *QUIET])
+    reference = losses(ref_dir)
+    assert [reference[s] for s in range(30)] == pytest.approx(values, rel=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +69,8 @@ def _run_in_process(monkeypatch, capsys, recipe: str, argv: list[str]) -> str:
     # setenv (not delenv) so that what the recipe exports is undone after the test
     monkeypatch.setenv("AUTOPIPE_RUN_DIR", "")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # seed_everything exports these
+    monkeypatch.setenv("PL_SEED_WORKERS", "0")
     from _common import run_recipe
 
     assert run_recipe(recipe, argv) == 0

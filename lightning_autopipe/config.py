@@ -161,7 +161,7 @@ class TrainerConfig:
     max_steps: int = 100
     max_epochs: int = -1
     precision: str = "32-true"
-    log_every_n_steps: int = 5
+    log_every_n_steps: int = 1
     val_check_interval: Any = None
     limit_val_batches: Any = 0
     num_sanity_val_steps: int = 0

@@ -132,22 +132,21 @@ def loss_summary(metrics_csv: Path, key: str = "train_loss") -> tuple[list[int],
 
 def _report(run_dir: Path, plan_files: list[Path]) -> None:
     metrics = run_dir / "csv" / "metrics.csv"
+    steps, losses = loss_summary(metrics) if metrics.exists() else ([], [])
     print("\n== done ==")
+    if not losses:
+        print("no train loss logged (fewer steps than trainer.log_every_n_steps)")
+    elif len(losses) == 1:
+        print(f"train loss {losses[0]:.4f} at step {steps[0]} (the only logged step)")
+    else:
+        trend = "down" if losses[-1] < losses[0] else "NOT down"
+        print(
+            f"train loss {losses[0]:.4f} (step {steps[0]}) -> {losses[-1]:.4f} "
+            f"(step {steps[-1]}): {trend} over {len(losses)} logged steps"
+        )
+    if not all(math.isfinite(v) for v in losses):
+        print("warning: a logged loss is not finite")
     if metrics.exists():
-        steps, losses = loss_summary(metrics)
-        if len(losses) == 1:
-            print(
-                f"train loss {losses[0]:.4f} at step {steps[0]} (one logged step; "
-                "trainer.log_every_n_steps=1 logs every step)"
-            )
-        elif losses:
-            trend = "down" if losses[-1] < losses[0] else "NOT down"
-            print(
-                f"train loss {losses[0]:.4f} (step {steps[0]}) -> {losses[-1]:.4f} "
-                f"(step {steps[-1]}): {trend} over {len(losses)} logged steps"
-            )
-        if not all(math.isfinite(v) for v in losses):
-            print("warning: a logged loss is not finite")
         print(f"logs:     {metrics}")
     for path in plan_files:
         if path.exists():

@@ -11,7 +11,7 @@ from tests.recipes._run import ROOT, TINY_GPT, env, free_port, losses, run
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["trainer.max_steps=3", *TINY_GPT]
+STEPS = ["trainer.max_steps=3", "strategy.startup_slices=2", *TINY_GPT]
 
 
 def test_two_torchrun_nodes_match_one_four_process_run(tmp_path):

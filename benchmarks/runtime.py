@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -81,19 +82,22 @@ def _single(steps: int, warmup: int) -> float:
         opt.zero_grad(set_to_none=True)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return sum(times) / len(times)
+    return statistics.median(times)
 
 
 # ------------------------------------------------------------------------------- the peers
 def _timed(step, steps: int, warmup: int) -> float:
+    """Median seconds per step (each step between barriers): robust to a noisy neighbour."""
     for _ in range(warmup):
         step()
-    dist.barrier()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
         step()
-    dist.barrier()
-    return (time.perf_counter() - t0) / steps
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _run_ddp(rank: int, steps: int, warmup: int) -> float:
@@ -302,8 +306,8 @@ def main() -> None:
             "",
             f"GPT vocab {VOCAB} / seq {SEQ} / {LAYERS} layers / d {D} / {HEADS} heads, global "
             f"batch {BATCH}, fp32, SGD; {WORLD} ranks x 1 thread (gloo) vs 1 process x 1 thread; "
-            f"{args.steps} timed steps after {args.warmup} warm-up; load average before/after "
-            f"{load0[0]:.2f}/{load1[0]:.2f} on {os.cpu_count()} cores.",
+            f"median of {args.steps} timed steps after {args.warmup} warm-up; load average "
+            f"before/after {load0[0]:.2f}/{load1[0]:.2f} on {os.cpu_count()} cores.",
             "",
             *table,
         ]

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_autopipe.cluster import Cluster  # noqa: E402
+from lightning_autopipe.errors import PlanError  # noqa: E402
 from lightning_autopipe.graph import split_model  # noqa: E402
 from lightning_autopipe.models import TinyGPT  # noqa: E402
 from lightning_autopipe.planner import make_plan  # noqa: E402
@@ -257,12 +258,14 @@ def main() -> None:
     module = GPTTask()
     x, _ = _data()
     blocks = split_model(module, (x[:PROFILE_MB],))
-    profile = profile_blocks(blocks, (x[:PROFILE_MB],), repeats=3)
+    # One profile per micro-batch size: on a CPU a block's time is not linear in the batch
+    # (small GEMMs are less efficient), so each candidate is priced at its own size.
+    profiles = {mb: profile_blocks(blocks, (x[:mb],), repeats=3) for mb in (2, 4, 8, 16)}
     cluster = Cluster.local(WORLD)
     names = [d.name for d in cluster.devices]
     common = dict(devices=names, uniform_replicas=True, use_all_devices=True)
-    pinned = _pinned_sliced(profile, cluster, common)
-    auto = make_plan(profile, cluster, BATCH, **common)
+    pinned = _pinned_sliced(profiles, cluster, common)
+    auto = _auto(profiles, cluster, common)
     noslice = _variant(pinned, startup_slices=1)
     layer4 = next(i for i, n in enumerate(blocks.names) if ".h.4." in f".{n}.")
     equal = _variant(pinned, cut=layer4)
@@ -299,7 +302,7 @@ def main() -> None:
         name = min((j["name"] for j in jobs if j["kind"] == sched), key=measured.__getitem__)
         return name, measured[name]
 
-    table = _table(single, measured, rows, best, profile, cluster, blocks, cut)
+    table = _table(single, measured, rows, best, profiles, cluster, blocks, cut)
     text = "\n".join(
         [
             f"Reproduce: `{command.strip()}`",
@@ -317,30 +320,48 @@ def main() -> None:
     Path(args.out).write_text(text + "\n")
 
 
-def _pinned_sliced(profile: Any, cluster: Cluster, common: dict) -> Plan:
+def _plan(profiles: dict[int, Any], cluster: Cluster, common: dict, **pins: Any) -> Plan:
+    mb = BATCH // (pins["replicas"] * pins["num_microbatches"])
+    return make_plan(profiles[mb], cluster, BATCH, **pins, **common)
+
+
+def _pinned_sliced(profiles: dict[int, Any], cluster: Cluster, common: dict) -> Plan:
     """The planner's best 2-stage plan with startup slicing, over m in {4, 8, 16}.
 
     (Unpinned, the planner may pick k = 1; this row is about slicing, so k >= 2 is required
     and, failing that, k = 2 is pinned at the best m.)
     """
-    plans = [
-        make_plan(profile, cluster, BATCH, num_stages=2, replicas=1, num_microbatches=m, **common)
-        for m in (4, 8, 16)
-    ]
+    pins = dict(num_stages=2, replicas=1)
+    plans = [_plan(profiles, cluster, common, num_microbatches=m, **pins) for m in (4, 8, 16)]
     sliced = [p for p in plans if p.startup_slices >= 2]
     if sliced:
         return min(sliced, key=lambda p: p.iteration_ms)
     m = min(plans, key=lambda p: p.iteration_ms).num_microbatches
-    return make_plan(
-        profile,
-        cluster,
-        BATCH,
-        num_stages=2,
-        replicas=1,
-        num_microbatches=m,
-        startup_slices=2,
-        **common,
-    )
+    return _plan(profiles, cluster, common, num_microbatches=m, startup_slices=2, **pins)
+
+
+def _auto(profiles: dict[int, Any], cluster: Cluster, common: dict) -> Plan:
+    """Everything on auto: depth, width, m and k; each micro-batch size with its profile."""
+    plans = []
+    for mb, profile in profiles.items():
+        for stages in (1, 2):
+            replicas = WORLD // stages
+            m = BATCH // (replicas * mb)
+            try:
+                plans.append(
+                    make_plan(
+                        profile,
+                        cluster,
+                        BATCH,
+                        num_stages=stages,
+                        replicas=replicas,
+                        num_microbatches=m,
+                        **common,
+                    )
+                )
+            except PlanError:
+                continue
+    return min(plans, key=lambda p: p.iteration_ms)
 
 
 def _describe(plan: Plan) -> str:
@@ -351,7 +372,7 @@ def _describe(plan: Plan) -> str:
     )
 
 
-def _table(single, measured, rows, best, profile, cluster, blocks, cut) -> list[str]:
+def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list[str]:
     rate = BATCH / single
     lines = [
         "| run | layout | ms/step | samples/s | x single | predicted ms | measured/pred |",
@@ -367,7 +388,7 @@ def _table(single, measured, rows, best, profile, cluster, blocks, cut) -> list[
         )
 
     for name, plan in rows:
-        pred = simulate(plan, profile, cluster).iteration_ms
+        pred = simulate(plan, profiles[plan.microbatch_size], cluster).iteration_ms
         lines.append(row(name, _describe(plan), measured[name], pred))
     lines.append(row("DDP", "1x2", measured["DDP"]))
     for sched in ("1f1b", "gpipe"):

@@ -1,6 +1,6 @@
 """Runtime benchmark: AutoPipe vs torch.distributed.pipelining vs DDP vs one process, 2 CPU ranks.
 
-    .venv/bin/python benchmarks/runtime.py [--steps 4] [--warmup 1] [--out FILE]
+    .venv/bin/python benchmarks/runtime.py [--steps 3] [--warmup 2] [--rounds 3] [--out FILE]
 
 A small GPT (vocab 512, seq 128, 8 layers, d_model 256, 4 heads), global batch 32, fp32, SGD.
 Every distributed run uses 2 processes with one thread each (gloo); the single-process baseline
@@ -68,40 +68,29 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-# ------------------------------------------------------------------------------ one process
-def _single(steps: int, warmup: int) -> float:
-    torch.set_num_threads(1)
+# ------------------------------------------------------------------------------- runners
+# Each ``_make_*`` builds one configuration on this rank and returns its step function; the
+# worker builds them all, then times them in interleaved rounds (best round per run), so a
+# busy neighbour on the 2 shared cores slows every run alike instead of a few unlucky ones.
+
+
+def _make_single(rank: int) -> Any:
+    """One process, one thread, the whole batch (rank 1 idles at the barrier)."""
     model = GPTTask()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = _data()
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        loss = model.pipeline_loss(model(x), (x, y))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+
+    def step() -> None:
+        if rank == 0:
+            loss = model.pipeline_loss(model(x), (x, y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
 
 
-# ------------------------------------------------------------------------------- the peers
-def _timed(step, steps: int, warmup: int) -> float:
-    """Median seconds per step (each step between barriers): robust to a noisy neighbour."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _run_ddp(rank: int, steps: int, warmup: int) -> float:
+def _make_ddp(rank: int) -> Any:
     model = nn.parallel.DistributedDataParallel(GPTTask())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = _data()
@@ -114,16 +103,16 @@ def _run_ddp(rank: int, steps: int, warmup: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _timed(step, steps, warmup)
+    return step
 
 
-def _run_autopipe(rank: int, plan_json: str, steps: int, warmup: int) -> float:
+def _make_autopipe(rank: int, plan_json: str) -> Any:
+    """Through the runtime ``AutoPipeStrategy`` runs (trace, local stage, groups, executor)."""
     from lightning_autopipe.runtime.pipeline import build_local_pipeline
 
     module = GPTTask()
     x, y = _data()
     plan = Plan.from_json(plan_json)
-    replicas = plan.replicas
 
     def bcast(obj: Any, src: int) -> Any:
         box = [obj]
@@ -133,16 +122,16 @@ def _run_autopipe(rank: int, plan_json: str, steps: int, warmup: int) -> float:
     pipe = build_local_pipeline(
         module,
         (x[:PROFILE_MB],),
-        BATCH // replicas,
+        BATCH // plan.replicas,
         rank=rank,
         world_size=WORLD,
         device=torch.device("cpu"),
         plan_fn=lambda *_: plan,
         plan_given=True,
         broadcast=bcast,
-        timeout=timedelta(seconds=300),
+        timeout=timedelta(seconds=600),
     )
-    r, per = pipe.layout.replica, BATCH // replicas
+    r, per = pipe.layout.replica, BATCH // plan.replicas
     batch = (x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
     opt = torch.optim.SGD(module.parameters(), lr=LR)
 
@@ -152,25 +141,25 @@ def _run_autopipe(rank: int, plan_json: str, steps: int, warmup: int) -> float:
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stats["sync_ms"] = (t1 - pipe.executor.timeline[-1][2]) * 1e3
-        stats["step_ms"] = (t1 - t0) * 1e3
+        timeline = pipe.executor.timeline
+        sample = {k: 0.0 for k in ("F", "B", "RF", "RB")}
+        for a, b, e in timeline:
+            if a.kind.value in sample:
+                sample[a.kind.value] += (e - b) * 1e3
+        sample["sync"] = (t1 - timeline[-1][2]) * 1e3
+        sample["step"] = (t1 - t0) * 1e3
+        step.stats = sample  # type: ignore[attr-defined]
 
-    stats: dict[str, float] = {}
-    sec = _timed(step, steps, warmup)
-    for kind in ("F", "B", "RF", "RB"):
-        stats[kind] = sum(e - b for a, b, e in pipe.executor.timeline if a.kind.value == kind) * 1e3
-    _STATS.append(stats)
-    return sec
+    return step
 
 
-def _run_pipelining(rank: int, cut: int, schedule: str, m: int, steps: int, warmup: int) -> float:
+def _make_pipelining(rank: int, cut: int, schedule: str, m: int) -> Any:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     module = GPTTask()
     x, y = _data()
     blocks = split_model(module, (x[:PROFILE_MB],))
-    bounds = [(0, cut), (cut, len(blocks))][rank]
-    submod = blocks.stage(*bounds)
+    submod = blocks.stage(*[(0, cut), (cut, len(blocks))][rank])
     stage = PipelineStage(submod, rank, WORLD, torch.device("cpu"))
 
     def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
@@ -189,33 +178,60 @@ def _run_pipelining(rank: int, cut: int, schedule: str, m: int, steps: int, warm
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _timed(step, steps, warmup)
+    return step
 
 
-def _worker(rank: int, port: int, jobs: list[dict], steps: int, warmup: int, out: str) -> None:
+def _make(rank: int, job: dict) -> Any:
+    kind = job["kind"]
+    if kind == "single":
+        return _make_single(rank)
+    if kind == "ddp":
+        return _make_ddp(rank)
+    if kind == "autopipe":
+        return _make_autopipe(rank, job["plan"])
+    return _make_pipelining(rank, job["cut"], kind, job["m"])
+
+
+def _timed(step: Any, steps: int) -> float:
+    """Median seconds per step, each step between barriers."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _worker(
+    rank: int, port: int, jobs: list[dict], steps: int, warmup: int, rounds: int, out: str
+) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=600))
-    results = {}
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=900))
+    results: dict[str, Any] = {}
     try:
-        for job in jobs:
-            kind = job["kind"]
-            if kind == "ddp":
-                sec = _run_ddp(rank, steps, warmup)
-            elif kind == "autopipe":
-                sec = _run_autopipe(rank, job["plan"], steps, warmup)
-            else:
-                sec = _run_pipelining(rank, job["cut"], kind, job["m"], steps, warmup)
-            results[job["name"]] = sec
-            if kind == "autopipe":
+        runners = {job["name"]: _make(rank, job) for job in jobs}
+        for step in runners.values():
+            for _ in range(warmup):
+                step()
+        best: dict[str, float] = {}
+        stats: dict[str, Any] = {}
+        for r in range(rounds):
+            for name, step in runners.items():
+                sec = _timed(step, steps)
+                if sec < best.get(name, float("inf")):
+                    best[name] = sec
+                    stats[name] = getattr(step, "stats", None)
+                if rank == 0:
+                    print(f"  round {r} {name:<38} {sec * 1e3:8.1f} ms/step", flush=True)
+        results.update(best)
+        for name in runners:
+            if stats[name] is not None:
                 both: list[Any] = [None] * WORLD
-                dist.all_gather_object(both, _STATS[-1])
-                results[job["name"] + " stats"] = both
-            if rank == 0:
-                print(f"  {job['name']:<34} {sec * 1e3:8.1f} ms/step", flush=True)
-                if kind == "autopipe":
-                    for r, st in enumerate(both):
-                        print("    rank", r, {k: round(v) for k, v in st.items()}, flush=True)
+                dist.all_gather_object(both, stats[name])
+                results[name + " stats"] = both
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -245,8 +261,9 @@ def _variant(plan: Plan, *, startup_slices: int | None = None, cut: int | None =
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run and round")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; best is kept")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "runtime.md"))
     ap.add_argument("--only", nargs="*", default=None, help="debug: run only these rows (substr)")
     args = ap.parse_args()
@@ -268,7 +285,7 @@ def main() -> None:
     auto = _auto(profiles, cluster, common)
     noslice = _variant(pinned, startup_slices=1)
     layer4 = next(i for i, n in enumerate(blocks.names) if ".h.4." in f".{n}.")
-    equal = _variant(pinned, cut=layer4)
+    equal = _variant(pinned, cut=layer4)  # may coincide with the planner's cut
     cut = pinned.stages[0].blocks[1]
     rows: list[tuple[str, Plan | None]] = [
         ("AutoPipe pinned 2 stages, sliced", pinned),
@@ -276,7 +293,10 @@ def main() -> None:
         ("AutoPipe runtime, equal-layer split", equal),
         ("AutoPipe all auto", auto),
     ]
-    jobs: list[dict] = [{"name": "DDP", "kind": "ddp"}]
+    jobs: list[dict] = [
+        {"name": "single process", "kind": "single"},
+        {"name": "DDP", "kind": "ddp"},
+    ]
     jobs += [{"name": name, "kind": "autopipe", "plan": p.to_json()} for name, p in rows]
     for sched in ("1f1b", "gpipe"):
         for m in (4, 8, 16):
@@ -284,18 +304,15 @@ def main() -> None:
 
     if args.only is not None:  # debugging a few rows: no table
         jobs = [j for j in jobs if any(o in j["name"] for o in args.only)]
-        mp.spawn(
-            _worker, args=(_free_port(), jobs, args.steps, args.warmup, "/dev/null"), nprocs=WORLD
-        )
-        return
-    print("single process (1 thread) ...", flush=True)
-    single = _single(args.steps, args.warmup)
-    print(f"  {'single process':<34} {single * 1e3:8.1f} ms/step", flush=True)
-    print("2 ranks x 1 thread ...", flush=True)
+    print(f"2 ranks x 1 thread, {args.rounds} interleaved rounds ...", flush=True)
     out = Path(args.out).with_suffix(".json.tmp")
-    mp.spawn(_worker, args=(_free_port(), jobs, args.steps, args.warmup, str(out)), nprocs=WORLD)
+    spawn_args = (_free_port(), jobs, args.steps, args.warmup, args.rounds, str(out))
+    mp.spawn(_worker, args=spawn_args, nprocs=WORLD)
     measured = json.loads(out.read_text())
     out.unlink()
+    if args.only is not None:
+        return
+    single = measured["single process"]
     load1 = os.getloadavg()
 
     def best(sched: str) -> tuple[str, float]:
@@ -309,7 +326,8 @@ def main() -> None:
             "",
             f"GPT vocab {VOCAB} / seq {SEQ} / {LAYERS} layers / d {D} / {HEADS} heads, global "
             f"batch {BATCH}, fp32, SGD; {WORLD} ranks x 1 thread (gloo) vs 1 process x 1 thread; "
-            f"median of {args.steps} timed steps after {args.warmup} warm-up; load average "
+            f"each run: best of {args.rounds} interleaved rounds of the median of {args.steps} "
+            f"steps, after {args.warmup} warm-up steps; load average "
             f"before/after {load0[0]:.2f}/{load1[0]:.2f} on {os.cpu_count()} cores.",
             "",
             *table,
@@ -397,7 +415,8 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
             lines.append(row(name, f"2x1, blocks {cut}/{len(blocks) - cut}", measured[name]))
     lines += [
         "",
-        "Where an AutoPipe step goes (last timed step, per rank, ms): forward / backward compute,"
+        "Where an AutoPipe step goes (last step of its best round, per rank, ms): forward /"
+        " backward compute,"
         " blocked in receives of activations (RF) / gradients (RB), gradient sync after the last"
         " action.",
         "",
@@ -408,7 +427,7 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
         for r, st in enumerate(measured[name + " stats"]):
             lines.append(
                 f"| {name} | {r} | {st['F']:.0f} | {st['B']:.0f} | {st['RF']:.0f} | "
-                f"{st['RB']:.0f} | {st['sync_ms']:.0f} | {st['step_ms']:.0f} |"
+                f"{st['RB']:.0f} | {st['sync']:.0f} | {st['step']:.0f} |"
             )
     b1_name, b1 = best("1f1b")
     pinned = measured[rows[0][0]]

@@ -149,20 +149,25 @@ def propose(
 
 # ---------------------------------------------------------------------------- optimal
 def _mappings(cluster: Cluster, devs: list[str], stages: int, replicas: int) -> list[list]:
-    """Every ordered choice of devices for small cases, else the mapper's layouts permuted."""
-    need = stages * replicas
+    """Every ordered choice of devices for small cases, else the mapper's layouts permuted.
+
+    Layouts whose devices are interchangeable (same speeds, memories, links and contention:
+    equal :meth:`Layout.signature`) are enumerated once.
+    """
     if replicas == 1 and math.perm(len(devs), stages) <= 120:
-        return [[[d] for d in p] for p in itertools.permutations(devs, stages)]
+        cands = [[[d] for d in p] for p in itertools.permutations(devs, stages)]
+    else:
+        cands = []
+        for groups in candidate_groupings(cluster, devs, stages, replicas).values():
+            perms = itertools.permutations(groups) if stages <= 4 else [groups]
+            cands += [[list(g) for g in p] for p in perms]
+        cands.append(rank_order_groups(devs, cluster, stages, replicas))
     out, seen = [], set()
-    for groups in candidate_groupings(cluster, devs, stages, replicas).values():
-        perms = itertools.permutations(groups) if stages <= 4 else [groups]
-        for p in perms:
-            key = tuple(tuple(g) for g in p)
-            if key not in seen:
-                seen.add(key)
-                out.append([list(g) for g in p])
-    out.append(rank_order_groups(devs, cluster, stages, replicas))
-    del need
+    for groups in cands:
+        sig = Layout.from_cluster(cluster, groups).signature()
+        if sig not in seen:
+            seen.add(sig)
+            out.append(groups)
     return out
 
 

@@ -77,7 +77,10 @@ class Layout:
     link_lat_ms: tuple[float, ...]  # cut s: stage s <-> s + 1
     link_ms_per_byte: tuple[float, ...]
     ar_lat_ms: tuple[float, ...]
-    ar_ms_per_byte: tuple[float, ...]
+    ar_ms_per_byte: tuple[float, ...]  # uncontended ring
+    optimistic: bool = False  # a lower bound of simulate(): no link queues, fastest replicas
+    ar_rings: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per stage: resources of each edge
+    ar_caps: tuple[float, ...] = ()  # bytes per ms of each resource
 
     @property
     def num_stages(self) -> int:
@@ -86,6 +89,11 @@ class Layout:
     @property
     def replicas(self) -> tuple[int, ...]:
         return tuple(len(g) for g in self.groups)
+
+    def signature(self) -> tuple:
+        """Everything but the device names: layouts with equal signatures cost the same."""
+        return (self.replicas, self.speeds, self.capacity, self.overhead_ms, self.link_lat_ms,
+                self.link_ms_per_byte, self.ar_lat_ms, self.ar_ms_per_byte)
 
     @classmethod
     def from_cluster(
@@ -108,10 +116,8 @@ class Layout:
                 lat.append(max(cluster.latency_us(x, y) for x, y in pairs) / 1e3)
                 bw = _contended_gbps(cluster, pairs)
             per_byte.append(1.0 / (bw * BYTES_PER_MS_PER_GBPS))
-        if optimistic:
-            ar_lat, ar_pb = _allreduce_costs(cluster, [g for g in groups], contended=False)
-        else:
-            ar_lat, ar_pb = _allreduce_costs(cluster, groups)
+        ar_lat, ar_pb = _allreduce_costs(cluster, [list(g) for g in groups], contended=False)
+        rings, caps = _ring_resources(cluster, [list(g) for g in groups])
         pick = max if optimistic else min
         return cls(
             groups=tuple(tuple(g) for g in groups),
@@ -124,6 +130,9 @@ class Layout:
             link_ms_per_byte=tuple(per_byte),
             ar_lat_ms=tuple(ar_lat),
             ar_ms_per_byte=tuple(ar_pb),
+            optimistic=optimistic,
+            ar_rings=rings,
+            ar_caps=caps,
         )
 
 
@@ -185,6 +194,83 @@ def _allreduce_costs(
         lat.append(2 * (n - 1) * max(cluster.latency_us(a, b) for a, b in edges) / 1e3)
         per_byte.append(2 * (n - 1) / n / (bw * BYTES_PER_MS_PER_GBPS))
     return lat, per_byte
+
+
+def _ring_resources(
+    cluster: Cluster, groups: list[list[str]]
+) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[float, ...]]:
+    """Per group, the shared-link resources (as indices) each edge of its all-reduce ring uses."""
+    index: dict[tuple, int] = {}
+    caps: list[float] = []
+    rings = []
+    for g in groups:
+        ring = cluster.ring_order(g)
+        edges = []
+        if len(ring) > 1:
+            for i in range(len(ring)):
+                a, b = ring[i], ring[(i + 1) % len(ring)]
+                ids = []
+                for r in cluster.link_resources(a, b):
+                    if r not in index:
+                        index[r] = len(caps)
+                        caps.append(cluster.resource_gbps(r) * BYTES_PER_MS_PER_GBPS)
+                    ids.append(index[r])
+                if not ids:  # a link without shared resources: its own bandwidth
+                    index[("edge", a, b)] = len(caps)
+                    caps.append(cluster.bandwidth_gbps(a, b) * BYTES_PER_MS_PER_GBPS)
+                    ids.append(len(caps) - 1)
+                edges.append(tuple(ids))
+        rings.append(tuple(edges))
+    return tuple(rings), tuple(caps)
+
+
+def _allreduce_finish(layout: Layout, stage_end: list[float], nbytes: list[float]) -> list[float]:
+    """When each stage's gradient all-reduce ends, rings sharing links splitting their bandwidth.
+
+    A small fluid model: each ring starts when its stage's last action ends and moves
+    ``2 (n - 1) / n`` of the gradient bytes over every edge; an edge gets an equal share of each
+    resource it crosses, a ring advances at its slowest edge's rate, and rates are recomputed
+    whenever a ring starts or ends. The optimistic layout uses uncontended rings instead.
+    """
+    num = len(stage_end)
+    out = list(stage_end)
+    jobs = {}
+    for s in range(num):
+        edges = layout.ar_rings[s] if layout.ar_rings else ()
+        if len(edges) > 1 and nbytes[s] > 0:
+            if layout.optimistic:
+                out[s] = stage_end[s] + layout.ar_lat_ms[s] + nbytes[s] * layout.ar_ms_per_byte[s]
+            else:
+                n = len(edges)
+                jobs[s] = [stage_end[s], 2 * (n - 1) / n * nbytes[s]]
+    if not jobs:
+        return out
+    caps = layout.ar_caps
+    pending = sorted(jobs, key=lambda s: jobs[s][0])
+    active: dict[int, float] = {}
+    t = jobs[pending[0]][0]
+    while pending or active:
+        while pending and jobs[pending[0]][0] <= t:
+            s = pending.pop(0)
+            active[s] = jobs[s][1]
+        load: dict[int, int] = {}
+        for s in active:
+            for e in layout.ar_rings[s]:
+                for r in e:
+                    load[r] = load.get(r, 0) + 1
+        rate = {s: min(caps[r] / load[r] for e in layout.ar_rings[s] for r in e) for s in active}
+        nxt = jobs[pending[0]][0] if pending else float("inf")
+        done_at = min((t + active[s] / rate[s] for s in active), default=float("inf"))
+        step = min(nxt, done_at) - t
+        for s in list(active):
+            active[s] -= rate[s] * step
+            if active[s] <= 1e-9 * jobs[s][1] + 1e-12:
+                del active[s]
+                out[s] = t + step + layout.ar_lat_ms[s]
+        t += step
+        if not active and pending:
+            t = max(t, jobs[pending[0]][0])
+    return out
 
 
 @dataclass(frozen=True)
@@ -354,25 +440,25 @@ def evaluate(
     cut_ms = [
         costs.act[cuts[s + 1] - 1] * scale[s] * layout.link_ms_per_byte[s] for s in range(num - 1)
     ]
-    ar = [
-        layout.ar_lat_ms[s]
-        + (costs.params[cuts[s + 1]] - costs.params[cuts[s]]) * layout.ar_ms_per_byte[s]
-        if len(layout.groups[s]) > 1 else 0.0
-        for s in range(num)
-    ]
+    grads = [float(costs.params[cuts[s + 1]] - costs.params[cuts[s]]) for s in range(num)]
+    ar = [0.0] * num  # all-reduces are added after the replay, contending with each other
     m0 = _extrapolation_point(num)
+    lat, queue = layout.link_lat_ms, not layout.optimistic
     if exact or m <= m0:
         comp = _compiled(num, m, k, mb)
-        finish, end, via = _replay(comp, fw, bw, ovh, cut_ms, layout.link_lat_ms, ar)
+        finish, end, via = _replay(comp, fw, bw, ovh, cut_ms, lat, ar, queue)
+        finish = _allreduce_finish(layout, finish, grads)
         total = max(finish)
     else:
         win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
         first = _compiled(num, m0, k, mb)
-        f1, _, _ = _replay(first, fw, bw, ovh, cut_ms, layout.link_lat_ms, ar)
+        f1, _, _ = _replay(first, fw, bw, ovh, cut_ms, lat, ar, queue)
         comp = _compiled(num, m0 + win, k, mb)
-        finish, end, via = _replay(comp, fw, bw, ovh, cut_ms, layout.link_lat_ms, ar)
+        finish, end, via = _replay(comp, fw, bw, ovh, cut_ms, lat, ar, queue)
         period = max(0.0, max(finish) - max(f1)) / win
-        total = max(finish) + (m - m0 - win) * period
+        shift = (m - m0 - win) * period
+        finish = _allreduce_finish(layout, [f + shift for f in finish], grads)
+        total = max(finish)
     peaks, fits = [], True
     for s in range(num):
         i, j = cuts[s], cuts[s + 1]
@@ -403,17 +489,32 @@ def _replay(
     cut_ms: list[float],
     lat: tuple[float, ...],
     ar: list[float],
+    queue: bool = True,
 ) -> tuple[list[float], list[float], list[bool]]:
-    """Finish time per stage (all-reduce included), end time and start cause per action."""
+    """Finish time per stage (all-reduce included), end time and start cause per action.
+
+    With ``queue`` each cut's link carries one transfer per direction at a time, in the
+    sender's order (startup slices leave back to back and would otherwise overtake each
+    other's bandwidth); without it transfers are independent delays (a lower bound).
+    """
     fracs = comp.fracs
     order = comp.order
     end = [0.0] * len(order)
     via = [False] * len(order)  # True: started by the cross-stage message
+    free_f = [0.0] * len(cut_ms)  # when each cut's link is free, forward / backward direction
+    free_b = [0.0] * len(cut_ms)
     for n, (s, is_b, u, prev, cross) in enumerate(order):
         t = end[prev] if prev >= 0 else 0.0
         if cross >= 0:
             c = s if is_b else s - 1
-            tc = end[cross] + lat[c] + cut_ms[c] * fracs[u]
+            dur = cut_ms[c] * fracs[u]
+            sent = end[cross]
+            if queue:
+                free = free_b if is_b else free_f
+                if free[c] > sent:
+                    sent = free[c]
+                free[c] = sent + dur
+            tc = sent + dur + lat[c]
             if tc > t:
                 t = tc
                 via[n] = True

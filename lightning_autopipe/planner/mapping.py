@@ -25,6 +25,7 @@ by its speed; memory limits are part of that partition and of the score.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from lightning_autopipe.errors import ClusterError, PlanError
 from lightning_autopipe.planner.costmodel import BlockCosts, Estimate, Layout, evaluate
 from lightning_autopipe.planner.partition import balanced_cuts, stage_limits
 
-__all__ = ["speed_order", "candidate_groupings", "map_stages", "MappingResult"]
+__all__ = ["speed_order", "candidate_groupings", "map_stages", "rank_layouts", "MappingResult"]
 
 
 def speed_order(cluster: Cluster, devices: Sequence[str] | None = None) -> list[str]:
@@ -73,6 +74,45 @@ def candidate_groupings(
         out["pipelined"] = [[p[s] for p in pipes] for s in range(num_stages)]
     if topo != chosen:
         out["rank-order"] = [topo[s * replicas : (s + 1) * replicas] for s in range(num_stages)]
+    out.update(_speed_orders(cluster, grouped))
+    seen, unique = set(), {}
+    for name, groups in out.items():
+        key = tuple(tuple(g) for g in groups)
+        if key not in seen:
+            seen.add(key)
+            unique[name] = groups
+    return unique
+
+
+def _speed_orders(cluster: Cluster, grouped: list[list[str]]) -> dict[str, list[list[str]]]:
+    """Pipeline orders of the speed classes: where slow stages sit changes the critical path.
+
+    The first stage waits longest for gradients and holds the most activations, the last one
+    closes every micro-batch's round trip; putting slow groups at the ends, in the middle or
+    first can each win. Groups of one speed stay contiguous (topology locality); with at most
+    4 stages every order is tried.
+    """
+    speed = [min(cluster.device(d).spec.speed for d in g) for g in grouped]
+    out: dict[str, list[list[str]]] = {}
+    if len(grouped) <= 4:
+        for perm in itertools.permutations(range(len(grouped))):
+            out[f"order{''.join(map(str, perm))}"] = [grouped[i] for i in perm]
+        return out
+    blocks: list[list[list[str]]] = []
+    for g, sp in zip(grouped, speed):
+        if blocks and min(cluster.device(d).spec.speed for d in blocks[-1][0]) == sp:
+            blocks[-1].append(g)
+        else:
+            blocks.append([g])
+    if len(blocks) < 2 or len(blocks) > 4:
+        return out
+    for perm in itertools.permutations(range(len(blocks))):
+        out[f"classes{''.join(map(str, perm))}"] = [g for i in perm for g in blocks[i]]
+    slow = blocks[-1]
+    if len(slow) >= 2:
+        half = len(slow) // 2
+        middle = [g for b in blocks[:-1] for g in b]
+        out["slow-ends"] = slow[:half] + middle + slow[half:]
     return out
 
 
@@ -87,6 +127,55 @@ class MappingResult:
     scores: dict[str, float]
 
 
+def rank_layouts(
+    costs: BlockCosts,
+    cluster: Cluster,
+    devices: Sequence[str],
+    num_stages: int,
+    replicas: int,
+    batch: int,
+    num_microbatches: int,
+    startup_slices: int = 1,
+    *,
+    optimizer_factor: float = 2.0,
+) -> list[MappingResult]:
+    """Every candidate layout with its balanced partition, fastest (fitting memory) first.
+
+    Raises:
+        PlanError: more stages than blocks, or too few devices.
+    """
+    if num_stages > costs.num_blocks:
+        raise PlanError(
+            f"cannot split {costs.num_blocks} blocks into {num_stages} stages; use at most "
+            f"{costs.num_blocks} stages"
+        )
+    if not devices:
+        raise ClusterError("no devices to place stages on; pass at least one device name")
+    out: list[MappingResult] = []
+    scores: dict[str, float] = {}
+    work = costs.compute
+    seen = set()
+    for name, groups in candidate_groupings(cluster, devices, num_stages, replicas).items():
+        layout = Layout.from_cluster(cluster, groups)
+        sig = layout.signature()
+        if sig in seen:  # e.g. permutations of identical devices: nothing to tell them apart
+            continue
+        seen.add(sig)
+        limits = stage_limits(
+            costs, layout, batch, num_microbatches, startup_slices, optimizer_factor
+        )
+        cuts = balanced_cuts(work, layout.speeds, limits=limits) or balanced_cuts(
+            work, layout.speeds
+        )
+        assert cuts is not None
+        est = evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
+                       optimizer_factor=optimizer_factor, critical_path=False)
+        scores[name] = est.iteration_ms
+        out.append(MappingResult(name, layout, cuts, est, scores))
+    out.sort(key=lambda r: (not r.estimate.fits, r.estimate.iteration_ms))
+    return out
+
+
 def map_stages(
     costs: BlockCosts,
     cluster: Cluster,
@@ -99,36 +188,10 @@ def map_stages(
     *,
     optimizer_factor: float = 2.0,
 ) -> MappingResult:
-    """Pick the candidate layout whose balanced partition the cost model predicts fastest.
+    """The candidate layout whose balanced partition the cost model predicts fastest.
 
     Raises:
         PlanError: more stages than blocks, or too few devices.
     """
-    if num_stages > costs.num_blocks:
-        raise PlanError(
-            f"cannot split {costs.num_blocks} blocks into {num_stages} stages; use at most "
-            f"{costs.num_blocks} stages"
-        )
-    if not devices:
-        raise ClusterError("no devices to place stages on; pass at least one device name")
-    best: MappingResult | None = None
-    scores: dict[str, float] = {}
-    work = costs.compute
-    for name, groups in candidate_groupings(cluster, devices, num_stages, replicas).items():
-        layout = Layout.from_cluster(cluster, groups)
-        limits = stage_limits(
-            costs, layout, batch, num_microbatches, startup_slices, optimizer_factor
-        )
-        cuts = balanced_cuts(work, layout.speeds, limits=limits) or balanced_cuts(
-            work, layout.speeds
-        )
-        assert cuts is not None
-        est = evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
-                       optimizer_factor=optimizer_factor, critical_path=False)
-        scores[name] = est.iteration_ms
-        if best is None or (est.fits, -est.iteration_ms) > (
-            best.estimate.fits, -best.estimate.iteration_ms
-        ):
-            best = MappingResult(name, layout, cuts, est, scores)
-    assert best is not None
-    return best
+    return rank_layouts(costs, cluster, devices, num_stages, replicas, batch, num_microbatches,
+                        startup_slices, optimizer_factor=optimizer_factor)[0]

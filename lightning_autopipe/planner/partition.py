@@ -11,8 +11,12 @@
    backtracking that path in the replayed timeline (:func:`~.costmodel.evaluate`), then its front
    boundary block moves to the previous stage (prefix re-balanced) or its back boundary block to
    the next stage (suffix re-balanced); a move is kept only if the predicted step gets shorter,
-   and a visited set stops cycles. A final pass nudges single cuts by one block, which is where
-   the activation size at each cut (communication) decides between equally balanced cuts.
+   and a visited set stops cycles. A final pass moves single cuts to nearby positions, which is
+   where the activation size at each cut (communication) decides between equally balanced
+   cuts, and where fill and drain (few micro-batches) favour a short first or last stage.
+   Besides the balanced start, two tilted starts (early or late stages given a quarter more
+   work) are descended the same way, since with few micro-batches the optimum can lie far
+   from balance.
 3. :func:`choose_startup_slices` — the ``k`` in ``1..max_slices`` that minimises the predicted
    step (1 = no slicing): slicing micro-batch 0 fills the pipeline sooner but adds per-action
    overhead and message latency, so on shallow pipelines it does not pay.
@@ -33,10 +37,12 @@ __all__ = [
     "stage_limits",
     "autopipe_partition",
     "choose_startup_slices",
+    "partition_and_slice",
     "PartitionResult",
 ]
 
 _EPS = 1e-9
+_ALTERNATIVES = 2  # runner-up cut lists handed on, for the simulator to judge
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,7 @@ class PartitionResult:
     balanced_cuts: list[int]
     balanced_ms: float
     evaluations: int
+    alternatives: list[tuple[list[int], Estimate]]  # the next best distinct cuts seen
 
 
 class _Scorer:
@@ -230,57 +237,105 @@ def autopipe_partition(
         got = balanced_cuts(work, sp, lo, hi, limits=limits, first_stage=first)
         return got if got is not None else balanced_cuts(work, sp, lo, hi)
 
-    cur = list(base)
-    best = score(cur)
-    base_ms = best.iteration_ms
-    while len(score.cache) < max_evaluations:
-        order = sorted(range(num), key=lambda s: -best.critical_share[s])
-        moved = False
-        for c in order[:2]:  # the critical stage, then the runner-up
-            cands = []
-            if cur[c + 1] - cur[c] >= 2 and c > 0:
-                pre = rebalance(0, cur[c] + 1, 0, c)
-                if pre is not None:
-                    cands.append(pre + cur[c + 1 :])
-            if cur[c + 1] - cur[c] >= 2 and c < num - 1:
-                suf = rebalance(cur[c + 1] - 1, n, c + 1, num - c - 1)
-                if suf is not None:
-                    cands.append(cur[: c + 1] + suf)
-            for cand in cands:
-                if tuple(cand) in score.cache:
-                    continue
-                e = score(cand)
-                if _better(e, best):
-                    cur, best, moved = cand, e, True
-            if moved:
+    def descend(cur: list[int], limit: int) -> tuple[list[int], Estimate]:
+        best = score(cur)
+        while len(score.cache) < limit:
+            order = sorted(range(num), key=lambda s: -best.critical_share[s])
+            moved = False
+            for c in order[:2]:  # the critical stage, then the runner-up
+                cands = []
+                if cur[c + 1] - cur[c] >= 2 and c > 0:
+                    pre = rebalance(0, cur[c] + 1, 0, c)
+                    if pre is not None:
+                        cands.append(pre + cur[c + 1 :])
+                if cur[c + 1] - cur[c] >= 2 and c < num - 1:
+                    suf = rebalance(cur[c + 1] - 1, n, c + 1, num - c - 1)
+                    if suf is not None:
+                        cands.append(cur[: c + 1] + suf)
+                for cand in cands:
+                    e = score(cand)  # memoised: a visited cut list costs nothing to compare
+                    if _better(e, best):
+                        cur, best, moved = cand, e, True
+                if moved:
+                    break
+            if not moved:
                 break
-        if not moved:
-            break
-    cur, best = _nudge(cur, best, score, n, max_evaluations)
-    return PartitionResult(cur, best, list(base), base_ms, len(score.cache))
+        return _nudge(cur, best, score, n, limit)
+
+    base_ms = score(base).iteration_ms
+    cur, best = descend(list(base), max_evaluations // 2 if start is None else max_evaluations)
+    if start is None and num > 1:
+        # two more starts, balanced with the early (late) stages allowed a quarter more work:
+        # with few micro-batches fill and drain favour uneven stages, far from the balanced cuts
+        for tilt in (0.25, -0.25):
+            sp = [v * (1 + tilt * (1 - 2 * s / (num - 1))) for s, v in enumerate(speeds)]
+            alt = balanced_cuts(work, sp, limits=limits) or balanced_cuts(work, sp)
+            if alt is None or tuple(alt) in score.cache:
+                continue
+            limit = len(score.cache) + max(10, max_evaluations // 4)
+            c2, b2 = descend(list(alt), min(limit, max_evaluations))
+            if _better(b2, best):
+                cur, best = c2, b2
+    seen = sorted(score.cache.items(), key=lambda kv: (not kv[1].fits, kv[1].iteration_ms))
+    alts = [(list(c), e) for c, e in seen if list(c) != cur][:_ALTERNATIVES]
+    return PartitionResult(cur, best, list(base), base_ms, len(score.cache), alts)
 
 
 def _nudge(
     cur: list[int], best: Estimate, score: _Scorer, n: int, budget: int
 ) -> tuple[list[int], Estimate]:
-    """Hill-climb single cuts by one block (first improvement), within the evaluation budget."""
+    """Move single cuts within their neighbours' range while the step gets shorter.
+
+    Each sweep tries, for every cut, the positions up to ``w`` blocks away (``w`` as large as
+    the remaining evaluation budget allows, so small problems get every position), then
+    prefix / suffix chain shifts; improvements are kept. Stops when a sweep improves nothing.
+    """
     improved = True
     while improved and len(score.cache) < budget:
         improved = False
+        left = budget - len(score.cache)
+        w = max(1, left // max(1, 2 * (len(cur) - 2)))
         for p in range(1, len(cur) - 1):
-            for d in (-1, 1):
-                c = cur[p] + d
-                if not cur[p - 1] < c < cur[p + 1]:
+            lo, hi = max(cur[p - 1] + 1, cur[p] - w), min(cur[p + 1] - 1, cur[p] + w)
+            for c in sorted(range(lo, hi + 1), key=lambda x: abs(x - cur[p])):
+                if c == cur[p]:
                     continue
                 cand = cur[:p] + [c] + cur[p + 1 :]
-                if tuple(cand) in score.cache:
-                    continue
                 e = score(cand)
                 if _better(e, best):
                     cur, best, improved = cand, e, True
                 if len(score.cache) >= budget:
                     return cur, best
+        if improved:
+            continue
+        for cand in _chain_shifts(cur):
+            e = score(cand)
+            if _better(e, best):
+                cur, best, improved = cand, e, True
+                break
+            if len(score.cache) >= budget:
+                return cur, best
     return cur, best
+
+
+def _chain_shifts(cuts: list[int]) -> list[list[int]]:
+    """Every prefix or suffix of the inner cuts shifted by one block, where still valid.
+
+    One block then travels through several stages at once (e.g. every early stage gives one
+    block to its successor): the move single-cut changes cannot make when each intermediate
+    step is worse, as when few micro-batches make the fill and drain dominate.
+    """
+    n = len(cuts) - 1
+    out = []
+    for d in (-1, 1):
+        for p in range(1, n):
+            for lo, hi in ((p, n - 1), (1, p)):
+                cand = list(cuts)
+                for q in range(lo, hi + 1):
+                    cand[q] += d
+                if all(cand[q] < cand[q + 1] for q in range(n)) and cand != cuts:
+                    out.append(cand)
+    return out
 
 
 def choose_startup_slices(
@@ -306,3 +361,57 @@ def choose_startup_slices(
             best_k, best = k, e
     assert best is not None
     return best_k, best
+
+
+def partition_and_slice(
+    costs: BlockCosts,
+    layout: Layout,
+    batch: int,
+    num_microbatches: int,
+    startup_slices: int | None = None,
+    max_slices: int = 8,
+    *,
+    optimizer_factor: float = 2.0,
+    max_evaluations: int = 400,
+) -> list[tuple[list[int], int, Estimate]]:
+    """AutoPipe's partition and slice count together (``startup_slices`` pins ``k``).
+
+    The best cuts depend on ``k``: slices shorten the warm-up, which moves the critical path,
+    and a partition that is a local optimum for plain 1F1B can be one slicing does not help.
+    So the partitioner runs under ``k = 1`` and under the powers of two up to the largest
+    allowed ``k``; each result gets the slicer's ``k``, and when that differs from the one it
+    was partitioned under, the partition is improved again under it.
+
+    Returns:
+        Candidates ``(cuts, k, estimate)``, best first, which the caller may score with the
+        simulator (link contention the fast model ignores can reorder close ones).
+    """
+    m = num_microbatches
+    if startup_slices:
+        part = autopipe_partition(costs, layout, batch, m, startup_slices,
+                                  optimizer_factor=optimizer_factor,
+                                  max_evaluations=max_evaluations)
+        return [(part.cuts, startup_slices, part.estimate)] + [
+            (c, startup_slices, e) for c, e in part.alternatives
+        ]
+    mb = batch // (m * max(layout.replicas))
+    top = max(1, min(max_slices, mb))
+    ks = sorted({1, top} | {2**i for i in range(1, 4) if 2**i < top})
+    budget = max(10, max_evaluations // len(ks))
+    out: dict[tuple[tuple[int, ...], int], Estimate] = {}
+    for k0 in ks:
+        part = autopipe_partition(costs, layout, batch, m, k0, optimizer_factor=optimizer_factor,
+                                  max_evaluations=budget)
+        out[(tuple(part.cuts), k0)] = part.estimate
+        for alt, est in part.alternatives:
+            out.setdefault((tuple(alt), k0), est)
+        k, est = choose_startup_slices(costs, layout, part.cuts, batch, m, max_slices,
+                                       optimizer_factor=optimizer_factor)
+        out[(tuple(part.cuts), k)] = est
+        if k != k0:
+            again = autopipe_partition(costs, layout, batch, m, k,
+                                       optimizer_factor=optimizer_factor,
+                                       max_evaluations=budget, start=part.cuts)
+            out[(tuple(again.cuts), k)] = again.estimate
+    ranked = sorted(out.items(), key=lambda kv: (not kv[1].fits, kv[1].iteration_ms))
+    return [(list(c), k, e) for (c, k), e in ranked]

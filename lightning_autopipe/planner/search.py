@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
-from lightning_autopipe.planner.mapping import map_stages, speed_order
-from lightning_autopipe.planner.partition import autopipe_partition, choose_startup_slices
+from lightning_autopipe.planner.mapping import rank_layouts, speed_order
+from lightning_autopipe.planner.partition import partition_and_slice
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import Profile
@@ -35,8 +35,10 @@ __all__ = ["make_plan", "PLANNERS", "Proposal", "finish_plan", "microbatch_choic
 PLANNERS = ("autopipe", "dapple", "piper", "time", "parameters", "uniform", "optimal")
 GiB = 2**30
 _SIM_BUDGET = 3000  # devices x units: simulate finalists only while their sum stays below
-_REPLAY_BUDGET = 150_000  # replayed actions per shape the AutoPipe partitioner may spend
+_REPLAY_BUDGET = 100_000  # replayed actions per shape the AutoPipe partitioner may spend
 _LEVEL2, _LEVEL3 = 8, 3  # shapes placed by the mapper / refined by the partitioner
+_LEVEL3_BUDGET = 400_000  # replayed actions (upper bound) for refining more than three
+_FINALISTS = 8  # proposals the simulator may choose among (within _SIM_BUDGET)
 
 
 def _replay_cost(stages: int, m: int, k: int) -> int:
@@ -303,8 +305,9 @@ def _shapes(
                     cluster.bandwidth_gbps(a, b) * 1.25e5)
             # perfectly balanced stages, plus half a block of rounding on the slowest stage
             base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
-            m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else (
-                microbatch_choices(batch, r, s))
+            m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else [
+                m for m in microbatch_choices(batch, r, s)  # a pinned k needs >= k samples
+                if batch // (r * m) >= (pins["startup_slices"] or 1)]
             for m in m_list:
                 scale = batch / (m * r * mbs)
                 tau = base * scale + 2 * ovh
@@ -334,27 +337,27 @@ def _autopipe(
     k_pin = pins["startup_slices"]
     level2 = []
     for sh in shapes[:_LEVEL2]:
-        mr = map_stages(costs, cluster, devs, sh.stages, sh.replicas, batch, sh.microbatches,
-                        k_pin or 1, optimizer_factor=optimizer_factor)
-        level2.append((mr, sh))
+        ranked = rank_layouts(costs, cluster, devs, sh.stages, sh.replicas, batch,
+                              sh.microbatches, k_pin or 1, optimizer_factor=optimizer_factor)
+        level2 += [(mr, sh) for mr in ranked]
     level2.sort(key=lambda x: (not x[0].estimate.fits, x[0].estimate.iteration_ms))
     level3 = []
-    for mr, sh in level2[:_LEVEL3]:
+    spent = 0
+    for n, (mr, sh) in enumerate(level2):
         m = sh.microbatches
-        budget = max(20, min(400, _REPLAY_BUDGET // _replay_cost(sh.stages, m, max_slices)))
-        part = autopipe_partition(costs, mr.layout, batch, m, k_pin or 1,
-                                  optimizer_factor=optimizer_factor, max_evaluations=budget)
-        if k_pin:
-            k, est = k_pin, part.estimate
-        else:
-            k, est = choose_startup_slices(costs, mr.layout, part.cuts, batch, m, max_slices,
-                                           optimizer_factor=optimizer_factor)
-        level3.append((est, Proposal([list(g) for g in mr.layout.groups], part.cuts, m, k)))
-        if k != 1 and not k_pin:  # the slicer's pick, and plain 1F1B in case contention differs
-            level3.append((part.estimate, Proposal([list(g) for g in mr.layout.groups],
-                                                   part.cuts, m, 1)))
+        cost = _replay_cost(sh.stages, m, max_slices)
+        budget = max(20, min(400, _REPLAY_BUDGET // cost))
+        if n >= _LEVEL3 and spent + budget * cost > _LEVEL3_BUDGET:
+            break  # beyond the best three, refine more layouts only while it is cheap
+        spent += budget * cost
+        groups = [list(g) for g in mr.layout.groups]
+        for cuts, k, est in partition_and_slice(
+            costs, mr.layout, batch, m, k_pin, max_slices, optimizer_factor=optimizer_factor,
+            max_evaluations=budget,
+        ):
+            level3.append((est, Proposal(groups, cuts, m, k)))
     level3.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
-    return [p for _, p in level3[:3]]
+    return [p for _, p in level3[:_FINALISTS]]
 
 
 def _estimate(costs: BlockCosts, cluster: Cluster, prop: Proposal, batch: int) -> float:

@@ -1,0 +1,140 @@
+"""``python -m lightning_autopipe plan``: plan a profiled model on a cluster, print the plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lightning_autopipe.errors import AutoPipeError
+from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.profile import Profile
+
+__all__ = ["format_plan", "plan_main", "resolve_cluster_path"]
+
+_CONF = Path(__file__).resolve().parents[2] / "conf" / "cluster"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _short(names: list[str], width: int) -> str:
+    text = ",".join(names)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_plan(plan: Plan, profile: Profile) -> str:
+    """A readable table of a plan: one row per stage, then the predicted step."""
+    reps = [s.replicas for s in plan.stages]
+    rep = str(reps[0]) if len(set(reps)) == 1 else "/".join(map(str, reps))
+    per = plan.global_batch_size / (plan.num_microbatches * max(reps))
+    lines = [
+        f"plan ({plan.planner}) for {plan.model or profile.model}: {plan.num_stages} stages x "
+        f"{rep} replicas, global batch {plan.global_batch_size} = {plan.num_microbatches} "
+        f"micro-batches of {per:g} samples per replica, {plan.startup_slices} startup "
+        f"slice{'s' if plan.startup_slices != 1 else ''}",
+    ]
+    head = (f"{'stage':>5}  {'blocks':<11} {'first .. last block':<44} {'devices':<28} "
+            f"{'stage ms':>9}  {'peak memory':>11}")
+    lines += [head, "-" * len(head)]
+    names = profile.names
+    for s, st in enumerate(plan.stages):
+        i, j = st.blocks
+        span = names[i] if j - i == 1 else f"{names[i]} .. {names[j - 1]}"
+        if len(span) > 44:
+            span = span[:41] + "..."
+        peak = max((plan.peak_memory_bytes.get(d, 0) for d in st.devices), default=0)
+        lines.append(
+            f"{s:>5}  {f'[{i}, {j})':<11} {span:<44} {_short(st.devices, 28):<28} "
+            f"{st.stage_ms:>9.2f}  {_gib(peak):>11}"
+        )
+    lines.append("-" * len(head))
+    lines.append(
+        f"predicted iteration {plan.iteration_ms:.1f} ms | bubble {plan.bubble_fraction:.1%} | "
+        f"balance {plan.balance:.3f} (max/mean stage ms) | search {plan.search_ms:.0f} ms"
+    )
+    return "\n".join(lines)
+
+
+def resolve_cluster_path(name: str) -> Path:
+    """A cluster YAML path, or the name of one under ``conf/cluster`` (``mixed_rack``)."""
+    p = Path(name)
+    if p.exists():
+        return p
+    for cand in (_CONF / name, _CONF / f"{name}.yaml", Path("conf/cluster") / f"{name}.yaml"):
+        if cand.exists():
+            return cand
+    return p
+
+
+def _parser() -> argparse.ArgumentParser:
+    from lightning_autopipe.planner.search import PLANNERS
+
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_autopipe plan",
+        description="Choose stages, replicas, micro-batches and startup slices for a profiled "
+        "model on a cluster, and predict the step with the simulator.",
+    )
+    p.add_argument("--profile", required=True, help="Profile JSON (python -m ... profile)")
+    p.add_argument("--cluster", required=True,
+                   help="cluster YAML, or a name under conf/cluster (e.g. mixed_rack)")
+    p.add_argument("--global-batch-size", type=int, required=True, help="samples per step")
+    p.add_argument("--planner", choices=PLANNERS, default="autopipe")
+    p.add_argument("--stages", type=int, help="pin the pipeline depth")
+    p.add_argument("--replicas", type=int, help="pin the data-parallel width")
+    p.add_argument("--micro-batches", type=int, help="pin micro-batches per replica")
+    p.add_argument("--startup-slices", type=int, help="pin the slices of micro-batch 0")
+    p.add_argument("--devices", help="comma-separated device names to restrict to")
+    p.add_argument("--uniform-replicas", action="store_true",
+                   help="same replica count on every stage (what the runtime executes)")
+    p.add_argument("--use-all-devices", action="store_true",
+                   help="stages x replicas must equal the device count")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="return the best plan even if it does not fit device memory")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--out", help="also save the plan JSON here")
+    p.add_argument("--trace", help="write the simulated step as a Chrome/Perfetto trace JSON")
+    p.add_argument("--png", help="write the simulated step as a Gantt chart PNG")
+    return p
+
+
+def plan_main(argv: list[str]) -> int:
+    """Entry point of ``python -m lightning_autopipe plan``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    from lightning_autopipe.cluster import Cluster
+    from lightning_autopipe.planner.search import make_plan
+
+    try:
+        profile = Profile.load(args.profile)
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot read profile {args.profile}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        cluster = Cluster.load(resolve_cluster_path(args.cluster))
+        plan = make_plan(
+            profile, cluster, args.global_batch_size, planner=args.planner,
+            num_stages=args.stages, replicas=args.replicas,
+            num_microbatches=args.micro_batches, startup_slices=args.startup_slices,
+            devices=args.devices.split(",") if args.devices else None,
+            uniform_replicas=args.uniform_replicas, use_all_devices=args.use_all_devices,
+            memory_check=not args.no_memory_check,
+        )
+    except AutoPipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        plan.save(args.out)
+    if args.trace or args.png:
+        from lightning_autopipe.planner import timeline
+        from lightning_autopipe.planner.simulate import simulate
+
+        result = simulate(plan, profile, cluster)
+        if args.trace:
+            timeline.write_chrome_trace(result, args.trace)
+            print(f"wrote {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
+        if args.png:
+            timeline.write_png(result, args.png)
+            print(f"wrote {args.png}", file=sys.stderr)
+    print(plan.to_json() if args.json else format_plan(plan, profile))
+    return 0

@@ -495,13 +495,15 @@ def _replay(
 
     With ``queue`` each cut's link carries one transfer per direction at a time, in the
     sender's order (startup slices leave back to back and would otherwise overtake each
-    other's bandwidth); without it transfers are independent delays (a lower bound).
+    other's bandwidth); without it transfers are independent delays (a lower bound). Not
+    modelled (the simulator has them): a stage's activations and gradients sharing one NIC,
+    and fair sharing instead of first come first served.
     """
     fracs = comp.fracs
     order = comp.order
     end = [0.0] * len(order)
     via = [False] * len(order)  # True: started by the cross-stage message
-    free_f = [0.0] * len(cut_ms)  # when each cut's link is free, forward / backward direction
+    free_f = [0.0] * len(cut_ms)  # when each cut's link is next free, per direction
     free_b = [0.0] * len(cut_ms)
     for n, (s, is_b, u, prev, cross) in enumerate(order):
         t = end[prev] if prev >= 0 else 0.0

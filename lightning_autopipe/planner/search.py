@@ -357,7 +357,11 @@ def _autopipe(
         ):
             level3.append((est, Proposal(groups, cuts, m, k)))
     level3.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
-    return [p for _, p in level3[:_FINALISTS]]
+    finalists = [p for _, p in level3[:_FINALISTS]]
+    top = finalists[0]
+    if top.startup_slices > 1 and not k_pin:  # plain 1F1B of the favourite: link contention
+        finalists.append(Proposal(top.groups, top.cuts, top.num_microbatches, 1))  # may favour
+    return finalists
 
 
 def _estimate(costs: BlockCosts, cluster: Cluster, prop: Proposal, batch: int) -> float:

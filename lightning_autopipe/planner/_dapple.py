@@ -12,14 +12,15 @@ estimated latency:
   share a machine: cheap activation transfers);
 * **scatter-first** — take GPUs evenly from all machines.
 
-The latency estimate (our reading of DAPPLE's model) picks a *pivot* stage ``Q``: starting from
-the last stage, an earlier stage ``s`` becomes the pivot when its steady phase
-``(M - 1)(F_s + B_s)`` outlasts the pivot's steady phase plus the round trip between them. Then::
+The latency estimate (our reading of DAPPLE's model) is built around a *pivot* stage ``Q``, the
+one whose steady phase dominates the step::
 
-    L = sum_{s<Q} (F_s + C_s)                      warm-up: first micro-batch reaches Q
-      + M (F_Q + B_Q) + sum_{s>Q} (F_s + B_s) + 2 sum_{c>=Q} C_c     steady phase at Q
-      + max_{s<=Q} (sum_{s<=s'<Q} (B_s' + C_s') + AR_s)             cool-down + all-reduce
+    T(Q) = sum_{s<Q} (F_s + C_s)                   warm-up: first micro-batch reaches Q
+         + M (F_Q + B_Q) + sum_{s>Q} (F_s + B_s + 2 C_{s-1})   steady phase at Q
+         + max_{s<=Q} (sum_{s<=s'<Q} (B_s' + C_s') + AR_s)     cool-down + all-reduce
 
+and ``L = max_Q T(Q)`` (the pivot is the maximising stage; without communication this is the
+1F1B closed form ``sum (F + B) + (M - 1) max (F + B)``),
 with ``F, B`` the profiled times at the stage's per-replica micro-batch (DAPPLE's profile is of
 the one device type: speed differences are invisible to it), ``C`` the activation transfer over
 the link between the two stages' devices and ``AR`` the ring all-reduce of the stage's
@@ -118,25 +119,28 @@ def dapple_placement(
 
 
 def _latency(st: list[tuple[float, float, float, float]], m: int) -> float:
-    """DAPPLE's estimate for stages ``(F, B, AR, C_to_next)`` (see the module docstring)."""
+    """DAPPLE's estimate for stages ``(F, B, AR, C_to_next)``: the pivot's latency, maximised.
+
+    For a pivot ``q`` the step is at least ``T(q)`` (module docstring): every stage runs all
+    ``m`` micro-batches, and the pivot's ``m`` forward/backward pairs lie between the first
+    micro-batch's arrival and the last one's departure. The pivot is the stage maximising it
+    (without communication: ``sum (F + B) + (m - 1) max (F + B)``, the 1F1B closed form).
+    """
     n = len(st)
-    q = n - 1
-    between = 0.0  # sum_{s < x <= q} (F_x + B_x) + 2 sum_{s <= x < q} C_x, kept incrementally
-    for s in range(n - 2, -1, -1):
-        between += st[s + 1][0] + st[s + 1][1] + 2 * st[s][3]
-        if (m - 1) * (st[s][0] + st[s][1]) > (m - 1) * (st[q][0] + st[q][1]) + between:
-            q, between = s, 0.0
-    warm = 0.0
-    for s in range(q):
-        warm += st[s][0] + st[s][3]
-    steady = m * (st[q][0] + st[q][1])
-    for s in range(q + 1, n):
-        steady += st[s][0] + st[s][1] + 2 * st[s - 1][3]
-    cool, tail = 0.0, st[q][2]
-    for s in range(q - 1, -1, -1):
-        cool += st[s][1] + st[s][3]
-        tail = max(tail, cool + st[s][2])
-    return warm + steady + tail
+    suffix = [0.0] * (n + 1)  # sum_{s >= x} (F_s + B_s + 2 C_{s-1})
+    for x in range(n - 1, -1, -1):
+        suffix[x] = suffix[x + 1] + st[x][0] + st[x][1] + (2 * st[x - 1][3] if x > 0 else 0.0)
+    best = warm = drain = 0.0
+    lead = float("-inf")  # max_{s < q} (AR_s - D[s]), D[x] = sum_{s < x} (B_s + C_s)
+    for q in range(n):
+        f, b, ar, _ = st[q]
+        steady = m * (f + b) + suffix[q + 1]
+        tail = max(ar, lead + drain)
+        best = max(best, warm + steady + tail)
+        lead = max(lead, ar - drain)
+        warm += f + st[q][3]
+        drain += b + st[q][3]
+    return best
 
 
 def dapple_proposals(

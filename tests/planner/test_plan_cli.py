@@ -1,0 +1,94 @@
+"""``python -m lightning_autopipe plan``: JSON output, the table, errors, trace and saved plans."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.planner import Plan, make_plan
+from lightning_autopipe.planner.cli import format_plan, plan_main
+from lightning_autopipe.profile import BlockProfile, Profile
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = ("planner", "num_microbatches", "startup_slices", "stages", "iteration_ms",
+        "bubble_fraction", "balance", "peak_memory_bytes", "search_ms")
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    prof = Profile("toy", 2, "test",
+                   [BlockProfile(f"layer{i}", 1.0 + i % 3, 2.0, 4096, 1024, 2048)
+                    for i in range(10)])
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    return path
+
+
+def _args(profile_path, *extra):
+    return ["--profile", str(profile_path), "--cluster", "mixed_rack",
+            "--global-batch-size", "64", *extra]
+
+
+def test_json_output_is_one_object_with_the_documented_keys(profile_path, capsys):
+    assert plan_main(_args(profile_path, "--json", "--stages", "3", "--replicas", "2")) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out)  # exactly one JSON document: anything else would not parse
+    for key in KEYS:
+        assert key in data
+    assert len(data["stages"]) == 3
+    assert [s["blocks"][0] for s in data["stages"]][0] == 0
+    assert data["stages"][-1]["blocks"][1] == 10
+    for a, b in zip(data["stages"], data["stages"][1:]):
+        assert a["blocks"][1] == b["blocks"][0]
+    stage_ms = [s["stage_ms"] for s in data["stages"]]
+    assert data["balance"] == pytest.approx(max(stage_ms) / (sum(stage_ms) / len(stage_ms)))
+    assert Plan.from_dict(data).num_stages == 3
+
+
+def test_table_output_and_format_plan(profile_path, capsys):
+    assert plan_main(_args(profile_path, "--planner", "time", "--micro-batches", "4")) == 0
+    out = capsys.readouterr().out
+    assert "plan (time)" in out
+    assert "predicted iteration" in out
+    assert "balance" in out
+    prof = Profile.load(profile_path)
+    plan = make_plan(prof, Cluster.load(ROOT / "conf/cluster/mixed_rack.yaml"), 64,
+                     num_stages=2)
+    table = format_plan(plan, prof)
+    assert "layer0" in table
+    assert len([ln for ln in table.splitlines() if ln.strip().startswith(("0 ", "1 "))]) == 2
+
+
+def test_errors_exit_2_with_the_message(profile_path, capsys):
+    assert plan_main(_args(profile_path, "--stages", "11")) == 2
+    err = capsys.readouterr().err
+    assert "10 blocks" in err
+    assert "11 stages" in err
+    assert plan_main(["--profile", str(profile_path) + ".missing", "--cluster", "mixed_rack",
+                      "--global-batch-size", "8"]) == 2
+    assert "cannot read profile" in capsys.readouterr().err
+
+
+def test_trace_png_and_saved_plan(profile_path, tmp_path, capsys):
+    trace, png, out = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "plan.json"
+    assert plan_main(_args(profile_path, "--json", "--trace", str(trace), "--png", str(png),
+                           "--out", str(out))) == 0
+    printed = json.loads(capsys.readouterr().out)
+    events = json.loads(trace.read_text())
+    assert events  # a Chrome trace: a list of events or {"traceEvents": [...]}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Plan.load(out).to_dict() == printed
+
+
+def test_module_entry_point_prints_exactly_one_json_object(profile_path):
+    cmd = [sys.executable, "-m", "lightning_autopipe", "plan", *_args(profile_path, "--json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["planner"] == "autopipe"

@@ -29,6 +29,19 @@ The LightningModule contract
 * ``accumulate_grad_batches`` must be 1: micro-batching is the plan's ``num_microbatches``.
 * Gradient clipping by norm uses the norm over all stages (tied copies counted once).
 * Precision ``32-true`` and ``bf16-mixed``.
+
+Checkpoints and failures
+------------------------
+* ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write the whole model's ``state_dict`` and
+  every optimizer's state under the *original* parameter names (one file written by rank 0;
+  ``checkpoint_format="sharded"`` writes a ``torch.distributed.checkpoint`` directory, one shard
+  per stage). Resuming (``fit(ckpt_path=...)``) works into any layout, from and to
+  ``strategy="auto"`` (``lightning_autopipe.checkpoint``). Files are replaced atomically.
+* Every send/receive/collective runs under ``timeout``; a rank that fails posts its error
+  (rank, stage, step, action, exception) and every other rank raises ``PipelineRuntimeError``
+  naming it, so the launcher ends the job instead of hanging.
+* A non-finite training loss raises (naming the step and the first stage whose outputs were
+  non-finite) unless ``nonfinite_loss="skip"``, which drops that step's gradients on every rank.
 """
 
 from __future__ import annotations
@@ -56,19 +69,24 @@ from lightning.pytorch.strategies.launchers import (
 )
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
-from lightning_autopipe.errors import PlanError
+from lightning_autopipe import checkpoint as ckpt
+from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.planner.plan import Plan
-from lightning_autopipe.runtime.groups import destroy_groups
+from lightning_autopipe.runtime.checks import check_microbatches
+from lightning_autopipe.runtime.failure import describe
+from lightning_autopipe.runtime.groups import RankLayout, destroy_groups
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline, search_plan
 
 __all__ = ["AutoPipeStrategy"]
 
 log = logging.getLogger(__name__)
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
+_CHECKPOINT_FORMATS = ("consolidated", "sharded")
+_NONFINITE = ("raise", "skip")
 
 
 def _auto_or_positive(name: str, value: Any) -> int | None:
@@ -102,6 +120,14 @@ class AutoPipeStrategy(ParallelStrategy):
         val_loss_name / test_loss_name: names the forward-only loss is logged under.
         bucket_mb: gradient all-reduce bucket size.
         process_group_backend: override gloo/NCCL.
+        checkpoint_format: ``"consolidated"`` (one file, rank 0 gathers every stage) or
+            ``"sharded"`` (a ``torch.distributed.checkpoint`` directory, for large models).
+        nonfinite_loss: ``"raise"`` (stop with the step and the stage where values first
+            became non-finite) or ``"skip"`` (warn and drop that step's gradients everywhere;
+            the optimizer and LR scheduler still step, moving no parameter).
+        exact_cluster: the cluster file must describe exactly the launched devices.
+        check_batch: every tensor in a batch must hold as many samples as the inputs (set
+            False to hand a non-per-sample tensor, e.g. class weights, to pipeline_loss whole).
     """
 
     strategy_name = "autopipe"
@@ -122,6 +148,10 @@ class AutoPipeStrategy(ParallelStrategy):
         test_loss_name: str = "test_loss",
         bucket_mb: float = 25.0,
         process_group_backend: str | None = None,
+        checkpoint_format: str = "consolidated",
+        nonfinite_loss: str = "raise",
+        exact_cluster: bool = False,
+        check_batch: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -157,6 +187,20 @@ class AutoPipeStrategy(ParallelStrategy):
         self.test_loss_name = test_loss_name
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._process_group_backend = process_group_backend
+        if checkpoint_format not in _CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"checkpoint_format must be one of {_CHECKPOINT_FORMATS}, not {checkpoint_format!r}"
+            )
+        if nonfinite_loss not in _NONFINITE:
+            raise ValueError(f"nonfinite_loss must be one of {_NONFINITE}, not {nonfinite_loss!r}")
+        self.checkpoint_format = checkpoint_format
+        self.nonfinite_loss = nonfinite_loss
+        self.exact_cluster = bool(exact_cluster)
+        self.check_batch = bool(check_batch)
+        # The layout outlives teardown so trainer.save_checkpoint after fit still gathers.
+        self._layout: RankLayout | None = None
+        self._param_order: list[str] = []
+        self._state_order: list[str] = []
         self._num_nodes = 1
         self._pipe: LocalPipeline | None = None
         self._grads: list[Tensor | None] | None = None
@@ -167,6 +211,17 @@ class AutoPipeStrategy(ParallelStrategy):
         self.cluster: Any = None
 
     # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's torch checkpoint IO with atomic (temp file + fsync + replace) writes."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ckpt.AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
     @property
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
@@ -263,6 +318,9 @@ class AutoPipeStrategy(ParallelStrategy):
                 "backward itself); remove `self.automatic_optimization = False`"
             )
         example, batch_size = _example(trainer, module)
+        check_microbatches(batch_size, self.num_microbatches, self.startup_slices)
+        self._param_order = [name for name, _ in module.named_parameters()]
+        self._state_order = list(module.state_dict().keys())
         self._pipe = build_local_pipeline(
             module,
             example,
@@ -279,7 +337,11 @@ class AutoPipeStrategy(ParallelStrategy):
             backend=self._process_group_backend,
             timeout=self._timeout,
             bucket_bytes=self.bucket_bytes,
+            num_stages=self.num_stages,
+            exact_cluster=self.exact_cluster,
+            check_batch=self.check_batch,
         )
+        self._layout = self._pipe.layout
         self.plan, self.profile, self.cluster = (
             self._pipe.plan,
             self._pipe.profile,
@@ -349,12 +411,44 @@ class AutoPipeStrategy(ParallelStrategy):
         params = self._pipe.executor.parameters
         for p in params:
             p.grad = None
+        step = self.lightning_module.trainer.global_step if self.lightning_module else None
         with self.precision_plugin.train_step_context():
-            loss = self._pipe.executor.train_step(batch)
+            loss = self._pipe.executor.train_step(batch, step=step)
         self._grads = [p.grad for p in params]
         for p in params:
             p.grad = None
+        if not bool(torch.isfinite(loss)):
+            self._on_nonfinite(loss, step)
         return loss
+
+    def _on_nonfinite(self, loss: Tensor, step: int | None) -> None:
+        """Every rank holds the same global loss, so every rank takes the same branch."""
+        assert self._pipe is not None
+        stage, ranks = self._pipe.executor.nonfinite_origin()
+        plan = self._pipe.plan
+        blocks = list(plan.stages[stage].blocks)
+        if stage < plan.num_stages - 1:
+            where = (
+                f"values first became non-finite in the outputs of stage {stage} (blocks "
+                f"{blocks}, ranks {ranks})"
+            )
+        else:
+            where = (
+                f"every stage's outputs were finite up to the last stage {stage} (blocks "
+                f"{blocks}, ranks {ranks}), whose outputs or pipeline_loss produced it"
+            )
+        if self.nonfinite_loss == "skip":
+            rank_zero_warn(
+                f"non-finite training loss {float(loss)} at step {step} ({where}); skipping the "
+                "step: its gradients are dropped on every rank"
+            )
+            self._grads = [None] * len(self._grads or [])
+            return
+        raise PipelineRuntimeError(
+            f"non-finite training loss {float(loss)} at step {step}: {where}. Lower the learning "
+            "rate, clip gradients, check the data, or pass nonfinite_loss='skip' to "
+            "AutoPipeStrategy to skip such steps"
+        )
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Install the gradients the schedule computed; the before/after-backward hooks run."""
@@ -384,8 +478,9 @@ class AutoPipeStrategy(ParallelStrategy):
         assert self._pipe is not None
         assert self.lightning_module is not None
         batch = args[0] if args else kwargs["batch"]
+        index = args[1] if len(args) > 1 else kwargs.get("batch_idx")
         with context():
-            loss = self._pipe.executor.eval_step(batch)
+            loss = self._pipe.executor.eval_step(batch, step=index)
         self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 
@@ -407,25 +502,149 @@ class AutoPipeStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ checkpoint state
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's ``state_dict`` under the original names, on every rank.
+    def _pipelined(self) -> bool:
+        """More than one rank holds parts of the model (collectives gather them)."""
+        return self._layout is not None and _distributed_is_initialized() and self.world_size > 1
 
-        Each rank holds one stage; replica 0 of every stage contributes its tensors, so a
-        checkpoint written by rank 0 loads into the plain module (e.g. under
-        ``strategy="auto"``). Optimizer state stays per stage.
+    def _gather_to_zero(self, obj: Any) -> list[Any]:
+        if not self._pipelined():
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out or []
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self._pipelined():
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _writes_shard(self) -> bool:
+        """Replica 0 of each stage holds the tensors a checkpoint stores (others are copies)."""
+        return self._layout is None or self._layout.replica == 0
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's ``state_dict`` under the original names (collective on every rank).
+
+        Consolidated: replica 0 of every stage sends its tensors to rank 0, which returns the
+        whole model's in the original key order (other ranks return their own part; only rank
+        0 writes). Sharded: this rank's stage (empty on replicas other than 0).
         """
         module = self.lightning_module
         assert module is not None
         local = module.state_dict()
-        if self._pipe is None or not _distributed_is_initialized() or self.world_size == 1:
+        if not self._pipelined():
             return local
-        mine = {k: v.detach().cpu() for k, v in local.items()}
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine if self._pipe.layout.replica == 0 else {})
+        mine = {k: v.detach() for k, v in local.items()} if self._writes_shard() else {}
+        if self.checkpoint_format == "sharded":
+            return mine
+        parts = self._gather_to_zero(_to_cpu(mine))
+        if self.global_rank != 0:
+            return local
         merged: dict[str, Any] = {}
-        for part in gathered:
-            merged.update(part)
-        return merged
+        for part in parts:
+            for key, value in part.items():
+                merged.setdefault(key, value)
+        rank = {k: i for i, k in enumerate(self._state_order)}
+        return dict(sorted(merged.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state keyed by original parameter names, every stage merged.
+
+        Consolidated: rank 0 returns a plain ``torch.optim`` state dict over the whole model (ids
+        in the model's parameter order, names under ``"param_names"``); other ranks ``{}``.
+        Sharded: this rank's part in the named form with the groups merged across stages.
+        """
+        module = self.lightning_module
+        assert module is not None
+        if not self._pipelined():
+            return super().optimizer_state(optimizer)
+        named = ckpt.named_optimizer_state(optimizer, ckpt.param_names_by_id(module))
+        if not self._writes_shard():
+            named = {"state": {}, "param_groups": named["param_groups"]}
+        if self.checkpoint_format == "sharded":
+            groups = self._all_gather(named["param_groups"])
+            return {
+                "state": named["state"],
+                "param_groups": ckpt.merge_param_groups(groups, self._param_order),
+            }
+        parts = self._gather_to_zero(_to_cpu(named))
+        return ckpt.merge_optimizer_states(parts, self._param_order) if parts else {}
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Rank 0 writes the consolidated file atomically; sharded: every rank writes its part."""
+        if self.checkpoint_format == "sharded" and self._pipelined():
+            ckpt.save_sharded(
+                checkpoint, filepath, is_rank_zero=self.is_global_zero, barrier=self.barrier
+            )
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """Either format; runs before ``setup`` (the module is still whole)."""
+        if ckpt.is_sharded(checkpoint_path):
+            module = self.lightning_module
+            assert module is not None
+            no_dist = not _distributed_is_initialized()
+            return ckpt.load_sharded(checkpoint_path, module.state_dict(), no_dist=no_dist)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Re-shard the saved (whole-model, name-keyed) optimizer state onto the local stage.
+
+        A checkpoint without names (``strategy="auto"``) is matched by position against the
+        whole model's groups, gathered from every stage in the model's parameter order.
+        """
+        module = self.lightning_module
+        assert module is not None
+        saved_states = checkpoint["optimizer_states"]
+        if len(saved_states) != len(self.optimizers):
+            raise PlanError(
+                f"the checkpoint holds {len(saved_states)} optimizer states but "
+                f"configure_optimizers built {len(self.optimizers)}; resume with the same "
+                "optimizers"
+            )
+        names = ckpt.param_names_by_id(module)
+        full: list[list[list[str]]] | None = None
+        for i, (opt, saved) in enumerate(zip(self.optimizers, saved_states)):
+            if isinstance(saved, ckpt.ShardedOptimizerState):
+                local = ckpt.load_sharded_optimizer(
+                    saved, opt, names, no_dist=not _distributed_is_initialized()
+                )
+            else:
+                if ckpt.group_names(saved) is None and full is None:
+                    full = self._whole_model_groups(names)
+                local = ckpt.local_optimizer_state(
+                    saved, opt, names, full_names=full[i] if full is not None else None
+                )
+            opt.load_state_dict(local)
+            _optimizers_to_device([opt], self.root_device)
+
+    def _whole_model_groups(self, names: dict[int, str]) -> list[list[list[str]]]:
+        """Names per group per optimizer of the whole model (every stage's, model order)."""
+        mine = [
+            [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+            for opt in self.optimizers
+        ]
+        parts = self._all_gather(mine)
+        out = []
+        for i, groups in enumerate(mine):
+            merged = ckpt.merge_param_groups(
+                [[{"param_names": part[i][g]} for g in range(len(groups))] for part in parts],
+                self._param_order,
+            )
+            out.append([g["param_names"] for g in merged])
+        return out
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Post this rank's failure for its peers (the executor already posted its own)."""
+        board = self._pipe.executor.failures if self._pipe is not None else None
+        if board is not None:
+            board.post(f"rank {self.global_rank} failed: {describe(exception)}")
+        super().on_exception(exception)
 
     # ------------------------------------------------------------------------ teardown
     def teardown(self) -> None:
@@ -447,6 +666,17 @@ class AutoPipeStrategy(ParallelStrategy):
             description="AutoPipe-H: heterogeneity-aware data-parallel pipeline",
             override=True,
         )
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Tensors moved to the CPU (gathered objects are unpickled on rank 0)."""
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def _example(trainer: Any, module: Any) -> tuple[Any, int]:

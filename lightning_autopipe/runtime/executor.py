@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,9 @@ from torch import Tensor, nn
 
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.schedule import Action, Kind, slice_sizes
+from lightning_autopipe.runtime.checks import check_batch_sizes
 from lightning_autopipe.runtime.comm import recv_tensors, send_tensors
+from lightning_autopipe.runtime.failure import FailureBoard, pipeline_failure
 from lightning_autopipe.runtime.gradsync import GradientSync
 from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout
 
@@ -33,6 +36,7 @@ __all__ = ["PipelineExecutor", "TiedParameter", "fit_units", "unit_bounds", "sli
 
 Unit = tuple[int, int]
 _BACKWARD_KINDS = (Kind.SEND_B, Kind.RECV_B, Kind.BACKWARD)
+_COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD)
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,9 @@ class PipelineExecutor:
         device: where this stage runs and where received tensors are put.
         tied: local copies of parameters tied across stages.
         bucket_bytes: size of the flat buffers gradients are all-reduced in.
+        failures: where this rank posts its failure and reads a peer's (see ``failure.py``).
+        check_batch: every tensor of a batch must hold the inputs' sample count.
+        timeout_s: the process groups' timeout (quoted in failure messages).
     """
 
     def __init__(
@@ -138,6 +145,9 @@ class PipelineExecutor:
         device: torch.device,
         tied: Sequence[TiedParameter] = (),
         bucket_bytes: int = 25 * 2**20,
+        failures: FailureBoard | None = None,
+        check_batch: bool = True,
+        timeout_s: float | None = None,
     ) -> None:
         if layout.world_size > 1 and groups is None:
             raise PipelineRuntimeError("a multi-rank pipeline needs its process groups")
@@ -155,6 +165,12 @@ class PipelineExecutor:
         self.device = device
         self.tied = sorted(tied, key=lambda t: t.tie)  # same all-reduce order on every rank
         self.bucket_bytes = bucket_bytes
+        self.failures = failures
+        self.check_batch = check_batch
+        self.timeout_s = timeout_s
+        self.step: int | None = None  # the caller's step number, quoted in failure messages
+        self._training = True
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         self.trace: list[Action] = []
         self.timeline: list[tuple[Action, float, float]] = []
         self._schedules: dict[tuple[bool, int, int], list[Action]] = {}
@@ -170,21 +186,43 @@ class PipelineExecutor:
         """The stage's trainable parameters (what this rank's optimizer must hold)."""
         return list(self._params)
 
-    def train_step(self, batch: Any) -> Tensor:
+    def train_step(self, batch: Any, step: int | None = None) -> Tensor:
         """Forward and backward of every unit, then gradient sync; returns the global mean loss.
 
         Gradients accumulate into ``.grad`` (the caller zeroes them, as Lightning's closure does).
+        ``step`` only labels failure messages.
         """
+        self.step, self._training = step, True
         self.stage.train()
         loss = self._run(batch, train=True)
-        self._sync_gradients()
+        with self._watch("gradient all-reduce", None, communication=True):
+            self._sync_gradients()
         return loss
 
     @torch.no_grad()
-    def eval_step(self, batch: Any) -> Tensor:
+    def eval_step(self, batch: Any, step: int | None = None) -> Tensor:
         """Forward-only pipeline; returns the global mean loss."""
+        self.step, self._training = step, False
         self.stage.eval()
         return self._run(batch, train=False)
+
+    def nonfinite_origin(self) -> tuple[int, list[int]]:
+        """After a step with a non-finite loss: the first stage whose outputs were non-finite.
+
+        Collective over the world (call it on every rank). Returns ``(stage, ranks of that stage
+        that saw it)``; the last stage when every stage's outputs were finite (the loss itself).
+        """
+        lay = self.layout
+        mine = torch.tensor([float(self._nonfinite), float(lay.stage)], device=self.device)
+        rows = [mine]
+        if dist.is_available() and dist.is_initialized() and lay.world_size > 1:
+            rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(rows, mine)
+        flags = [(int(r[1]), rank) for rank, r in enumerate(rows) if r[0] > 0]
+        if not flags:
+            return lay.num_stages - 1, list(lay.grid[-1])
+        first = min(s for s, _ in flags)
+        return first, [rank for s, rank in flags if s == first]
 
     def global_grad_norm(self, norm_type: float = 2.0) -> Tensor:
         """Norm of the whole model's gradient (every stage, tied copies counted once)."""
@@ -225,12 +263,36 @@ class PipelineExecutor:
             self._schedules[key] = acts
         return self._schedules[key]
 
+    @contextmanager
+    def _watch(self, what: str, peer: int | None, communication: bool) -> Iterator[None]:
+        """Turn any failure into a PipelineRuntimeError naming this rank (or the first failure)."""
+        try:
+            yield
+        except PipelineRuntimeError:
+            raise
+        except Exception as exc:
+            lay = self.layout
+            kind = "training" if self._training else "validation"
+            raise pipeline_failure(
+                self.failures,
+                exc,
+                where=f"rank {lay.rank} (stage {lay.stage}, replica {lay.replica})",
+                what=what,
+                when=f"{kind} step {self.step}" if self.step is not None else f"a {kind} step",
+                peer=peer,
+                communication=communication,
+                timeout_s=self.timeout_s,
+            ) from exc
+
     def _run(self, batch: Any, train: bool) -> Tensor:
         layout = self.layout
         flat = tuple(self._flatten(self._inputs_fn(batch)))
         if not flat:
             raise PipelineRuntimeError("the model's flattened inputs hold no tensor")
-        size = int(flat[0].shape[0])
+        size = int(flat[0].shape[0]) if flat[0].dim() else 0
+        if self.check_batch:
+            check_batch_sizes(batch, flat, size)
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         if train:
             m, k = fit_units(size, self.num_microbatches, self.startup_slices)
         else:
@@ -257,50 +319,57 @@ class PipelineExecutor:
                 raise PipelineRuntimeError(f"action {a} names a unit outside {list(bounds)}")
             tag = 2 * order[unit] + (a.kind in _BACKWARD_KINDS)
             start, stop = bounds[unit]
-            if a.kind is Kind.RECV_F:
-                received[unit] = recv_tensors(layout.prev_rank, tag, self.device)
-            elif a.kind is Kind.FORWARD:
-                if layout.is_first:
-                    inputs: list[Tensor | None] = [t[start:stop] for t in flat]
-                else:
-                    inputs = received.pop(unit)
-                outs = self.stage(*inputs)
-                outs = tuple(outs) if isinstance(outs, list | tuple) else (outs,)
-                if layout.is_last:
-                    part = slice_batch(batch, start, stop, size)
-                    loss = self._loss_fn(self._unflatten(outs), part) * ((stop - start) / size)
-                    loss_sum += loss.detach().float()
-                    if train:
-                        saved[unit] = (inputs, loss)
-                else:
-                    outputs[unit] = outs
-                    if train:
-                        saved[unit] = (inputs, outs)
-            elif a.kind is Kind.SEND_F:
-                sends += send_tensors(outputs.pop(unit), layout.next_rank, tag, self.device)
-            elif a.kind is Kind.RECV_B:
-                out_grads[unit] = recv_tensors(layout.next_rank, tag, self.device)
-            elif a.kind is Kind.BACKWARD:
-                if idx == last_b and self._dp_sync is not None:
-                    self._dp_sync.arm()  # gradients become final during this backward
-                inputs, result = saved.pop(unit)
-                if layout.is_last:
-                    result.backward()
-                else:
-                    self._backward(a, result, out_grads.pop(unit))
-                if not layout.is_first:
-                    in_grads[unit] = [
-                        t.grad if t is not None and t.requires_grad else None for t in inputs
-                    ]
-            elif a.kind is Kind.SEND_B:
-                sends += send_tensors(in_grads.pop(unit), layout.prev_rank, tag, self.device)
+            peer = layout.prev_rank if a.kind in (Kind.RECV_F, Kind.SEND_B) else layout.next_rank
+            with self._watch(_action_name(a), peer, a.kind not in _COMPUTE_KINDS):
+                if a.kind is Kind.RECV_F:
+                    received[unit] = recv_tensors(layout.prev_rank, tag, self.device)
+                elif a.kind is Kind.FORWARD:
+                    if layout.is_first:
+                        inputs: list[Tensor | None] = [t[start:stop] for t in flat]
+                    else:
+                        inputs = received.pop(unit)
+                    outs = self.stage(*inputs)
+                    outs = tuple(outs) if isinstance(outs, list | tuple) else (outs,)
+                    for o in outs:
+                        if o.is_floating_point():
+                            self._nonfinite |= ~torch.isfinite(o.detach()).all()
+                    if layout.is_last:
+                        part = slice_batch(batch, start, stop, size)
+                        loss = self._loss_fn(self._unflatten(outs), part) * ((stop - start) / size)
+                        loss_sum += loss.detach().float()
+                        if train:
+                            saved[unit] = (inputs, loss)
+                    else:
+                        outputs[unit] = outs
+                        if train:
+                            saved[unit] = (inputs, outs)
+                elif a.kind is Kind.SEND_F:
+                    sends += send_tensors(outputs.pop(unit), layout.next_rank, tag, self.device)
+                elif a.kind is Kind.RECV_B:
+                    out_grads[unit] = recv_tensors(layout.next_rank, tag, self.device)
+                elif a.kind is Kind.BACKWARD:
+                    if idx == last_b and self._dp_sync is not None:
+                        self._dp_sync.arm()  # gradients become final during this backward
+                    inputs, result = saved.pop(unit)
+                    if layout.is_last:
+                        result.backward()
+                    else:
+                        self._backward(a, result, out_grads.pop(unit))
+                    if not layout.is_first:
+                        in_grads[unit] = [
+                            t.grad if t is not None and t.requires_grad else None for t in inputs
+                        ]
+                elif a.kind is Kind.SEND_B:
+                    sends += send_tensors(in_grads.pop(unit), layout.prev_rank, tag, self.device)
             trace.append(a)
             timeline.append((a, t0, time.perf_counter()))
-        for work, _buf in sends:
-            work.wait()
+        with self._watch("waiting for sends", None, communication=True):
+            for work, _buf in sends:
+                work.wait()
         self.trace = trace
         self.timeline = timeline
-        return self._global_loss(loss_sum)
+        with self._watch("loss broadcast", layout.last_stage_rank, communication=True):
+            return self._global_loss(loss_sum)
 
     @staticmethod
     def _backward(a: Action, outs: tuple[Tensor, ...], grads: list[Tensor | None]) -> None:
@@ -333,3 +402,16 @@ class PipelineExecutor:
             if t.param.grad is None:
                 t.param.grad = torch.zeros_like(t.param)
             dist.all_reduce(t.param.grad, group=group)
+
+
+def _action_name(a: Action) -> str:
+    """``forward 1F0.1`` style label of an action for failure messages."""
+    words = {
+        Kind.FORWARD: "forward",
+        Kind.BACKWARD: "backward",
+        Kind.SEND_F: "send of activations",
+        Kind.RECV_F: "receive of activations",
+        Kind.SEND_B: "send of gradients",
+        Kind.RECV_B: "receive of gradients",
+    }
+    return f"{words.get(a.kind, 'action')} {a}"

@@ -20,7 +20,13 @@ from lightning_autopipe import errors
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.schedule import SCHEDULES, forward_only, lower_communication
+from lightning_autopipe.runtime.checks import (
+    check_loss_contract,
+    check_num_stages,
+    check_plan_for_run,
+)
 from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
+from lightning_autopipe.runtime.failure import FailureBoard
 from lightning_autopipe.runtime.groups import (
     ProcessGroups,
     RankLayout,
@@ -46,8 +52,13 @@ class LocalPipeline:
     table: str
 
 
-def resolve_cluster(cluster: Any, world_size: int, device: torch.device) -> Any:
-    """A ``Cluster`` from an instance, a YAML path, or None (the launched world, homogeneous)."""
+def resolve_cluster(
+    cluster: Any, world_size: int, device: torch.device, exact: bool = False
+) -> Any:
+    """A ``Cluster`` from an instance, a YAML path, or None (the launched world, homogeneous).
+
+    ``exact`` requires the cluster to describe exactly the launched devices (not more).
+    """
     from lightning_autopipe.cluster import Cluster
 
     if cluster is None:
@@ -55,7 +66,7 @@ def resolve_cluster(cluster: Any, world_size: int, device: torch.device) -> Any:
         return Cluster.local(world_size, device_name=name)
     if isinstance(cluster, str | Path):
         cluster = Cluster.load(cluster)
-    cluster.validate_world_size(world_size)
+    cluster.validate_world_size(world_size, exact=exact)
     return cluster
 
 
@@ -167,26 +178,28 @@ def build_local_pipeline(
     backend: str | None = None,
     timeout: timedelta | None = None,
     bucket_bytes: int = 25 * 2**20,
+    num_stages: int | None = None,
+    exact_cluster: bool = False,
+    check_batch: bool = True,
 ) -> LocalPipeline:
     """Trace on every rank, plan on rank 0, agree on the plan, keep only the local stage.
 
     Every rank traces (so an untraceable model raises the graph layer's ``TraceError`` on every
     rank before any collective, never a hang); rank 0 profiles on ``device`` and plans, and its
     plan (or its error) is broadcast. The module's parameters are then rebound to the local
-    stage (:func:`bind_local_stage`).
+    stage (:func:`bind_local_stage`). User input is checked first (``pipeline_loss``, cluster
+    size, pinned depth vs. blocks, a given plan's fingerprint, batch and memory) so a bad
+    configuration fails on every rank before any profiling or training.
     """
     from lightning_autopipe.graph import split_model
     from lightning_autopipe.profile import Profile, profile_blocks
 
-    loss_fn = getattr(module, "pipeline_loss", None)
-    if not callable(loss_fn):
-        raise TypeError(
-            f"{type(module).__name__} has no pipeline_loss(outputs, batch); define it to return "
-            "the mean loss of one (slice of a) batch from forward's outputs"
-        )
-    cluster = resolve_cluster(cluster_arg, world_size, device)
+    check_loss_contract(module)
+    loss_fn = module.pipeline_loss
+    cluster = resolve_cluster(cluster_arg, world_size, device, exact=exact_cluster)
     names = [d.name for d in cluster.devices[:world_size]]
     blocks = split_model(module, example, granularity=granularity)
+    check_num_stages(num_stages, len(blocks), world_size)
 
     payload: Any = None
     failure: BaseException | None = None
@@ -199,6 +212,8 @@ def build_local_pipeline(
                 )
             plan = plan_fn(profile, cluster, names)
             _check_fingerprint(plan, blocks)
+            if plan_given:
+                check_plan_for_run(plan, replica_batch, cluster)
             payload = ("ok", plan.to_json(), profile.to_json() if profile is not None else None)
         except Exception as exc:  # every rank must learn of it, or they would wait forever
             failure = exc
@@ -247,6 +262,9 @@ def build_local_pipeline(
         device=device,
         tied=tied,
         bucket_bytes=bucket_bytes,
+        failures=FailureBoard.for_current_group(),
+        check_batch=check_batch,
+        timeout_s=timeout.total_seconds() if timeout is not None else None,
     )
     return LocalPipeline(
         plan=plan,

@@ -1,0 +1,141 @@
+"""Checks of user input that run before any pipeline work, each naming the values and the fix.
+
+They are plain functions so tests call them without processes; the strategy and the executor
+call them at the earliest point the needed facts are known (construction, trace, plan, batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from lightning_autopipe.errors import InputError, MemoryPlanError, PlanError
+
+__all__ = [
+    "check_batch_sizes",
+    "check_loss_contract",
+    "check_microbatches",
+    "check_num_stages",
+    "check_plan_for_run",
+]
+
+GiB = 2**30
+
+
+def check_loss_contract(module: Any) -> None:
+    """The LightningModule must define ``pipeline_loss(outputs, batch)``."""
+    if not callable(getattr(module, "pipeline_loss", None)):
+        raise TypeError(
+            f"{type(module).__name__} has no pipeline_loss(outputs, batch); define it to return "
+            "the mean loss of one (slice of a) batch from forward's outputs, e.g. "
+            "`def pipeline_loss(self, outputs, batch): return F.cross_entropy(outputs, batch[1])`"
+        )
+
+
+def check_num_stages(num_stages: int | None, num_blocks: int, world_size: int) -> None:
+    """A pinned pipeline depth must divide the world and not exceed the model's blocks."""
+    if num_stages is None:
+        return
+    if num_stages > num_blocks:
+        raise PlanError(
+            f"num_stages={num_stages} but the model splits into only {num_blocks} blocks; use at "
+            f"most {num_blocks} stages, or granularity='sub-block' for more cut points"
+        )
+    if world_size % num_stages:
+        raise PlanError(
+            f"num_stages={num_stages} does not divide the {world_size} launched processes; every "
+            "stage needs the same number of replicas: pick a divisor of the world size"
+        )
+
+
+def check_microbatches(
+    replica_batch: int, num_microbatches: int | None, startup_slices: int | None, replicas: int = 1
+) -> None:
+    """The replica batch must cut into ``num_microbatches`` even micro-batches and ``k`` slices.
+
+    ``None`` (auto) skips that part: the planner then only proposes sizes that fit.
+    """
+    m, k, r = num_microbatches, startup_slices, replicas
+    if m is not None and replica_batch % m:
+        ok = [d for d in range(1, replica_batch + 1) if replica_batch % d == 0]
+        raise PlanError(
+            f"the batch of {replica_batch} samples per replica (global batch "
+            f"{replica_batch * r} over {r} replicas) is not divisible into {m} micro-batches; "
+            f"use a batch size that is a multiple of {m}, or num_microbatches in {ok[:12]}"
+        )
+    if k is not None and k > replica_batch // (m or 1):
+        micro = replica_batch // (m or 1)
+        raise PlanError(
+            f"a micro-batch of {micro} samples cannot be cut into {k} startup slices; use "
+            f"startup_slices <= {micro}, fewer micro-batches or a larger batch"
+        )
+
+
+def check_plan_for_run(
+    plan: Any, replica_batch: int, cluster: Any, *, memory_check: bool = True
+) -> None:
+    """A given plan must match the dataloader's batch and fit the cluster's device memory.
+
+    Args:
+        plan: the ``Plan`` about to run.
+        replica_batch: the dataloader's batch size (one data-parallel replica's batch).
+        cluster: the ``Cluster`` the run is on (device memory).
+        memory_check: compare the plan's predicted peak memory with each device's memory.
+
+    Raises:
+        PlanError: the replica batch cannot be cut into the plan's micro-batches and slices.
+        MemoryPlanError: a device's predicted peak exceeds its memory.
+    """
+    check_microbatches(replica_batch, plan.num_microbatches, plan.startup_slices, plan.replicas)
+    if not memory_check:
+        return
+    for device, need in sorted(plan.peak_memory_bytes.items()):
+        try:
+            have = cluster.device(device).spec.memory_bytes
+        except Exception:  # the device check proper happens when the layout is built
+            continue
+        if need > have:
+            s = next((i for i, st in enumerate(plan.stages) if device in st.devices), None)
+            raise MemoryPlanError(
+                f"the plan needs {need / GiB:.2f} GiB on {device} (stage {s}) which has "
+                f"{have / GiB:.2f} GiB; re-plan for this cluster (drop `plan=`), use more "
+                "stages or smaller micro-batches"
+            )
+
+
+def check_batch_sizes(batch: Any, flat_inputs: Sequence[Tensor], size: int) -> None:
+    """Every model input and every other tensor of the batch must hold ``size`` samples.
+
+    The pipeline slices the batch along dim 0; a target with another first dimension would
+    reach ``pipeline_loss`` unsliced and fail (or, worse, broadcast) deep in the last stage.
+
+    Raises:
+        InputError: naming the tensor, its shape and the inputs' sample count.
+    """
+    for i, t in enumerate(flat_inputs):
+        if t.dim() == 0 or int(t.shape[0]) != size:
+            raise InputError(
+                f"forward input {i} has shape {tuple(t.shape)} but input 0 holds {size} samples; "
+                "every tensor handed to forward must have the batch as its first dimension"
+            )
+    for where, t in _tensors(batch, "batch"):
+        if t.dim() > 0 and int(t.shape[0]) != size:
+            raise InputError(
+                f"{where} has shape {tuple(t.shape)} (first dimension {t.shape[0]}) but the "
+                f"model inputs hold {size} samples; inputs and targets must hold the same "
+                "samples (check the dataset / collate_fn). If this tensor is not per-sample, "
+                "pass check_batch=False to AutoPipeStrategy: it then reaches pipeline_loss whole"
+            )
+
+
+def _tensors(obj: Any, where: str) -> Iterator[tuple[str, Tensor]]:
+    if isinstance(obj, Tensor):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _tensors(value, f"{where}[{key!r}]")
+    elif isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            yield from _tensors(value, f"{where}[{i}]")

@@ -1,0 +1,149 @@
+"""Failure propagation: the failing rank posts its error; every peer names it instead of hanging.
+
+Every point-to-point and collective call runs under the process group's timeout (gloo honours it
+for ``recv`` too in torch 2.14: "Timed out waiting ...ms for recv operation"), and a peer that
+exits closes its sockets, so a blocked rank fails within seconds ("Connection closed by peer").
+What such a rank cannot see is *why*. So the first rank to fail posts one line (rank, stage,
+step, action, original exception) to the c10d store every rank already shares; a rank whose
+communication then fails waits briefly for that line and raises :class:`PipelineRuntimeError`
+carrying it. When the failing rank died without posting (SIGKILL), the message names the peer
+that went silent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_autopipe.errors import PipelineRuntimeError
+
+__all__ = ["FailureBoard", "describe", "is_communication_error", "pipeline_failure"]
+
+_GENERATION = itertools.count()
+_COMM_MARKERS = (
+    "connection closed",
+    "timed out",
+    "broken pipe",
+    "connection reset",
+    "socket",
+    "gloo",
+    "nccl",
+    "c10d",
+    "process group",
+)
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """A failure of the transport (peer gone, timeout) rather than of this rank's own work."""
+    if isinstance(exc, PipelineRuntimeError):
+        return False
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _COMM_MARKERS)
+
+
+def describe(exc: BaseException, limit: int = 600) -> str:
+    """``Type: message`` on one line, shortened (gloo messages carry long source paths)."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
+class FailureBoard:
+    """The first failure of one pipeline run, kept in the job's shared c10d store.
+
+    Every rank creates its board at the same point of the same run, so the per-process
+    generation counter gives all of them the same keys; a later run in the same process group
+    starts clean.
+    """
+
+    def __init__(self, store: Any, prefix: str) -> None:
+        self._store = store
+        self._count_key = f"{prefix}/count"
+        self._text_key = f"{prefix}/text"
+        self.posted: str | None = None
+
+    @classmethod
+    def for_current_group(cls) -> FailureBoard | None:
+        """A board on the default group's store; None without torch.distributed."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            store = _get_default_store()
+        except Exception:  # a backend without a reachable store: peers still time out
+            return None
+        return cls(store, f"autopipe/failure/{next(_GENERATION)}")
+
+    def post(self, message: str) -> bool:
+        """Record ``message`` unless a failure was posted first; True when this one was first."""
+        if self.posted is not None:
+            return False
+        self.posted = message
+        try:
+            if self._store.add(self._count_key, 1) == 1:
+                self._store.set(self._text_key, message)
+                return True
+        except Exception:  # the store's host (rank 0) is gone; the local error still stands
+            pass
+        return False
+
+    def first(self, wait_s: float = 1.0) -> str | None:
+        """The first posted failure, waiting up to ``wait_s`` for one to appear."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if self._store.check([self._text_key]):
+                    return self._store.get(self._text_key).decode()
+            except Exception:
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+
+def pipeline_failure(
+    board: FailureBoard | None,
+    exc: BaseException,
+    *,
+    where: str,
+    what: str,
+    when: str,
+    peer: int | None = None,
+    communication: bool = False,
+    timeout_s: float | None = None,
+) -> PipelineRuntimeError:
+    """The error this rank raises for ``exc``; posts it when this rank is the first to fail.
+
+    Args:
+        where: this rank, e.g. ``"rank 1 (stage 1, replica 0)"``.
+        what: the action or operation, e.g. ``"forward 1F0.1"`` or ``"gradient all-reduce"``.
+        when: e.g. ``"training step 2"``.
+        peer: the rank this operation talks to, when there is one.
+        communication: the operation is a send/receive/collective (a failure there usually
+            means another rank failed first).
+    """
+    if not (communication or is_communication_error(exc)):
+        message = f"{where} failed in {what} of {when}: {describe(exc)}"
+        if board is not None:
+            board.post(message)
+        return PipelineRuntimeError(message)
+    first = board.first(wait_s=2.0) if board is not None else None
+    if first is not None and first != (board.posted if board is not None else None):
+        return PipelineRuntimeError(f"{where} stopped in {what} of {when} because {first}")
+    other = f"rank {peer}" if peer is not None else "a peer rank"
+    limit = f" (timeout {timeout_s:g} s)" if timeout_s else ""
+    message = (
+        f"{where}: {what} with {other} failed in {when}: {describe(exc)}; {other} has probably "
+        f"died or hung{limit} without reporting an error: check its log"
+    )
+    if board is not None:
+        board.post(message)
+    return PipelineRuntimeError(message)

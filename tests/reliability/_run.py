@@ -1,0 +1,174 @@
+"""Launched by the reliability tests: several ``Trainer.fit`` runs in one Lightning launch.
+
+    python tests/reliability/_run.py OUT_DIR WORLD CASE [CASE ...]
+
+Lightning's popen launcher re-runs this script in every rank, so every rank runs every case in
+order and writes ``OUT_DIR/<case>.rank<r>.pt`` (losses, RSS samples, the error it caught). A
+case is a name from ``CASES``; checkpoints go under ``OUT_DIR``. Failure cases
+(``fail_*``) end the launch on purpose: they are launched alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+import psutil  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+import lightning_autopipe  # noqa: E402
+from tests.reliability import _task as T  # noqa: E402
+
+WORLD = 4
+
+
+class RssSampler(Callback):
+    """Resident memory of this rank after every training step."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self._proc = psutil.Process()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.samples.append(self._proc.memory_info().rss)
+
+
+class Inject(Callback):
+    """Makes one rank fail at one global step: raise in its stage's forward, die, or hang."""
+
+    def __init__(self, rank: int, step: int, how: str, out: Path) -> None:
+        self.rank, self.step, self.how, self.out = rank, step, how, out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        (self.out / "injected_at").write_text(str(time.time()))
+        if self.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.how == "hang":
+            time.sleep(10_000)
+        stage = trainer.strategy.pipeline.stage
+
+        def broken(*args, **kwargs):
+            raise ValueError("injected failure in the stage's forward")
+
+        stage.forward = broken
+
+
+class PoisonParameter(Callback):
+    """Rank 0 (stage 0) fills its first parameter with NaN at one step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).fill_(float("nan"))
+
+
+def _strategy(stages: int, **kw) -> lightning_autopipe.AutoPipeStrategy:
+    kw.setdefault("num_microbatches", 2)
+    kw.setdefault("startup_slices", 2)
+    return lightning_autopipe.AutoPipeStrategy(
+        num_stages=stages, profile_repeats=1, timeout=kw.pop("timeout", 60), **kw
+    )
+
+
+def _fit(out: Path, case: str, *, stages: int, epochs: int, ckpt_path=None, callbacks=(),
+         task_kw=None, strategy_kw=None, after=None) -> dict:
+    world = WORLD
+    replicas = world // stages
+    task = T.Task(replicas, **(task_kw or {}))
+    logger = T.RecordingLogger()
+    rss = RssSampler()
+    trainer = pl.Trainer(
+        strategy=_strategy(stages, **(strategy_kw or {})),
+        accelerator="cpu",
+        devices=world,
+        max_epochs=epochs,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        callbacks=[rss, *callbacks],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    record: dict = {"case": case}
+    try:
+        trainer.fit(task, ckpt_path=ckpt_path)
+        if after is not None:
+            after(trainer)
+    except lightning_autopipe.AutoPipeError as exc:
+        record["error"] = (type(exc).__name__, str(exc))
+    record.update(
+        rank=trainer.global_rank,
+        losses=task.step_losses,
+        logged=logger.rows,
+        rss=rss.samples,
+        plan=trainer.strategy.plan.to_json() if trainer.strategy.plan is not None else None,
+    )
+    return record
+
+
+def run_case(case: str, out: Path) -> dict:
+    ck = out / "ckpt"
+    every_epoch = dict(filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    if case == "ckpt_2x2":  # uninterrupted 2 stages x 2 replicas; a file every epoch + one after
+        return _fit(out, case, stages=2, epochs=4,
+                    callbacks=[ModelCheckpoint(dirpath=ck / "2x2", **every_epoch)],
+                    after=lambda tr: tr.save_checkpoint(ck / "2x2" / "final.ckpt"))
+    if case == "resume_4x1":  # the 2x2 checkpoint of epoch 1 continued on 4 stages x 1
+        return _fit(out, case, stages=4, epochs=4, ckpt_path=ck / "2x2" / "epoch=1.ckpt")
+    if case == "resume_auto_2x2":  # the strategy="auto" checkpoint continued on 2 x 2
+        return _fit(out, case, stages=2, epochs=4, ckpt_path=ck / "auto" / "epoch=1.ckpt")
+    if case == "sharded_2x2":  # DCP directories; save_top_k=1 removes the older directory
+        return _fit(out, case, stages=2, epochs=2,
+                    strategy_kw={"checkpoint_format": "sharded"},
+                    callbacks=[ModelCheckpoint(dirpath=ck / "sharded", filename="{epoch}",
+                                               save_top_k=1)])
+    if case == "resume_sharded_4x1":
+        return _fit(out, case, stages=4, epochs=4, ckpt_path=ck / "sharded" / "epoch=1.ckpt",
+                    strategy_kw={"checkpoint_format": "sharded"})
+    if case == "nan_raise":  # stage 0's weights turn NaN at step 1: every rank must raise
+        return _fit(out, case, stages=4, epochs=1, callbacks=[PoisonParameter(1)])
+    if case == "nan_skip":  # the loss of step 1 is NaN: that step is skipped on every rank
+        return _fit(out, case, stages=4, epochs=2, task_kw={"poison_loss_at": 1},
+                    strategy_kw={"nonfinite_loss": "skip"})
+    if case == "soak":  # 200 steps, 2 stages x 2 replicas, sliced micro-batch 0
+        return _fit(out, case, stages=2, epochs=10,
+                    task_kw={"optimizer": "sgd", "d_model": 64, "steps_per_epoch": 20})
+    if case in ("det_a", "det_b"):  # same seed, dropout on: identical losses
+        pl.seed_everything(1234, verbose=False)
+        return _fit(out, case, stages=4, epochs=1,
+                    task_kw={"dropout": 0.1, "optimizer": "sgd", "steps_per_epoch": 3,
+                             "init_seed": None})
+    if case.startswith("fail_"):  # fail_<how>_rank<r>: 2 stages, fails at global step 2
+        how, rank = case.split("_")[1], int(case.split("rank")[1])
+        return _fit(out, case, stages=2, epochs=1, task_kw={"steps_per_epoch": 4},
+                    strategy_kw={"timeout": 20}, callbacks=[Inject(rank, 2, how, out)])
+    raise ValueError(f"unknown case {case!r}")
+
+
+def main() -> None:
+    global WORLD
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    WORLD = int(sys.argv[2])
+    for case in sys.argv[3:]:
+        record = run_case(case, out)
+        torch.save(record, out / f"{case}.rank{record['rank']}.pt")
+
+
+if __name__ == "__main__":
+    main()

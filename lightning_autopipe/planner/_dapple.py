@@ -148,38 +148,47 @@ def dapple_proposals(
     cluster: Cluster,
     devs: list[str],
     batch: int,
-    m: int,
+    m: int | list[int],
     num_stages: int | None,
     replicas: int | None,
     uniform: bool,
     use_all: bool,
     optimizer_factor: float = 2.0,
 ):
-    """DAPPLE's plan for ``m`` micro-batches (pins restrict stage count / replica count)."""
+    """DAPPLE's plan (pins restrict stage count / replica count).
+
+    ``m`` is the micro-batch count, or candidates DAPPLE picks from with its own latency
+    estimate (the plan that fits memory with the lowest estimate wins).
+    """
     from lightning_autopipe.planner.search import Proposal
 
-    if replicas:
-        r_opts = [replicas]
-    else:
-        r_opts = [r for r in range(1, len(devs) + 1) if batch % (m * r) == 0]
-    runs = [[r] for r in r_opts] if uniform and not replicas else [r_opts]
     best = None
-    for check_memory in (True, False):
-        for opts in runs:
-            got = _dp(costs, cluster, devs, batch, m, num_stages, opts, use_all,
-                      optimizer_factor, check_memory)
-            if got is not None and (best is None or got[0] < best[0]):
-                best = got
-        if best is not None:
-            break
+    for mm in [m] if isinstance(m, int) else m:
+        if replicas:
+            r_opts = [replicas]
+        else:
+            r_opts = [r for r in range(1, len(devs) + 1) if batch % (mm * r) == 0]
+        runs = [[r] for r in r_opts] if uniform and not replicas else [r_opts]
+        for check_memory in (True, False):
+            found = None
+            for opts in runs:
+                got = _dp(costs, cluster, devs, batch, mm, num_stages, opts, use_all,
+                          optimizer_factor, check_memory)
+                if got is not None and (found is None or got[0] < found[0]):
+                    found = got
+            if found is not None:
+                key = (not check_memory, found[0])
+                if best is None or key < best[0]:
+                    best = (key, found[1], mm)
+                break
     if best is None:
         raise PlanError(
             f"DAPPLE found no plan for {costs.num_blocks} blocks on {len(devs)} devices with "
             f"stages={num_stages}, replicas={replicas}, use_all_devices={use_all}; relax the pins"
         )
-    _, stages = best
+    _, stages, mm = best
     cuts = [i for i, _, _ in stages] + [costs.num_blocks]
-    return [Proposal([list(g) for _, _, g in stages], cuts, m, 1)]
+    return [Proposal([list(g) for _, _, g in stages], cuts, mm, 1)]
 
 
 def _dp(costs, cluster, devs, batch, m, num_stages, r_opts, use_all, opt, check_memory):

@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
-from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
+from lightning_autopipe.planner.costmodel import BlockCosts
 from lightning_autopipe.planner.mapping import rank_layouts, speed_order
 from lightning_autopipe.planner.partition import partition_and_slice
 from lightning_autopipe.planner.plan import Plan, StagePlan
@@ -58,10 +58,14 @@ class Proposal:
 
 
 def microbatch_choices(batch: int, replicas: int, num_stages: int) -> list[int]:
-    """Micro-batch counts that divide the per-replica batch, capped at ``max(32, 8 S)``."""
+    """Micro-batch counts that divide the per-replica batch.
+
+    All divisors: the largest ones (micro-batches of one or two samples) are often the only
+    way a big model fits memory, and the replay of long steps is extrapolated, so many
+    micro-batches cost the search little.
+    """
     per = batch // replicas
-    cap = max(32, 8 * num_stages)
-    return [m for m in range(1, min(per, cap) + 1) if per % m == 0]
+    return [m for m in range(1, per + 1) if per % m == 0]
 
 
 def make_plan(
@@ -298,11 +302,14 @@ def _shapes(
             sum_sp = sum(speeds)
             g0 = order[:r]
             ar = cluster.allreduce_ms(g0, int(params / s)) if r > 1 else 0.0
-            hop = 0.0
-            if s > 1:
-                a, b = order[0], order[r % nd]
-                hop = cluster.latency_us(a, b) / 1e3 + act / (
-                    cluster.bandwidth_gbps(a, b) * 1.25e5)
+            hop = xfer = 0.0  # fill latency of one hop; slowest cut's transfer per sample
+            for c in range(s - 1):
+                a, b = order[c * r], order[(c + 1) * r]
+                ms = act / mbs / (cluster.bandwidth_gbps(a, b) * BYTES_PER_MS_PER_GBPS)
+                if cluster.device(a).server != cluster.device(b).server:
+                    ms *= r  # the replicas' transfers share the NIC
+                hop = max(hop, cluster.latency_us(a, b) / 1e3 + ms * mbs)
+                xfer = max(xfer, ms)
             # perfectly balanced stages, plus half a block of rounding on the slowest stage
             base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
             m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else [
@@ -310,7 +317,7 @@ def _shapes(
                 if batch // (r * m) >= (pins["startup_slices"] or 1)]
             for m in m_list:
                 scale = batch / (m * r * mbs)
-                tau = base * scale + 2 * ovh
+                tau = max(base * scale + 2 * ovh, xfer * scale * mbs)  # compute- or link-bound
                 est = (m + s - 1) * tau + 2 * (s - 1) * hop * scale + ar
                 need = params / s * (2 + optimizer_factor) + mem / s * scale * min(s, m)
                 out.append(_Shape(s, r, m, est, need <= cap))
@@ -335,8 +342,17 @@ def _autopipe(
         )
     shapes.sort(key=lambda x: (not x.fits, x.score))
     k_pin = pins["startup_slices"]
+    picked: list[_Shape] = []
+    per_shape: dict[tuple[int, int], int] = {}
+    for sh in shapes:  # the best few, at most two micro-batch counts per (stages, replicas)
+        key = (sh.stages, sh.replicas)
+        if per_shape.get(key, 0) < 2:
+            per_shape[key] = per_shape.get(key, 0) + 1
+            picked.append(sh)
+            if len(picked) == _LEVEL2:
+                break
     level2 = []
-    for sh in shapes[:_LEVEL2]:
+    for sh in picked:
         ranked = rank_layouts(costs, cluster, devs, sh.stages, sh.replicas, batch,
                               sh.microbatches, k_pin or 1, optimizer_factor=optimizer_factor)
         level2 += [(mr, sh) for mr in ranked]
@@ -362,11 +378,3 @@ def _autopipe(
     if top.startup_slices > 1 and not k_pin:  # plain 1F1B of the favourite: link contention
         finalists.append(Proposal(top.groups, top.cuts, top.num_microbatches, 1))  # may favour
     return finalists
-
-
-def _estimate(costs: BlockCosts, cluster: Cluster, prop: Proposal, batch: int) -> float:
-    """Fast-model iteration time of a proposal (used by the yardsticks' own searches)."""
-    layout = Layout.from_cluster(cluster, prop.groups)
-    return evaluate(costs, layout, prop.cuts, batch, prop.num_microbatches,
-                    prop.startup_slices, critical_path=False).iteration_ms
-

@@ -1,0 +1,193 @@
+"""Min-max balanced contiguous partition of a chain of blocks over stages of different speeds.
+
+The starting point of every partitioner here: cut ``[lo, hi)`` into ``S`` non-empty contiguous
+stages so that the slowest stage (its blocks' cost over its speed) is as fast as possible,
+subject to each stage's memory. Pure functions over prefix sums; no cluster, no schedule.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["StageLimits", "balanced_cuts"]
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """Memory limits of each stage: ``param_factor * params + act_factor[s] * mem <= capacity``."""
+
+    params: Sequence[int]  # prefix sums
+    mem: Sequence[int]  # prefix sums
+    param_factor: float
+    act_factor: Sequence[float]  # per stage: in-flight micro-batches x samples scale
+    capacity: Sequence[float]
+
+    def ok(self, s: int, i: int, j: int) -> bool:
+        need = (self.params[j] - self.params[i]) * self.param_factor + (
+            self.mem[j] - self.mem[i]
+        ) * self.act_factor[s]
+        return need <= self.capacity[s]
+
+
+def balanced_cuts(
+    work: Sequence[float],
+    speeds: Sequence[float],
+    lo: int = 0,
+    hi: int | None = None,
+    *,
+    limits: StageLimits | None = None,
+    first_stage: int = 0,
+) -> list[int] | None:
+    """Min-max partition of blocks ``[lo, hi)`` into ``len(speeds)`` non-empty contiguous stages.
+
+    Binary search on the bottleneck with a greedy check (each stage takes the most blocks that
+    fit): exact when any block fits any later stage, as with equal speeds. With very different
+    speeds a slow stage can be forced to take a block only a fast stage can hold; the greedy
+    answer is then only an upper bound and an exact reachable-position check (``O(S N)``)
+    searches between it and the lower bound of the relaxed problem (stages may be empty).
+
+    Args:
+        work: prefix sums of per-block cost (``work[j] - work[i]`` is the cost of ``[i, j)``).
+        speeds: relative speed of each stage (its cost is divided by it).
+        limits: optional memory limits; ``first_stage`` is the index of ``speeds[0]`` in them.
+
+    Returns:
+        Cuts ``[lo, c1, ..., hi]`` (every stage non-empty), or None if no partition fits memory
+        (or there are fewer blocks than stages).
+    """
+    hi = len(work) - 1 if hi is None else hi
+    num = len(speeds)
+    if hi - lo < num:
+        return None
+    total = work[hi] - work[lo]
+    big = max(work[i + 1] - work[i] for i in range(lo, hi))
+    lower = max(total / sum(speeds), big / max(speeds)) * (1 - 1e-12)
+    upper = total / min(speeds) * (1 + 1e-9) + 1e-12
+    args = (work, speeds, lo, hi)
+    best = _greedy(*args, upper, limits, first_stage, True)
+    if best is None:
+        best = _exact(*args, upper, limits, first_stage)
+        if best is None:
+            return None
+    # the relaxed problem (empty stages allowed) bounds the optimum from below
+    relaxed_lo, relaxed_hi = lower, upper
+    for _ in range(60):
+        if relaxed_hi - relaxed_lo <= 1e-9 * relaxed_hi:
+            break
+        mid = (relaxed_lo + relaxed_hi) / 2
+        if _greedy(*args, mid, limits, first_stage, False) is None:
+            relaxed_lo = mid
+        else:
+            relaxed_hi = mid
+    got = _greedy(*args, relaxed_hi, limits, first_stage, True) or _exact(
+        *args, relaxed_hi, limits, first_stage
+    )
+    if got is not None:
+        return got  # the relaxed optimum is reachable with non-empty stages: optimal
+    hi_v = _cost(work, speeds, best)
+    lo_v = relaxed_hi
+    for _ in range(60):
+        if hi_v - lo_v <= 1e-9 * hi_v:
+            break
+        mid = (lo_v + hi_v) / 2
+        cand = _exact(*args, mid, limits, first_stage)
+        if cand is None:
+            lo_v = mid
+        else:
+            hi_v, best = mid, cand
+    return best
+
+
+def _cost(work: Sequence[float], speeds: Sequence[float], cuts: list[int]) -> float:
+    return max((work[cuts[s + 1]] - work[cuts[s]]) / speeds[s] for s in range(len(speeds)))
+
+
+def _reach(
+    work: Sequence[float],
+    speed: float,
+    i: int,
+    hi: int,
+    cap: float,
+    limits: StageLimits | None,
+    stage: int,
+) -> int:
+    """The furthest ``j`` (``>= i``) a stage starting at ``i`` can reach within ``cap``."""
+    j = bisect_right(work, work[i] + cap * speed + 1e-12, i + 1, hi + 1) - 1
+    if limits is not None and j > i and not limits.ok(stage, i, j):
+        lo_ok, hi_bad = i, j  # memory is monotone in j: binary search the last fit
+        while hi_bad - lo_ok > 1:
+            mid = (lo_ok + hi_bad) // 2
+            if limits.ok(stage, i, mid):
+                lo_ok = mid
+            else:
+                hi_bad = mid
+        j = lo_ok
+    return j
+
+
+def _greedy(
+    work: Sequence[float],
+    speeds: Sequence[float],
+    lo: int,
+    hi: int,
+    cap: float,
+    limits: StageLimits | None,
+    first: int,
+    nonempty: bool,
+) -> list[int] | None:
+    """Each stage takes the most blocks that fit ``cap`` (and memory); None if some do not.
+
+    ``nonempty`` leaves one block for every later stage and fails on an empty stage;
+    otherwise stages may be empty (the relaxed problem, for which the greedy is exact).
+    """
+    cuts = [lo]
+    i = lo
+    num = len(speeds)
+    for s in range(num):
+        j = _reach(work, speeds[s], i, hi, cap, limits, first + s)
+        if nonempty:
+            j = min(j, hi - (num - s - 1))
+            if j <= i:
+                return None
+        cuts.append(j)
+        i = j
+    return cuts if i == hi else None
+
+
+def _exact(
+    work: Sequence[float],
+    speeds: Sequence[float],
+    lo: int,
+    hi: int,
+    cap: float,
+    limits: StageLimits | None,
+    first: int,
+) -> list[int] | None:
+    """Non-empty partition within ``cap`` if one exists: reachable cut positions per stage."""
+    num = len(speeds)
+    reach = [lo]
+    parents: list[dict[int, int]] = []
+    for s in range(num):
+        nxt: dict[int, int] = {}
+        far: dict[int, int] = {}
+        k = 0  # reach[k - 1] is the latest reachable start before j (it reaches furthest)
+        for j in range(reach[0] + 1, hi - (num - s - 1) + 1):
+            while k < len(reach) and reach[k] < j:
+                k += 1
+            i = reach[k - 1]
+            if i not in far:
+                far[i] = _reach(work, speeds[s], i, hi, cap, limits, first + s)
+            if j <= far[i]:
+                nxt[j] = i
+        if not nxt:
+            return None
+        parents.append(nxt)
+        reach = sorted(nxt)
+    if hi not in parents[-1]:
+        return None
+    cuts = [hi]
+    for s in range(num - 1, -1, -1):
+        cuts.append(parents[s][cuts[-1]])
+    return cuts[::-1]

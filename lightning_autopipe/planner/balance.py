@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 __all__ = ["StageLimits", "balanced_cuts"]
 
+_TOL = 1e-7  # relative precision of the bottleneck search (cut positions are discrete)
+
 
 @dataclass(frozen=True)
 class StageLimits:
@@ -74,7 +76,7 @@ def balanced_cuts(
     # the relaxed problem (empty stages allowed) bounds the optimum from below
     relaxed_lo, relaxed_hi = lower, upper
     for _ in range(60):
-        if relaxed_hi - relaxed_lo <= 1e-9 * relaxed_hi:
+        if relaxed_hi - relaxed_lo <= _TOL * relaxed_hi:
             break
         mid = (relaxed_lo + relaxed_hi) / 2
         if _greedy(*args, mid, limits, first_stage, False) is None:
@@ -89,7 +91,7 @@ def balanced_cuts(
     hi_v = _cost(work, speeds, best)
     lo_v = relaxed_hi
     for _ in range(60):
-        if hi_v - lo_v <= 1e-9 * hi_v:
+        if hi_v - lo_v <= _TOL * hi_v:
             break
         mid = (lo_v + hi_v) / 2
         cand = _exact(*args, mid, limits, first_stage)

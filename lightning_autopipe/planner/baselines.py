@@ -13,7 +13,7 @@ with the same simulator, so the comparison is of plans, not of cost models:
 * ``dapple`` — DAPPLE (Fan et al., PPoPP'21): a dynamic program over stage splits in which
   each new stage picks its replica count and one of three device-assignment policies
   (fresh-first, append-first, scatter-first), scored by DAPPLE's pivot-stage latency model
-  (``_dapple.py``), which also picks the micro-batch count (AutoPipe's and 4 .. 128) unless
+  (``_dapple.py``), which also picks the micro-batch count (AutoPipe's, 8, 32 or 128) unless
   pinned.
 * ``piper`` — Piper (Tarnawski et al., NeurIPS'21) without tensor parallelism: a dynamic
   program over contiguous block ranges with a data-parallel degree per stage, minimising the
@@ -139,7 +139,7 @@ def propose(
         (_, _, m), spent = _shape(*args)
     if planner == "dapple":  # DAPPLE weighs micro-batch counts with its own latency model
         ms = [pins["num_microbatches"]] if pins["num_microbatches"] else sorted(
-            {m} | {x for x in (4, 8, 16, 32, 64, 128) if batch % x == 0})
+            {m} | {x for x in (8, 32, 128) if batch % x == 0})
         return dapple_proposals(costs, cluster, devs, batch, ms, pins["num_stages"],
                                 pins["replicas"], uniform_replicas, use_all_devices,
                                 optimizer_factor), spent

@@ -16,6 +16,11 @@ more blocks instead of idling):
 * ``pipelined``: each replica's whole pipeline packed into consecutive devices (activations never
   leave a server; the all-reduce crosses servers instead) — best for activation-heavy models on
   homogeneous servers;
+* speed-class orders: the groups of each device speed kept together but the classes in every
+  order (slow first, slow last, slow at both ends ...), or every group order for up to four
+  stages — where slow stages sit changes the critical path of a short pipeline;
+* ``rank-order``: DAPPLE/Megatron-style consecutive ranks, when that differs;
+* layouts that cost the same (interchangeable devices) are scored once;
 * link contention is part of the score: the ``R`` parallel transfers of one cut that share a NIC
   or a PCIe level divide its bandwidth (see :class:`~.costmodel.Layout`).
 

@@ -4,16 +4,25 @@
 ``planner="autopipe"`` it searches in four levels, each more exact and applied to fewer shapes:
 
 1. every (stages ``S``, replicas ``R``, micro-batches ``m``) allowed by the pins, the devices and
-   the batch is scored in O(S) by a closed form on the fastest ``S x R`` devices: perfectly
-   balanced stages, ``(m + S - 1)`` stage times, cut transfers and the first stage's all-reduce;
-2. the best dozen are placed (:func:`~.mapping.map_stages`) and scored by the 1F1B replay with
-   their balanced partition;
-3. the best few get the AutoPipe partitioner and the startup slicer;
-4. the best two or three are simulated (:func:`~.simulate.simulate`, link contention included)
-   and the fastest that fits memory wins.
+   the batch is scored in O(S) by a closed form on the fastest ``S x R`` devices: ``m + S - 1``
+   stage times, a stage time being the larger of perfectly balanced compute (plus half a block
+   of rounding) and the slowest cut's transfer, plus the fill latency and the first stage's
+   all-reduce; a rough memory check marks shapes that cannot fit;
+2. the best eight (at most two micro-batch counts per ``S x R``) are placed: every candidate
+   layout of :func:`~.mapping.rank_layouts` is scored by the 1F1B replay with its balanced
+   partition;
+3. the best (shape, layout) pairs, three or more while the replay budget lasts, get the AutoPipe
+   partitioner and the startup slicer (:func:`~.partition.partition_and_slice`);
+4. when cheap enough, the simulator (:func:`~.simulate.simulate`, link contention included)
+   picks among the best eight proposals; otherwise the fast model's favourite stands.
 
-The yardstick planners (``baselines``) are dispatched from here too, so every planner's result is
-scored by the same simulator and returned as the same :class:`Plan`.
+``search_ms`` is the time to choose the plan; simulating the chosen plan to fill its predicted
+figures is not part of it (unless the simulator took part in choosing).
+
+AutoPipe gives every stage the same replica count (what the runtime executes); DAPPLE and Piper
+may replicate stages unevenly unless ``uniform_replicas``. The yardstick planners
+(``baselines``) are dispatched from here too, so every planner's result is scored by the same
+simulator and returned as the same :class:`Plan`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ FLOP and byte counts (``lightning_autopipe.planner.analytic``: time = FLOPs / (3
 GPU was available; the Profile JSONs are written to ``benchmarks/profiles/``. Shapes: AutoPipe
 searches depth x replicas x micro-batches x slices; ``time``/``parameters``/``uniform`` get
 AutoPipe's shape (they only partition); DAPPLE and Piper choose depth and per-stage replicas
-with their own dynamic programs (DAPPLE also the micro-batch count, from AutoPipe's and
-4 .. 128; Piper, whose model has no bubble, takes AutoPipe's). ``optimal`` (exhaustive,
+with their own dynamic programs (DAPPLE also the micro-batch count, from AutoPipe's, 8, 32
+and 128; Piper, whose model has no bubble, takes AutoPipe's). ``optimal`` (exhaustive,
 scored by the simulator) only runs on the small case where it is tractable.
 """
 
@@ -179,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         "Every plan is scored by the same simulator (link contention, all-reduce, memory). "
         "Ratios > 1 mean the planner's step is slower than AutoPipe's. `time`, `parameters` "
         "and `uniform` use AutoPipe's shape; DAPPLE and Piper choose stages and per-stage "
-        "replicas themselves (DAPPLE also the micro-batch count, from AutoPipe's and 4 .. 128; "
+        "replicas themselves (DAPPLE also the micro-batch count: AutoPipe's, 8, 32 or 128; "
         "Piper, whose model has no bubble, uses AutoPipe's); `optimal` is exhaustive and "
         "only runs on the small case. DAPPLE plans over at most 32 and Piper over at most 64 "
-        "time-balanced super-blocks (layer granularity).\n",
+        "time-balanced super-blocks (layer granularity). `search ms` is wall time on a 2-core "
+        "machine shared with other jobs (AutoPipe's excludes simulating the chosen plan).\n",
         table(rows), "", "Summary:", summary(rows), "",
         f"Total benchmark time {time.perf_counter() - t0:.0f} s.",
     ])

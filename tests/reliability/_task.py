@@ -77,12 +77,14 @@ class Task(pl.LightningModule):
         explicit_sampler: bool = False,
         init_seed: int | None = 0,
         poison_loss_at: int | None = None,
+        global_batch: int = GLOBAL_BATCH,
     ) -> None:
         super().__init__()
         self.net = build_net(dropout, d_model, init_seed)
         self.replicas = replicas
         self.optimizer_name = optimizer
         self.steps_per_epoch = steps_per_epoch
+        self.global_batch = global_batch
         self.explicit_sampler = explicit_sampler
         self.step_losses: list[float] = []
         self.poison_loss_at = poison_loss_at  # global step whose loss becomes NaN
@@ -110,24 +112,24 @@ class Task(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=LR)
 
     def train_dataloader(self):
-        ds = dataset(GLOBAL_BATCH * self.steps_per_epoch)
+        ds = dataset(self.global_batch * self.steps_per_epoch)
         if self.explicit_sampler:  # strategy="auto" on one device: the same order as Lightning's
             sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
-            return DataLoader(ds, batch_size=GLOBAL_BATCH, sampler=sampler)
-        return DataLoader(ds, batch_size=GLOBAL_BATCH // self.replicas)
+            return DataLoader(ds, batch_size=self.global_batch, sampler=sampler)
+        return DataLoader(ds, batch_size=self.global_batch // self.replicas)
 
 
-def global_batches(steps: int, steps_per_epoch: int, seed: int = 0):
+def global_batches(steps: int, steps_per_epoch: int, global_batch: int = GLOBAL_BATCH):
     """The (inputs, targets) of every global step, as the shuffling samplers order them."""
-    ds = dataset(GLOBAL_BATCH * steps_per_epoch)
+    ds = dataset(global_batch * steps_per_epoch)
     out = []
     epoch = 0
     while len(out) < steps:
-        sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=seed)
+        sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
         sampler.set_epoch(epoch)
         idx = list(sampler)
         for t in range(steps_per_epoch):
-            sel = idx[t * GLOBAL_BATCH : (t + 1) * GLOBAL_BATCH]
+            sel = idx[t * global_batch : (t + 1) * global_batch]
             out.append((ds.tensors[0][sel], ds.tensors[1][sel]))
         epoch += 1
     return out[:steps]
@@ -140,6 +142,7 @@ def reference_losses(
     d_model: int = 16,
     steps_per_epoch: int = STEPS_PER_EPOCH,
     skip_steps: tuple[int, ...] = (),
+    global_batch: int = GLOBAL_BATCH,
 ) -> list[float]:
     """Single-process plain-torch training on the same global batches; ``skip_steps`` take no
     optimizer step (what ``nonfinite_loss="skip"`` does)."""
@@ -149,11 +152,11 @@ def reference_losses(
     else:
         opt = torch.optim.Adam(net.parameters(), lr=LR)
     losses = []
-    for t, (x, y) in enumerate(global_batches(steps, steps_per_epoch)):
+    for t, (x, y) in enumerate(global_batches(steps, steps_per_epoch, global_batch)):
         opt.zero_grad()
         loss = lm_loss(net(x), (x, y))
         loss.backward()
-        losses.append(float(loss) if t not in skip_steps else float("nan"))
+        losses.append(float(loss.detach()) if t not in skip_steps else float("nan"))
         if t not in skip_steps:
             opt.step()
     return losses

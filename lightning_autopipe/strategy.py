@@ -77,7 +77,7 @@ from lightning_autopipe import checkpoint as ckpt
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.checks import check_microbatches
-from lightning_autopipe.runtime.failure import describe
+from lightning_autopipe.runtime.failure import describe, watch_launcher
 from lightning_autopipe.runtime.groups import RankLayout, destroy_groups
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline, search_plan
 
@@ -287,6 +287,8 @@ class AutoPipeStrategy(ParallelStrategy):
         )
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        if self.local_rank > 0:  # launched by rank 0 of this node: end with it
+            watch_launcher(self.global_rank)
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, trainer: Any) -> None:

@@ -13,6 +13,9 @@ that went silent.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
+import threading
 import time
 from typing import Any
 
@@ -20,7 +23,13 @@ import torch.distributed as dist
 
 from lightning_autopipe.errors import PipelineRuntimeError
 
-__all__ = ["FailureBoard", "describe", "is_communication_error", "pipeline_failure"]
+__all__ = [
+    "FailureBoard",
+    "describe",
+    "is_communication_error",
+    "pipeline_failure",
+    "watch_launcher",
+]
 
 _GENERATION = itertools.count()
 _COMM_MARKERS = (
@@ -147,3 +156,35 @@ def pipeline_failure(
     if board is not None:
         board.post(message)
     return PipelineRuntimeError(message)
+
+
+_WATCHED: set[int] = set()
+
+
+def watch_launcher(rank: int, interval_s: float = 0.5) -> bool:
+    """End this process when the process that launched it exits (it was orphaned).
+
+    Lightning's popen launcher re-runs the script for ranks > 0 and watches *them* (a child
+    that dies takes the job down), but nothing ends a child when the launching rank 0 exits
+    with an error while the child is stuck outside any communication (a hang, a long compute):
+    it would live on, holding the terminal and the devices. A daemon thread polls the parent
+    pid and ends the process with exit code 1 once it changes. Returns False when already
+    watching.
+    """
+    parent = os.getppid()
+    if parent in _WATCHED or parent <= 1:
+        return False
+    _WATCHED.add(parent)
+
+    def _poll() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        sys.stderr.write(
+            f"[rank {rank}] the launching process (pid {parent}) has exited; ending this rank "
+            "(see the launching process's error above)\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.Thread(target=_poll, name="autopipe-launcher-watch", daemon=True).start()
+    return True

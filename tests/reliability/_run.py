@@ -117,7 +117,8 @@ def _strategy(stages: int, **kw) -> lightning_autopipe.AutoPipeStrategy:
 
 
 def _fit(out: Path, case: str, *, stages: int, epochs: int, ckpt_path=None, callbacks=(),
-         task_kw=None, strategy_kw=None, after=None, log: bool = True) -> dict:
+         task_kw=None, strategy_kw=None, after=None, log: bool = True,
+         catch: bool = True) -> dict:
     world = WORLD
     replicas = world // stages
     task = T.Task(replicas, **(task_kw or {}))
@@ -142,6 +143,8 @@ def _fit(out: Path, case: str, *, stages: int, epochs: int, ckpt_path=None, call
         if after is not None:
             after(trainer)
     except lightning_autopipe.AutoPipeError as exc:
+        if not catch:
+            raise
         record["error"] = (type(exc).__name__, str(exc))
     record.update(
         rank=trainer.global_rank,
@@ -189,7 +192,8 @@ def run_case(case: str, out: Path) -> dict:
     if case.startswith("fail_"):  # fail_<how>_rank<r>: 2 stages, fails at global step 2
         how, rank = case.split("_")[1], int(case.split("rank")[1])
         return _fit(out, case, stages=2, epochs=1, task_kw={"steps_per_epoch": 4},
-                    strategy_kw={"timeout": 20}, callbacks=[Inject(rank, 2, how, out)])
+                    strategy_kw={"timeout": 20}, callbacks=[Inject(rank, 2, how, out)],
+                    catch=False)
     raise ValueError(f"unknown case {case!r}")
 
 

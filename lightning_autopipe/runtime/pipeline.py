@@ -98,6 +98,7 @@ def search_plan(
     depths = [num_stages] if num_stages else [s for s in range(1, world + 1) if world % s == 0]
     best: tuple[float, Plan] | None = None
     failures: list[str] = []
+    kinds: set[type] = set()
     for depth in depths:
         replicas = world // depth
         try:
@@ -116,12 +117,14 @@ def search_plan(
             )
         except PlanError as exc:
             failures.append(f"{depth} stages x {replicas} replicas: {exc}")
+            kinds.add(type(exc))
             continue
         rate = replica_batch * replicas / max(plan.iteration_ms, 1e-9)
         if best is None or rate > best[0]:
             best = (rate, plan)
     if best is None:
-        raise PlanError("no plan fits the launched devices: " + " | ".join(failures))
+        cls = kinds.pop() if len(kinds) == 1 else PlanError  # e.g. MemoryPlanError everywhere
+        raise cls("no plan fits the launched devices: " + " | ".join(failures))
     return best[1]
 
 

@@ -35,6 +35,8 @@ WORLD = 4
 # d_model 128 and 8-sample startup slices: one leaked activation of the smallest unit would be
 # 8 x 8 x 128 x 4 B = 32 KiB per step, well above the ~10 KiB/step of bookkeeping growth that
 # torch/gloo show here independently of the model size (see test_soak).
+# The strategy timeout of the failure cases: a hang is only noticed when it expires.
+FAIL_TIMEOUT = {"raise": 20, "kill": 20, "hang": 10}
 SOAK = {"optimizer": "sgd", "d_model": 128, "steps_per_epoch": 20, "global_batch": 64}
 
 
@@ -192,8 +194,8 @@ def run_case(case: str, out: Path) -> dict:
     if case.startswith("fail_"):  # fail_<how>_rank<r>: 2 stages, fails at global step 2
         how, rank = case.split("_")[1], int(case.split("rank")[1])
         return _fit(out, case, stages=2, epochs=1, task_kw={"steps_per_epoch": 4},
-                    strategy_kw={"timeout": 20}, callbacks=[Inject(rank, 2, how, out)],
-                    catch=False)
+                    strategy_kw={"timeout": FAIL_TIMEOUT[how]},
+                    callbacks=[Inject(rank, 2, how, out)], catch=False)
     raise ValueError(f"unknown case {case!r}")
 
 
@@ -202,6 +204,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     WORLD = int(sys.argv[2])
+    (out / f"pid.rank{os.environ.get('LOCAL_RANK', '0')}").write_text(str(os.getpid()))
     for case in sys.argv[3:]:
         record = run_case(case, out)
         torch.save(record, out / f"{case}.rank{record['rank']}.pt")

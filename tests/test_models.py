@@ -3,21 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
 
 from lightning_autopipe.models import MODEL_NAMES, SmallCNN, TinyGPT, build_model
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_tiny_gpt_ties_embeddings_and_is_causal() -> None:

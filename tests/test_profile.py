@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,15 +10,6 @@ from torch import nn
 
 from lightning_autopipe import Profile, profile_blocks, split_model
 from lightning_autopipe.models import build_model
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Timing on a shared 2-core box: one intra-op thread keeps medians stable."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _whole_model_ms(model: nn.Module, inputs: tuple, runs: int) -> tuple[float, float]:

@@ -1,5 +1,5 @@
-"""Graph tests run single-threaded: on a shared 2-core box, two intra-op threads competing
-with other processes make every op wait for the slower thread (tens of ms per op)."""
+"""Tests run single-threaded in the pytest process: on a shared 2-core box, two intra-op
+threads competing with other processes make every op wait for the slower thread."""
 
 from __future__ import annotations
 

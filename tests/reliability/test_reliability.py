@@ -100,8 +100,11 @@ def _losses(runs, case: str) -> torch.Tensor:
     ranks = runs.records[case]
     for rec in ranks:
         assert "error" not in rec, rec.get("error")
-        assert rec["losses"] == ranks[0]["losses"], f"{case}: ranks disagree"
-    return torch.tensor(ranks[0]["losses"], dtype=torch.float64)
+    losses = [torch.tensor(rec["losses"], dtype=torch.float64) for rec in ranks]
+    for rank, mine in enumerate(losses):  # every rank returns the same global loss
+        torch.testing.assert_close(mine, losses[0], rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda s, r=rank: f"{case}: rank {r} vs rank 0: {s}")
+    return losses[0]
 
 
 def _close(actual, expected, what: str) -> None:

@@ -63,6 +63,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.strategies.launchers import (
     _MultiProcessingLauncher,
     _SubprocessScriptLauncher,
@@ -216,6 +217,8 @@ class AutoPipeStrategy(ParallelStrategy):
         """Lightning's torch checkpoint IO with atomic (temp file + fsync + replace) writes."""
         if self._checkpoint_io is None:
             self._checkpoint_io = ckpt.AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):  # e.g. AsyncCheckpointIO
+            self._checkpoint_io.checkpoint_io = ckpt.AtomicCheckpointIO()  # only fills a gap
         return self._checkpoint_io
 
     @checkpoint_io.setter

@@ -202,6 +202,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._layout: RankLayout | None = None
         self._param_order: list[str] = []
         self._state_order: list[str] = []
+        self._watch: Any = None
         self._num_nodes = 1
         self._pipe: LocalPipeline | None = None
         self._grads: list[Tensor | None] | None = None
@@ -290,8 +291,10 @@ class AutoPipeStrategy(ParallelStrategy):
         )
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        if self.local_rank > 0:  # launched by rank 0 of this node: end with it
-            watch_launcher(self.global_rank)
+        if self.local_rank > 0:  # launched by rank 0 of this node: do not outlive its failure
+            self._watch = watch_launcher(self.global_rank)
+            if self._watch is not None:
+                self._watch.arm()
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, trainer: Any) -> None:
@@ -661,6 +664,8 @@ class AutoPipeStrategy(ParallelStrategy):
         if self._pipe is not None and self._pipe.groups is not None:
             destroy_groups(self._pipe.groups)
         self._pipe = None
+        if self._watch is not None:
+            self._watch.disarm()
         super().teardown()
 
     @classmethod

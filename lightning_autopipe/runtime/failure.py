@@ -25,6 +25,7 @@ from lightning_autopipe.errors import PipelineRuntimeError
 
 __all__ = [
     "FailureBoard",
+    "LauncherWatch",
     "describe",
     "is_communication_error",
     "pipeline_failure",
@@ -158,33 +159,55 @@ def pipeline_failure(
     return PipelineRuntimeError(message)
 
 
-_WATCHED: set[int] = set()
-
-
-def watch_launcher(rank: int, interval_s: float = 0.5) -> bool:
-    """End this process when the process that launched it exits (it was orphaned).
+class LauncherWatch:
+    """Ends this process when the process that launched it exits while a run is in progress.
 
     Lightning's popen launcher re-runs the script for ranks > 0 and watches *them* (a child
     that dies takes the job down), but nothing ends a child when the launching rank 0 exits
     with an error while the child is stuck outside any communication (a hang, a long compute):
     it would live on, holding the terminal and the devices. A daemon thread polls the parent
-    pid and ends the process with exit code 1 once it changes. Returns False when already
-    watching.
+    pid; once it is gone and the run is still *armed* (between the strategy's setup and
+    teardown) after ``grace_s`` more seconds, the process ends with exit code 1. A rank that
+    is merely finishing (its teardown disarms the watch) is never cut short.
     """
-    parent = os.getppid()
-    if parent in _WATCHED or parent <= 1:
-        return False
-    _WATCHED.add(parent)
 
-    def _poll() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval_s)
+    def __init__(self, rank: int, interval_s: float = 0.5, grace_s: float = 5.0) -> None:
+        self.rank = rank
+        self.parent = os.getppid()
+        self.armed = False
+        self._interval = interval_s
+        self._grace = grace_s
+        threading.Thread(target=self._poll, name="autopipe-launcher-watch", daemon=True).start()
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _poll(self) -> None:
+        while os.getppid() == self.parent:
+            time.sleep(self._interval)
+        deadline = time.monotonic() + self._grace
+        while self.armed and time.monotonic() < deadline:
+            time.sleep(self._interval)
+        if not self.armed:
+            return
         sys.stderr.write(
-            f"[rank {rank}] the launching process (pid {parent}) has exited; ending this rank "
-            "(see the launching process's error above)\n"
+            f"[rank {self.rank}] the launching process (pid {self.parent}) has exited while "
+            "this rank is still in the run; ending this rank (see the launching process's "
+            "error above)\n"
         )
         sys.stderr.flush()
         os._exit(1)
 
-    threading.Thread(target=_poll, name="autopipe-launcher-watch", daemon=True).start()
-    return True
+
+_WATCH: LauncherWatch | None = None
+
+
+def watch_launcher(rank: int) -> LauncherWatch | None:
+    """The process-wide :class:`LauncherWatch` (created once; None for an orphan already)."""
+    global _WATCH
+    if _WATCH is None and os.getppid() > 1:
+        _WATCH = LauncherWatch(rank)
+    return _WATCH

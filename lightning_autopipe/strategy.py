@@ -7,8 +7,9 @@ The LightningModule contract
 * ``pipeline_loss(self, outputs, batch) -> Tensor`` returns the *mean* loss of one micro-batch
   slice; it runs on the last stage with ``outputs`` shaped like ``forward``'s and ``batch``
   sliced along dim 0 consistently with the inputs (every tensor whose first dimension is the
-  batch size is sliced; other values pass unchanged). Each slice's loss is weighted by its
-  sample count, so gradients equal whole-batch training on one process.
+  batch size is sliced; other values pass unchanged; a tensor with another first dimension is
+  refused as a likely data bug unless ``check_batch=False``). Each slice's loss is weighted by
+  its sample count, so gradients equal whole-batch training on one process.
 * Forward inputs come from ``pipeline_inputs(self, batch)`` when defined, else ``batch[0]`` for
   a tuple/list batch, else the batch itself (a tensor, tuple of positional tensors, or dict of
   keyword tensors).

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 import lightning_autopipe  # noqa: E402
 from lightning_autopipe.graph import split_model  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
+from tests._recording import RecordingLogger  # noqa: E402
 from tests.reliability import _task as T  # noqa: E402
 
 WORLD = 4
@@ -124,7 +125,7 @@ def _fit(out: Path, case: str, *, stages: int, epochs: int, ckpt_path=None, call
     world = WORLD
     replicas = world // stages
     task = T.Task(replicas, **(task_kw or {}))
-    logger = T.RecordingLogger() if log else None
+    logger = RecordingLogger() if log else None
     rss = RssSampler()
     trainer = pl.Trainer(
         strategy=_strategy(stages, **(strategy_kw or {})),

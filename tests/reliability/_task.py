@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import Logger
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -45,27 +44,6 @@ def build_net(dropout: float = 0.0, d_model: int = 16, seed: int | None = 0) -> 
 def lm_loss(outputs: torch.Tensor, batch) -> torch.Tensor:
     return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), batch[1].reshape(-1))
 
-
-class RecordingLogger(Logger):
-    """Keeps every logged metric (Lightning logs from rank 0 only)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "rec"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
 
 
 class Task(pl.LightningModule):

@@ -21,33 +21,11 @@ torch.set_num_threads(1)
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_autopipe  # noqa: E402
+from tests._recording import RecordingLogger  # noqa: E402
 from tests.runtime import _cases as C  # noqa: E402
-
-
-class RecordingLogger(Logger):
-    """Keeps every logged metric (rank 0 is the only rank Lightning logs from)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "rec"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
 
 
 class Task(pl.LightningModule):

@@ -7,6 +7,11 @@ laptop is not. The JSON form is fixed (outside tools read it)::
      "blocks": [{"name": "transformer.h.0.attn", "forward_ms": 1.2, "backward_ms": 2.5,
                  "param_bytes": 1048576, "activation_bytes": 65536, "memory_bytes": 262144}]}
 
+A block may also carry ``"forward_fixed_ms"`` / ``"backward_fixed_ms"``: the part of its time
+that does not scale with the samples (per-call overhead). They are written only when non-zero
+and default to 0 (purely linear costs), so profiles without them stay valid. A unit of ``n``
+samples costs :func:`affine_ms` = ``fixed + (ms - fixed) * n / micro_batch_size``.
+
 An optional top-level ``"fingerprint"`` (a hash of the block graph) lets a saved Plan be
 checked against the model it is used with.
 """
@@ -23,7 +28,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["BlockProfile", "Profile", "profile_blocks"]
+__all__ = ["BlockProfile", "Profile", "affine_ms", "fit_affine", "profile_blocks"]
+
+
+def affine_ms(ms: float, fixed_ms: float, ratio: float) -> float:
+    """Cost of ``ratio`` x the profiled samples: ``fixed_ms + (ms - fixed_ms) * ratio``.
+
+    ``ms`` is the time measured at ``Profile.micro_batch_size`` samples, ``fixed_ms`` the part of
+    it that does not scale with samples, ``ratio = n / micro_batch_size``. With ``fixed_ms == 0``
+    this is exactly the linear model ``ms * ratio``.
+    """
+    if fixed_ms == 0.0:
+        return ms * ratio
+    return fixed_ms + (ms - fixed_ms) * ratio
+
+
+def fit_affine(n_small: int, t_small: float, n_big: int, t_big: float) -> float:
+    """Fixed part of ``t(n) = fixed + per_sample * n`` through two timings (``n_small < n_big``).
+
+    Clamped to ``[0, 0.9 * t_big]``: timings are noisy, and a noisy small-batch run can make the
+    line cross the axis below zero (negative fixed cost) or above ``t_big`` (a negative
+    per-sample cost); both would make larger batches look cheaper than they are.
+    """
+    if not 0 < n_small < n_big:
+        raise ValueError(f"need 0 < n_small < n_big, got {n_small}, {n_big}")
+    per_sample = (t_big - t_small) / (n_big - n_small)
+    fixed = t_big - per_sample * n_big
+    return min(max(fixed, 0.0), 0.9 * t_big)
 
 
 @dataclass(frozen=True)
@@ -37,6 +68,8 @@ class BlockProfile:
         param_bytes: bytes of the parameters the block owns (tied copies counted where used).
         activation_bytes: bytes of the values the block sends to the next block.
         memory_bytes: activation memory held for backward for one micro-batch.
+        forward_fixed_ms: the part of ``forward_ms`` that does not scale with samples.
+        backward_fixed_ms: the part of ``backward_ms`` that does not scale with samples.
     """
 
     name: str
@@ -45,6 +78,8 @@ class BlockProfile:
     param_bytes: int
     activation_bytes: int
     memory_bytes: int
+    forward_fixed_ms: float = 0.0
+    backward_fixed_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -82,7 +117,7 @@ class Profile:
             "model": self.model,
             "micro_batch_size": self.micro_batch_size,
             "device": self.device,
-            "blocks": [asdict(b) for b in self.blocks],
+            "blocks": [_block_dict(b) for b in self.blocks],
         }
         if self.fingerprint is not None:
             out["fingerprint"] = self.fingerprint
@@ -93,7 +128,7 @@ class Profile:
         missing = {"model", "micro_batch_size", "device", "blocks"} - set(data)
         if missing:
             raise ValueError(f"profile JSON lacks keys {sorted(missing)}")
-        keys = {f for f in BlockProfile.__dataclass_fields__}
+        keys = {f for f in BlockProfile.__dataclass_fields__} - set(_OPTIONAL)
         blocks = []
         for i, b in enumerate(data["blocks"]):
             lacking = keys - set(b)
@@ -107,6 +142,7 @@ class Profile:
                     param_bytes=int(b["param_bytes"]),
                     activation_bytes=int(b["activation_bytes"]),
                     memory_bytes=int(b["memory_bytes"]),
+                    **{k: float(b[k]) for k in _OPTIONAL if k in b},
                 )
             )
         return cls(
@@ -130,6 +166,17 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return cls.from_json(Path(path).read_text())
+
+
+_OPTIONAL = ("forward_fixed_ms", "backward_fixed_ms")  # JSON keys written only when non-zero
+
+
+def _block_dict(b: BlockProfile) -> dict[str, Any]:
+    d = asdict(b)
+    for k in _OPTIONAL:
+        if not d[k]:
+            del d[k]
+    return d
 
 
 # Timer floor: a block whose work is below the clock's resolution (a reshape, a residual add)
@@ -203,6 +250,7 @@ def profile_blocks(
     warmup: int = 1,
     repeats: int = 3,
     model_name: str | None = None,
+    fit_fixed: bool = True,
 ) -> Profile:
     """Measure every block of a split model on ``device`` for one micro-batch.
 
@@ -218,6 +266,10 @@ def profile_blocks(
         warmup: untimed runs per block (the first also measures saved-activation memory).
         repeats: timed runs per block; the median is reported.
         model_name: recorded in the profile (default: the model's class name).
+        fit_fixed: also time each block at half the micro-batch (when it is >= 2) and record
+            the part of its time that does not scale with samples (:func:`fit_affine`) as
+            ``forward_fixed_ms`` / ``backward_fixed_ms``. A block whose inputs cannot be cut
+            along dim 0 keeps purely linear costs.
 
     Returns:
         A :class:`Profile` with ``fingerprint = blocks.fingerprint``. Parameter gradients and
@@ -246,17 +298,38 @@ def profile_blocks(
                 torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
             fwd, bwd, outputs = _time_block(stage, values, grads, dev, max(warmup - 1, 0))
             fwd, bwd, outputs = _time_block(stage, values, grads, dev, repeats)
+            f_ms = max(statistics.median(fwd), _MIN_MS)
+            b_ms = max(statistics.median(bwd), _MIN_MS)
+            f_fix = b_fix = 0.0
+            if fit_fixed and batch >= 2:
+                half = batch // 2
+                small = tuple(
+                    v[:half].clone()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch
+                    else v
+                    for v in values
+                )
+                try:
+                    _time_block(stage, small, grads, dev, max(warmup, 1))
+                    sf, sb, _ = _time_block(stage, small, grads, dev, repeats)
+                except (RuntimeError, ValueError, IndexError):
+                    pass  # inputs not batched along dim 0: keep linear costs
+                else:
+                    f_fix = fit_affine(half, statistics.median(sf), batch, f_ms)
+                    b_fix = fit_affine(half, statistics.median(sb), batch, b_ms)
             params = {id(p): p for p in stage.parameters()}
             out.append(
                 BlockProfile(
                     name=blocks.names[b],
-                    forward_ms=max(statistics.median(fwd), _MIN_MS),
-                    backward_ms=max(statistics.median(bwd), _MIN_MS),
+                    forward_ms=f_ms,
+                    backward_ms=b_ms,
                     param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
                     activation_bytes=sum(
                         o.numel() * o.element_size() for o in outputs if isinstance(o, torch.Tensor)
                     ),
                     memory_bytes=int(memory),
+                    forward_fixed_ms=f_fix,
+                    backward_fixed_ms=b_fix,
                 )
             )
             values = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)

@@ -5,8 +5,10 @@ Chrome traces) is too slow for that, so candidates are scored here and only the 
 simulated. The model is the simulator's, minus link contention:
 
 * a stage's forward/backward time for one micro-batch is its blocks' profiled time, scaled
-  linearly from ``Profile.micro_batch_size`` to the stage's per-replica micro-batch, divided by the
-  slowest replica's speed, plus the device's fixed ``overhead_ms`` per compute action;
+  from ``Profile.micro_batch_size`` to the stage's per-replica micro-batch by
+  :func:`~lightning_autopipe.profile.affine_ms` (linear unless the profile has fixed parts),
+  divided by the slowest replica's speed, plus the device's fixed ``overhead_ms`` per compute
+  action;
 * a transfer between stages costs the link latency plus bytes over the bandwidth of the slowest
   replica pair (a pure delay: sends do not block the sender);
 * each stage all-reduces its gradients (ring, :meth:`Cluster.allreduce_ms`) after its last
@@ -35,7 +37,7 @@ from lightning_autopipe.planner._links import (
     _ring_resources,
 )
 from lightning_autopipe.planner.schedule import Kind, Schedule, slice_sizes
-from lightning_autopipe.profile import Profile
+from lightning_autopipe.profile import Profile, affine_ms
 
 __all__ = ["BlockCosts", "Layout", "Estimate", "compile_schedule", "evaluate", "stage_times"]
 
@@ -50,6 +52,8 @@ class BlockCosts:
     mem: tuple[int, ...]
     act: tuple[int, ...]  # activation_bytes of each block (what crosses a cut after it)
     micro_batch_size: int
+    ffix: tuple[float, ...] = ()  # prefix sums of forward_fixed_ms (empty: all zero)
+    bfix: tuple[float, ...] = ()  # prefix sums of backward_fixed_ms
 
     @classmethod
     def from_profile(cls, profile: Profile) -> BlockCosts:
@@ -61,7 +65,15 @@ class BlockCosts:
             mem=tuple(accumulate((x.memory_bytes for x in b), initial=0)),
             act=tuple(x.activation_bytes for x in b),
             micro_batch_size=profile.micro_batch_size,
+            ffix=tuple(accumulate((x.forward_fixed_ms for x in b), initial=0.0)),
+            bfix=tuple(accumulate((x.backward_fixed_ms for x in b), initial=0.0)),
         )
+
+    def fixed(self, i: int, j: int) -> tuple[float, float]:
+        """Forward and backward ms of blocks ``[i, j)`` that do not scale with samples."""
+        if not self.ffix:
+            return 0.0, 0.0
+        return self.ffix[j] - self.ffix[i], self.bfix[j] - self.bfix[i]
 
     @property
     def num_blocks(self) -> int:
@@ -271,8 +283,9 @@ def stage_times(
         i, j = cuts[s], cuts[s + 1]
         sc = batch / (num_microbatches * len(layout.groups[s]) * costs.micro_batch_size)
         sp = layout.speeds[s]
-        fw.append((costs.fwd[j] - costs.fwd[i]) * sc / sp)
-        bw.append((costs.bwd[j] - costs.bwd[i]) * sc / sp)
+        ff, bf = costs.fixed(i, j)
+        fw.append(affine_ms(costs.fwd[j] - costs.fwd[i], ff, sc) / sp)
+        bw.append(affine_ms(costs.bwd[j] - costs.bwd[i], bf, sc) / sp)
         scale.append(sc)
     return fw, bw, scale
 
@@ -307,6 +320,13 @@ def evaluate(
     mb = max(1, batch // (m * max(layout.replicas)))
     fw, bw, scale = stage_times(costs, layout, cuts, batch, m)
     ovh = layout.overhead_ms
+    # the replay scales fw / bw by each unit's fraction of a micro-batch; fixed parts are paid
+    # once per action, like the device overhead
+    fix = [costs.fixed(cuts[s], cuts[s + 1]) for s in range(num)]
+    ovf = [ovh[s] + fix[s][0] / layout.speeds[s] for s in range(num)]
+    ovb = [ovh[s] + fix[s][1] / layout.speeds[s] for s in range(num)]
+    vfw = [fw[s] - fix[s][0] / layout.speeds[s] for s in range(num)]
+    vbw = [bw[s] - fix[s][1] / layout.speeds[s] for s in range(num)]
     cut_ms = [
         costs.act[cuts[s + 1] - 1] * scale[s] * layout.link_ms_per_byte[s] for s in range(num - 1)
     ]
@@ -316,15 +336,15 @@ def evaluate(
     lat, queue = layout.link_lat_ms, not layout.optimistic
     if exact or m <= m0:
         comp = _compiled(num, m, k, mb)
-        finish, end, via = _replay(comp, fw, bw, ovh, cut_ms, lat, ar, queue)
+        finish, end, via = _replay(comp, vfw, vbw, ovf, ovb, cut_ms, lat, ar, queue)
         finish = _allreduce_finish(layout, finish, grads)
         total = max(finish)
     else:
         win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
         first = _compiled(num, m0, k, mb)
-        f1, _, _ = _replay(first, fw, bw, ovh, cut_ms, lat, ar, queue)
+        f1, _, _ = _replay(first, vfw, vbw, ovf, ovb, cut_ms, lat, ar, queue)
         comp = _compiled(num, m0 + win, k, mb)
-        finish, end, via = _replay(comp, fw, bw, ovh, cut_ms, lat, ar, queue)
+        finish, end, via = _replay(comp, vfw, vbw, ovf, ovb, cut_ms, lat, ar, queue)
         period = max(0.0, max(finish) - max(f1)) / win
         shift = (m - m0 - win) * period
         finish = _allreduce_finish(layout, [f + shift for f in finish], grads)
@@ -344,7 +364,7 @@ def evaluate(
         n = comp.last[max(range(num), key=finish.__getitem__)]
         while n >= 0:
             s, is_b, u, prev, cross = order[n]
-            share[s] += (bw[s] if is_b else fw[s]) * fracs[u] + ovh[s]
+            share[s] += vbw[s] * fracs[u] + ovb[s] if is_b else vfw[s] * fracs[u] + ovf[s]
             n = cross if via[n] else prev
         crit = max(range(num), key=share.__getitem__)
     stage_ms = [fw[s] + bw[s] + 2 * ovh[s] for s in range(num)]
@@ -355,7 +375,8 @@ def _replay(
     comp: _Compiled,
     fw: list[float],
     bw: list[float],
-    ovh: tuple[float, ...],
+    ovf: list[float],
+    ovb: list[float],
     cut_ms: list[float],
     lat: tuple[float, ...],
     ar: list[float],
@@ -390,6 +411,6 @@ def _replay(
             if tc > t:
                 t = tc
                 via[n] = True
-        end[n] = t + (bw[s] if is_b else fw[s]) * fracs[u] + ovh[s]
+        end[n] = t + (bw[s] * fracs[u] + ovb[s] if is_b else fw[s] * fracs[u] + ovf[s])
     finish = [end[comp.last[s]] + ar[s] for s in range(len(ar))]
     return finish, end, via

@@ -37,7 +37,7 @@ from lightning_autopipe.planner.mapping import rank_layouts, speed_order
 from lightning_autopipe.planner.partition import partition_and_slice
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.simulate import simulate
-from lightning_autopipe.profile import Profile
+from lightning_autopipe.profile import Profile, affine_ms
 
 __all__ = ["make_plan", "PLANNERS", "Proposal", "finish_plan", "microbatch_choices"]
 
@@ -321,12 +321,14 @@ def _shapes(
                 xfer = max(xfer, ms)
             # perfectly balanced stages, plus half a block of rounding on the slowest stage
             base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
+            fixed = min(sum(costs.fixed(0, n)) / sum_sp, base)  # per-call part of base
             m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else [
                 m for m in microbatch_choices(batch, r, s)  # a pinned k needs >= k samples
                 if batch // (r * m) >= (pins["startup_slices"] or 1)]
             for m in m_list:
                 scale = batch / (m * r * mbs)
-                tau = max(base * scale + 2 * ovh, xfer * scale * mbs)  # compute- or link-bound
+                # compute- or link-bound
+                tau = max(affine_ms(base, fixed, scale) + 2 * ovh, xfer * scale * mbs)
                 est = (m + s - 1) * tau + 2 * (s - 1) * hop * scale + ar
                 need = params / s * (2 + optimizer_factor) + mem / s * scale * min(s, m)
                 out.append(_Shape(s, r, m, est, need <= cap))

@@ -4,8 +4,9 @@ Cost model (the one every planner here is judged by):
 
 * **Compute.** Block costs in the :class:`~lightning_autopipe.profile.Profile` are for
   ``profile.micro_batch_size`` samples on the profiled device. A unit of ``n`` samples on a
-  stage costs ``sum(block ms) * n / profile.micro_batch_size / device.speed`` (linear in
-  samples), plus the device's fixed ``overhead_ms`` per compute action.
+  stage costs ``affine_ms(sum(block ms), sum(block fixed ms), n / profile.micro_batch_size) /
+  device.speed`` (``fixed + (ms - fixed) * n / micro_batch_size``: linear in samples when the
+  profile has no fixed parts), plus the device's fixed ``overhead_ms`` per compute action.
 * **Replicas.** Stage ``s`` has ``r_s`` replicas (its ``devices``). Each unit of the global step
   (global micro-batch = ``B / m`` samples; micro-batch 0 split into ``k`` slices) is split evenly
   over a stage's replicas, so with the same ``R`` on every stage this is ``R`` independent
@@ -51,7 +52,7 @@ from lightning_autopipe.planner.schedule import (
     slice_sizes,
     units,
 )
-from lightning_autopipe.profile import Profile
+from lightning_autopipe.profile import Profile, affine_ms
 
 __all__ = ["Event", "SimResult", "StageCost", "simulate", "stage_costs"]
 
@@ -138,6 +139,8 @@ class StageCost:
     param_bytes: int
     memory_bytes: int
     activation_bytes: int  # output of the stage's last block: what it sends to the next stage
+    forward_fixed_ms: float = 0.0  # the parts of forward_ms / backward_ms that do not scale
+    backward_fixed_ms: float = 0.0  # with samples (see profile.affine_ms)
 
 
 def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
@@ -157,6 +160,8 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
                 param_bytes=sum(b.param_bytes for b in bl),
                 memory_bytes=sum(b.memory_bytes for b in bl),
                 activation_bytes=bl[-1].activation_bytes,
+                forward_fixed_ms=sum(b.forward_fixed_ms for b in bl),
+                backward_fixed_ms=sum(b.backward_fixed_ms for b in bl),
             )
         )
     return out
@@ -249,9 +254,11 @@ def simulate(
     for d in range(nd):
         s, spec = stage_of[d], specs[d]
         c = costs[s]
-        scale = 1.0 / (reps[s] * mbs * spec.speed)
-        fdur.append([c.forward_ms * g * scale + spec.overhead_ms for g in gsamples])
-        bdur.append([c.backward_ms * g * scale + spec.overhead_ms for g in gsamples])
+        per = reps[s] * mbs
+        fdur.append([affine_ms(c.forward_ms, c.forward_fixed_ms, g / per) / spec.speed
+                     + spec.overhead_ms for g in gsamples])
+        bdur.append([affine_ms(c.backward_ms, c.backward_fixed_ms, g / per) / spec.speed
+                     + spec.overhead_ms for g in gsamples])
     acts_of = [[(_CODE[a.kind], uidx[a.unit]) for a in lowered[s]] for s in range(num_stages)]
 
     # transfer peers: out_f[d] = [(dst, fraction)], out_b[d] likewise; in-degree per direction

@@ -22,13 +22,18 @@ import copy
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
-__all__ = ["BlockProfile", "Profile", "affine_ms", "fit_affine", "profile_blocks"]
+__all__ = ["BlockProfile", "LossFn", "Profile", "affine_ms", "fit_affine", "profile_blocks"]
+
+LossFn = Callable[[tuple[Any, ...], int], Tensor]
+"""``loss_fn(last_block_outputs, n) -> scalar``: the training loss of the first ``n`` samples."""
 
 
 def affine_ms(ms: float, fixed_ms: float, ratio: float) -> float:
@@ -98,9 +103,7 @@ class Profile:
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
-            raise ValueError(
-                f"Profile.micro_batch_size must be >= 1, got {self.micro_batch_size}"
-            )
+            raise ValueError(f"Profile.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if not self.blocks:
             raise ValueError(f"Profile of {self.model!r} has no blocks; profile a split model")
         self.blocks = [b if isinstance(b, BlockProfile) else BlockProfile(**b) for b in self.blocks]
@@ -205,8 +208,39 @@ def _grad_targets(outputs: tuple[Any, ...]) -> list[torch.Tensor]:
     return [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
-def _saved_bytes(stage: Any, inputs: tuple[Any, ...], skip: set[int]) -> tuple[int, tuple]:
-    """Bytes of the distinct storages autograd saves for backward (parameters excluded)."""
+def _scalar_loss(loss_fn: LossFn | None, outputs: tuple[Any, ...], n: int) -> Tensor | None:
+    """``loss_fn(outputs, n)``, checked to be a scalar tensor (None without a loss)."""
+    if loss_fn is None:
+        return None
+    loss = loss_fn(outputs, n)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(
+            f"profile_blocks: loss_fn must return a scalar tensor (the mean loss of the "
+            f"{n} samples), got {shape}"
+        )
+    return loss
+
+
+def _run_backward(outputs: tuple[Any, ...], loss: Tensor | None) -> None:
+    """Back-propagate as training does: from the loss on the last block, else ones."""
+    if loss is not None:
+        if loss.requires_grad:
+            loss.backward()
+        return
+    targets = _grad_targets(outputs)
+    if targets:
+        torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
+
+
+def _saved_bytes(
+    stage: Any, inputs: tuple[Any, ...], skip: set[int], loss_fn: LossFn | None, n: int
+) -> tuple[int, tuple, Tensor | None]:
+    """Bytes of the distinct storages autograd saves for backward (parameters excluded).
+
+    With a loss, what the loss saves (e.g. cross-entropy's log-probabilities and targets) is
+    counted too: the last stage holds it from a micro-batch's forward until its backward.
+    """
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -218,11 +252,18 @@ def _saved_bytes(stage: Any, inputs: tuple[Any, ...], skip: set[int]) -> tuple[i
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outputs = stage(*inputs)
-    return sum(storages.values()), outputs
+        loss = _scalar_loss(loss_fn, outputs, n)
+    return sum(storages.values()), outputs, loss
 
 
 def _time_block(
-    stage: Any, values: tuple[Any, ...], grads: list[bool], device: torch.device, runs: int
+    stage: Any,
+    values: tuple[Any, ...],
+    grads: list[bool],
+    device: torch.device,
+    runs: int,
+    loss_fn: LossFn | None = None,
+    n: int = 0,
 ) -> tuple[list[float], list[float], tuple[Any, ...]]:
     fwd, bwd = [], []
     outputs: tuple[Any, ...] = ()
@@ -231,11 +272,10 @@ def _time_block(
         _sync(device)
         t0 = time.perf_counter()
         outputs = stage(*inputs)
+        loss = _scalar_loss(loss_fn, outputs, n)
         _sync(device)
         t1 = time.perf_counter()
-        targets = _grad_targets(outputs)
-        if targets:
-            torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
+        _run_backward(outputs, loss)
         _sync(device)
         t2 = time.perf_counter()
         fwd.append((t1 - t0) * 1e3)
@@ -251,12 +291,17 @@ def profile_blocks(
     repeats: int = 3,
     model_name: str | None = None,
     fit_fixed: bool = True,
+    loss_fn: LossFn | None = None,
 ) -> Profile:
     """Measure every block of a split model on ``device`` for one micro-batch.
 
     Each block runs as its own stage on the real values that reach it when the chain runs on
     ``example_inputs`` (their batch size is the micro-batch size). Its inputs are fresh leaves
-    (gradients flow into them, as in a pipeline), its outputs are back-propagated with ones.
+    (gradients flow into them, as in a pipeline), its outputs are back-propagated with ones --
+    except the last block's when ``loss_fn`` is given: training's last stage also computes the
+    loss and back-propagates from it, so its timed forward includes ``loss_fn`` and its timed
+    backward starts at the loss (a large-vocabulary cross-entropy is a visible part of that
+    stage, and a planner blind to it puts too much work on the last stage).
 
     Args:
         blocks: a :class:`~lightning_autopipe.graph.BlockGraph` from ``split_model``.
@@ -270,6 +315,14 @@ def profile_blocks(
             the part of its time that does not scale with samples (:func:`fit_affine`) as
             ``forward_fixed_ms`` / ``backward_fixed_ms``. A block whose inputs cannot be cut
             along dim 0 keeps purely linear costs.
+        loss_fn: ``loss_fn(outputs, n) -> scalar tensor``, the mean training loss of the last
+            block's ``outputs`` (its output tuple, before any unflattening) for the first ``n``
+            samples of the batch the example came from. ``n`` is the micro-batch size, or half
+            of it in the ``fit_fixed`` timing. The sample count, not a batch, is passed because
+            only the caller knows the batch's structure (which tensors are per-sample, what
+            the loss wants); it cuts its targets to ``[:n]`` (e.g. with the runtime's
+            ``slice_batch``), exactly as the executor slices a batch for a micro-batch. What
+            the loss saves for backward is counted in the last block's ``memory_bytes``.
 
     Returns:
         A :class:`Profile` with ``fingerprint = blocks.fingerprint``. Parameter gradients and
@@ -292,12 +345,14 @@ def profile_blocks(
                 stage = copy.deepcopy(stage).to(dev)
             grads = [v.requires_grad for v in blocks.boundary(b)]
             skip = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-            memory, outputs = _saved_bytes(stage, _prepare(values, grads), skip)
-            targets = _grad_targets(outputs)
-            if targets:  # free the graph of the memory run
-                torch.autograd.backward(targets, [torch.ones_like(t) for t in targets])
-            fwd, bwd, outputs = _time_block(stage, values, grads, dev, max(warmup - 1, 0))
-            fwd, bwd, outputs = _time_block(stage, values, grads, dev, repeats)
+            loss = loss_fn if b == len(blocks) - 1 else None
+            memory, outputs, scalar = _saved_bytes(
+                stage, _prepare(values, grads), skip, loss, batch
+            )
+            _run_backward(outputs, scalar)  # free the graph of the memory run
+            del scalar
+            _time_block(stage, values, grads, dev, max(warmup - 1, 0), loss, batch)
+            fwd, bwd, outputs = _time_block(stage, values, grads, dev, repeats, loss, batch)
             f_ms = max(statistics.median(fwd), _MIN_MS)
             b_ms = max(statistics.median(bwd), _MIN_MS)
             f_fix = b_fix = 0.0
@@ -310,8 +365,8 @@ def profile_blocks(
                     for v in values
                 )
                 try:
-                    _time_block(stage, small, grads, dev, max(warmup, 1))
-                    sf, sb, _ = _time_block(stage, small, grads, dev, repeats)
+                    _time_block(stage, small, grads, dev, max(warmup, 1), loss, half)
+                    sf, sb, _ = _time_block(stage, small, grads, dev, repeats, loss, half)
                 except (RuntimeError, ValueError, IndexError):
                     pass  # inputs not batched along dim 0: keep linear costs
                 else:

@@ -326,7 +326,7 @@ class AutoPipeStrategy(ParallelStrategy):
                 "AutoPipeStrategy needs automatic optimization (the schedule runs forward and "
                 "backward itself); remove `self.automatic_optimization = False`"
             )
-        example, batch_size = _example(trainer, module)
+        example, batch_size, example_batch = _example(trainer, module)
         check_microbatches(batch_size, self.num_microbatches, self.startup_slices)
         self._param_order = [name for name, _ in module.named_parameters()]
         self._state_order = list(module.state_dict().keys())
@@ -349,6 +349,7 @@ class AutoPipeStrategy(ParallelStrategy):
             num_stages=self.num_stages,
             exact_cluster=self.exact_cluster,
             check_batch=self.check_batch,
+            example_batch=example_batch,
         )
         self._layout = self._pipe.layout
         self.plan, self.profile, self.cluster = (
@@ -690,10 +691,15 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _example(trainer: Any, module: Any) -> tuple[Any, int]:
-    """Example forward inputs (``example_input_array`` or the first batch) and the batch size.
+def _example(trainer: Any, module: Any) -> tuple[Any, int, Any]:
+    """Example forward inputs (``example_input_array`` or the first batch), the batch size and
+    the batch holding the example's samples (or None).
 
     The batch size is the dataloader's (one data-parallel replica's batch); it sizes the plan.
+    The third value lets the profile include ``pipeline_loss``: the first batch when the
+    example came from it, or its first samples when they match ``example_input_array``'s
+    shapes; None when no batch was drawn (a loader batch size and ``example_input_array`` need
+    none, and drawing one only for the profile would consume a one-pass stream's data).
     """
     from lightning_autopipe.runtime.local_stage import as_call_args, model_inputs
 
@@ -714,8 +720,36 @@ def _example(trainer: Any, module: Any) -> tuple[Any, int]:
         first = next(iter(inputs.values() if isinstance(inputs, dict) else inputs))
         size = size or int(first.shape[0])
         if example is None:
-            example = inputs
-    return as_call_args(example), int(size)
+            return inputs, int(size), batch
+    example = as_call_args(example)
+    return example, int(size), _batch_like(module, batch, example)
+
+
+def _batch_like(module: Any, batch: Any, example: Any) -> Any:
+    """``batch`` cut to the example's sample count if its inputs then match the example's
+    shapes (so the loss's targets fit the outputs of the example), else None."""
+    from lightning_autopipe.runtime.executor import slice_batch
+    from lightning_autopipe.runtime.local_stage import as_call_args, model_inputs
+
+    if batch is None:
+        return None
+    ex = _tensors(example)
+    got = _tensors(as_call_args(model_inputs(module, batch)))
+    if not ex or len(ex) != len(got) or ex[0].dim() == 0 or got[0].dim() == 0:
+        return None
+    n, size = int(ex[0].shape[0]), int(got[0].shape[0])
+    if n > size:
+        return None
+    part = slice_batch(batch, 0, n, size)
+    got = _tensors(as_call_args(model_inputs(module, part)))
+    if [t.shape for t in got] != [t.shape for t in ex]:
+        return None
+    return part
+
+
+def _tensors(args: Any) -> list[Tensor]:
+    values = args.values() if isinstance(args, dict) else args
+    return [v for v in values if isinstance(v, Tensor)]
 
 
 def _eval_loop(trainer: Any) -> Any:

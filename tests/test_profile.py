@@ -108,3 +108,86 @@ def test_bad_repeat_counts() -> None:
     blocks = split_model(model, example)
     with pytest.raises(ValueError, match="repeats"):
         profile_blocks(blocks, example, repeats=0)
+
+
+# ------------------------------------------------------------------------ with the loss
+def _small_chain() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16), nn.Tanh())
+    return model, torch.randn(4, 32)
+
+
+def test_loss_fn_is_timed_on_the_last_block_only() -> None:
+    """A loss that projects the 16 outputs onto a 16384-word vocabulary and takes the
+    cross-entropy costs about 100x the two small Linear blocks (64 samples: 16M multiply-adds
+    forward, twice that backward, against 0.2M): the last block's times must grow by far more
+    than any noise (asserted: 2x), the first block's must not change in kind."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16))
+    x = torch.randn(64, 32)
+    targets = torch.randint(0, 2**14, (64,))
+    vocab = torch.randn(16, 2**14)
+    calls: list[int] = []
+
+    def loss_fn(outputs: tuple, n: int) -> torch.Tensor:
+        calls.append(n)
+        return nn.functional.cross_entropy(outputs[0] @ vocab, targets[:n])
+
+    blocks = split_model(model, (x,))
+    assert len(blocks) == 2
+    plain = [profile_blocks(blocks, (x,), repeats=3) for _ in range(2)]
+    lossy = [profile_blocks(blocks, (x,), repeats=3, loss_fn=loss_fn) for _ in range(2)]
+    assert set(calls) == {64, 32}  # the micro-batch, and its half for the fixed part
+
+    def fastest(profs: list[Profile], b: int, attr: str) -> float:
+        return min(getattr(p.blocks[b], attr) for p in profs)
+
+    for attr in ("forward_ms", "backward_ms"):
+        assert fastest(lossy, 1, attr) > 2 * fastest(plain, 1, attr), (attr, plain, lossy)
+    for p, q in zip(plain, lossy):
+        assert p.names == q.names
+        for a, b in zip(p.blocks, q.blocks):
+            assert (a.param_bytes, a.activation_bytes) == (b.param_bytes, b.activation_bytes)
+        assert p.blocks[0].memory_bytes == q.blocks[0].memory_bytes
+        assert q.blocks[1].memory_bytes > p.blocks[1].memory_bytes  # what the loss keeps
+
+
+def test_memory_includes_what_the_loss_keeps() -> None:
+    """sigmoid keeps its output (4 x 16 fp32) for backward; the mean keeps nothing. The
+    block's own saved tensors are those of the test above (Linear input, tanh output)."""
+    model, x = _small_chain()
+    blocks = split_model(model, (x,))
+
+    def loss_fn(outputs: tuple, n: int) -> torch.Tensor:
+        return torch.sigmoid(outputs[0]).mean()
+
+    prof = profile_blocks(blocks, (x,), warmup=0, repeats=1, loss_fn=loss_fn)
+    assert [b.memory_bytes for b in prof.blocks] == [4 * (32 + 64) * 4, 4 * (64 + 16 + 16) * 4]
+    # a loss that saves only what the block already keeps (pow keeps the tanh output) adds 0
+    prof = profile_blocks(blocks, (x,), warmup=0, repeats=1, loss_fn=lambda o, n: o[0].pow(2).sum())
+    assert prof.blocks[1].memory_bytes == 4 * (64 + 16) * 4
+
+
+def test_profiling_with_a_loss_leaves_the_model_as_it_was() -> None:
+    model, example = build_model("small_cnn_bn", "tiny")
+    targets = torch.randint(0, 10, (example[0].shape[0],))
+    blocks = split_model(model, example)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+
+    def loss_fn(outputs: tuple, n: int) -> torch.Tensor:
+        seen.append(n)
+        return nn.functional.cross_entropy(outputs[0], targets[:n])
+
+    profile_blocks(blocks, example, warmup=1, repeats=2, loss_fn=loss_fn)
+    assert seen
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # batch-norm statistics restored
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_loss_fn_must_return_a_scalar() -> None:
+    model, x = _small_chain()
+    blocks = split_model(model, (x,))
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor .* got \(4, 16\)"):
+        profile_blocks(blocks, (x,), warmup=0, repeats=1, loss_fn=lambda o, n: o[0])

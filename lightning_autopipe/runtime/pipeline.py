@@ -1,4 +1,4 @@
-"""Build this rank's part of a pipeline: trace, (rank 0) profile + plan, local stage, groups.
+"""Build this rank's part of a pipeline: trace, profile, (rank 0) plan, local stage, groups.
 
 Kept apart from the Lightning strategy so the benchmark and tests can build a pipeline from any
 ``nn.Module`` with a ``pipeline_loss`` under a plain ``torch.distributed`` launch.
@@ -6,6 +6,7 @@ Kept apart from the Lightning strategy so the benchmark and tests can build a pi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +26,7 @@ from lightning_autopipe.runtime.checks import (
     check_num_stages,
     check_plan_for_run,
 )
-from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
+from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter, slice_batch
 from lightning_autopipe.runtime.failure import FailureBoard
 from lightning_autopipe.runtime.groups import (
     ProcessGroups,
@@ -149,11 +150,69 @@ def plan_table(plan: Plan, profile: Any) -> str:
     return "\n".join([head, *rows])
 
 
-def _reraise_from_rank0(kind: str, message: str) -> None:
+def _reraise_from_rank0(kind: str, message: str, cause: BaseException | None = None) -> None:
     cls = getattr(errors, kind, None)
     if isinstance(cls, type) and issubclass(cls, errors.AutoPipeError):
-        raise cls(f"(raised on rank 0) {message}")
-    raise PipelineRuntimeError(f"rank 0 failed while profiling/planning: {kind}: {message}")
+        raise cls(f"(raised on rank 0) {message}") from cause
+    raise PipelineRuntimeError(
+        f"rank 0 failed while profiling/planning: {kind}: {message}"
+    ) from cause
+
+
+class _LossProfileError(Exception):
+    """``pipeline_loss`` failed on the example batch while profiling (not a user-facing error)."""
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_to_device(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(_to_device(v, device) for v in batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, _to_device(v, device)) for k, v in batch.items())
+    return batch
+
+
+def _profile(
+    blocks: Any,
+    example: Any,
+    example_batch: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    device: torch.device,
+    repeats: int,
+) -> Any:
+    """``profile_blocks`` with the training loss on the last block when a batch is known.
+
+    The loss's first ``n`` samples are ``slice_batch(example_batch, 0, n, size)`` with ``size``
+    the example's sample count, as the executor slices a batch for a micro-batch. Should
+    ``pipeline_loss`` fail here (e.g. it logs, which Lightning refuses before the loop runs),
+    the blocks are profiled without the loss, as before it was profiled, with a warning.
+    """
+    from lightning_autopipe.profile import profile_blocks
+
+    if example_batch is None:
+        return profile_blocks(blocks, example, device=str(device), repeats=repeats)
+    flat = blocks.flatten_inputs(example)
+    size = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
+    batch = _to_device(example_batch, device)
+
+    def loss(outputs: tuple[Any, ...], n: int) -> torch.Tensor:
+        try:
+            return loss_fn(blocks.unflatten_outputs(outputs), slice_batch(batch, 0, n, size))
+        except Exception as exc:
+            raise _LossProfileError(f"{type(exc).__name__}: {exc}") from exc
+
+    try:
+        return profile_blocks(blocks, example, device=str(device), repeats=repeats, loss_fn=loss)
+    except _LossProfileError as exc:
+        warnings.warn(
+            f"pipeline_loss failed on the example batch while profiling ({exc}); profiling "
+            "without the loss, so the plan underestimates the last stage",
+            stacklevel=3,
+        )
+    return profile_blocks(blocks, example, device=str(device), repeats=repeats)
 
 
 def _tie_locals(tie: Any) -> dict[int, str]:
@@ -184,18 +243,29 @@ def build_local_pipeline(
     num_stages: int | None = None,
     exact_cluster: bool = False,
     check_batch: bool = True,
+    example_batch: Any = None,
 ) -> LocalPipeline:
-    """Trace on every rank, plan on rank 0, agree on the plan, keep only the local stage.
+    """Trace on every rank, profile on every rank, plan on rank 0, keep only the local stage.
 
     Every rank traces (so an untraceable model raises the graph layer's ``TraceError`` on every
-    rank before any collective, never a hang); rank 0 profiles on ``device`` and plans, and its
-    plan (or its error) is broadcast. The module's parameters are then rebound to the local
-    stage (:func:`bind_local_stage`). User input is checked first (``pipeline_loss``, cluster
-    size, pinned depth vs. blocks, a given plan's fingerprint, batch and memory) so a bad
-    configuration fails on every rank before any profiling or training.
+    rank before any collective, never a hang). Without a given plan every rank profiles on its
+    own ``device`` at the same time, and rank 0 plans from its own profile: in training all
+    ranks compute at once and contend for shared cores and memory bandwidth, so a profile taken
+    while the others idle would be optimistic. Rank 0's plan (or its error) is broadcast; the
+    other ranks' profiles only serve as load, so a failure there is warned about and ignored
+    (raising it on that rank alone would leave the others waiting in the next collective). The
+    module's parameters are then rebound to the local stage (:func:`bind_local_stage`). User
+    input is checked first (``pipeline_loss``, cluster size, pinned depth vs. blocks, a given
+    plan's fingerprint, batch and memory) so a bad configuration fails on every rank before
+    any profiling or training.
+
+    ``example_batch``, when given, is the batch the ``example`` inputs came from, holding the
+    same samples (its per-sample tensors have the example's first dimension). The last block is
+    then profiled with ``module.pipeline_loss`` on it, as the last stage runs in training;
+    without it the loss is left out of the profile.
     """
     from lightning_autopipe.graph import split_model
-    from lightning_autopipe.profile import Profile, profile_blocks
+    from lightning_autopipe.profile import Profile
 
     check_loss_contract(module)
     loss_fn = module.pipeline_loss
@@ -206,13 +276,17 @@ def build_local_pipeline(
 
     payload: Any = None
     failure: BaseException | None = None
+    load_failure: BaseException | None = None  # another rank's throw-away profile failed
+    profile = None
+    if not plan_given and rank != 0:
+        try:
+            _profile(blocks, example, example_batch, loss_fn, device, profile_repeats)
+        except Exception as exc:  # only load for rank 0's profile; rank 0 reports its own
+            load_failure = exc
     if rank == 0:
         try:
-            profile = None
             if not plan_given:
-                profile = profile_blocks(
-                    blocks, example, device=str(device), repeats=profile_repeats
-                )
+                profile = _profile(blocks, example, example_batch, loss_fn, device, profile_repeats)
             plan = plan_fn(profile, cluster, names)
             _check_fingerprint(plan, blocks)
             if plan_given:
@@ -225,7 +299,14 @@ def build_local_pipeline(
     if payload[0] == "error":
         if failure is not None:
             raise failure
-        _reraise_from_rank0(payload[1], payload[2])
+        _reraise_from_rank0(payload[1], payload[2], cause=load_failure)
+    if load_failure is not None:
+        warnings.warn(
+            f"rank {rank}: profiling (as load while rank 0 profiled) failed with "
+            f"{type(load_failure).__name__}: {load_failure}; rank 0 profiled fine, continuing "
+            "with its plan",
+            stacklevel=2,
+        )
     plan = Plan.from_json(payload[1])
     profile = Profile.from_json(payload[2]) if payload[2] is not None else None
 

@@ -138,6 +138,7 @@ class AutoPipeStrategyConfig:
     num_stages: Any = "auto"
     num_microbatches: Any = "auto"
     startup_slices: Any = "auto"
+    drain_slices: Any = "auto"
     granularity: str = "sub-block"
     timeout: float = 600.0
     plan: str | None = None

@@ -113,6 +113,7 @@ class AutoPipeStrategy(ParallelStrategy):
             and the one with the most samples/s wins).
         num_microbatches: micro-batches per replica and step, or ``"auto"``.
         startup_slices: slices of micro-batch 0, or ``"auto"``.
+        drain_slices: slices of the last micro-batch (shorter cool-down), or ``"auto"``.
         granularity: block granularity for ``split_model`` (``"sub-block"``...).
         plan: a ``Plan`` or a path to one saved with ``Plan.save``: skip profiling/planning.
         timeout: seconds (or a ``timedelta``) for the process group and every sub-group, so a
@@ -141,6 +142,7 @@ class AutoPipeStrategy(ParallelStrategy):
         num_stages: int | str = "auto",
         num_microbatches: int | str = "auto",
         startup_slices: int | str = "auto",
+        drain_slices: int | str = "auto",
         granularity: str = "sub-block",
         plan: Plan | str | Path | None = None,
         timeout: float | timedelta = 120.0,
@@ -177,6 +179,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self.num_stages = _auto_or_positive("num_stages", num_stages)
         self.num_microbatches = _auto_or_positive("num_microbatches", num_microbatches)
         self.startup_slices = _auto_or_positive("startup_slices", startup_slices)
+        self.drain_slices = _auto_or_positive("drain_slices", drain_slices)
         self.granularity = granularity
         self._plan_arg = plan
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
@@ -327,7 +330,9 @@ class AutoPipeStrategy(ParallelStrategy):
                 "backward itself); remove `self.automatic_optimization = False`"
             )
         example, batch_size, example_batch = _example(trainer, module)
-        check_microbatches(batch_size, self.num_microbatches, self.startup_slices)
+        check_microbatches(
+            batch_size, self.num_microbatches, self.startup_slices, drain_slices=self.drain_slices
+        )
         self._param_order = [name for name, _ in module.named_parameters()]
         self._state_order = list(module.state_dict().keys())
         self._pipe = build_local_pipeline(
@@ -389,6 +394,7 @@ class AutoPipeStrategy(ParallelStrategy):
                 num_stages=self.num_stages,
                 num_microbatches=self.num_microbatches,
                 startup_slices=self.startup_slices,
+                drain_slices=self.drain_slices,
             )
 
         return plan_fn

@@ -71,8 +71,8 @@ def show_plan(
 
     print(
         f"{PLAN_BANNER} {plan.num_stages} stages x {plan.replicas} replicas, "
-        f"{plan.num_microbatches} micro-batches, {plan.startup_slices} startup slices, "
-        f"predicted {plan.iteration_ms:.1f} ms/step =="
+        f"{plan.num_microbatches} micro-batches, {plan.startup_slices} startup / "
+        f"{plan.drain_slices} drain slices, predicted {plan.iteration_ms:.1f} ms/step =="
     )
     if source:
         print(f"profile: {source}")
@@ -82,7 +82,8 @@ def show_plan(
     if "balance" not in text:  # the planner's table already has the summary
         print(
             f"{plan.num_stages} stages x {plan.replicas} replicas, {plan.num_microbatches} "
-            f"micro-batches, {plan.startup_slices} startup slices: predicted "
+            f"micro-batches, {plan.startup_slices} startup / {plan.drain_slices} drain slices: "
+            "predicted "
             f"{plan.iteration_ms:.1f} ms/step, balance {plan.balance:.2f} (slowest stage / "
             f"mean), bubble {plan.bubble_fraction:.0%}"
         )
@@ -97,6 +98,7 @@ def show_plan(
         title = (
             f"{model_name or plan.model or 'model'} on {cluster.name}: {plan.num_stages} stages x "
             f"{plan.replicas} replicas, m={plan.num_microbatches}, k={plan.startup_slices}, "
+            f"j={plan.drain_slices}, "
             f"{plan.iteration_ms:.1f} ms/step predicted"
         )
         write_png(simulate(plan, profile, cluster), files[-1], title=title)
@@ -205,7 +207,7 @@ def plan_only(cfg: Any, run_dir: Path) -> int:
         )
     pins = {
         key: (None if strategy.get(key, "auto") == "auto" else int(strategy[key]))
-        for key in ("num_stages", "num_microbatches", "startup_slices")
+        for key in ("num_stages", "num_microbatches", "startup_slices", "drain_slices")
     }
     names = [d.name for d in cluster.devices]
     plan = search_plan(

@@ -133,7 +133,7 @@ def propose(
         (s, r, m), spent = _shape(*args)
         return [optimal_proposal(profile, costs, cluster, devs, batch, s, r, m,
                                  pins["startup_slices"], max_startup_slices,
-                                 optimizer_factor)], spent
+                                 optimizer_factor, pins.get("drain_slices"))], spent
     m, spent = pins["num_microbatches"], 0.0
     if not m:
         (_, _, m), spent = _shape(*args)
@@ -186,8 +186,9 @@ def optimal_proposal(
     k_pin: int | None,
     max_slices: int,
     optimizer_factor: float = 2.0,
+    j_pin: int | None = None,
 ) -> Proposal:
-    """Exact best (partition, mapping, slices) for a fixed shape, by :func:`simulate`.
+    """Exact best (partition, mapping, startup and drain slices) for a fixed shape.
 
     Branch and bound: every candidate gets an optimistic replay (a lower bound of the
     simulator); candidates are simulated in order of that bound until the bound exceeds the
@@ -199,36 +200,40 @@ def optimal_proposal(
     n = costs.num_blocks
     mb = batch // (m * replicas)
     ks = [k_pin] if k_pin else list(range(1, min(max_slices, mb) + 1))
+    js = [j_pin] if j_pin else list(range(1, min(max_slices, mb) + 1)) if m >= 2 else [1]
+    slices = [(k, j) for k in ks for j in js]
     maps = _mappings(cluster, devs, stages, replicas)
     parts = math.comb(n - 1, stages - 1)
-    total = parts * len(maps) * len(ks)
+    total = parts * len(maps) * len(slices)
     if total > _OPTIMAL_LIMIT:
         raise PlanError(
             f"the optimal planner would enumerate {parts} partitions x {len(maps)} mappings x "
-            f"{len(ks)} slice counts = {total} candidates (limit {_OPTIMAL_LIMIT}); use it on "
-            "small cases (about 12 blocks, 4 stages) or pin --startup-slices"
+            f"{len(slices)} (startup, drain) slice counts = {total} candidates (limit "
+            f"{_OPTIMAL_LIMIT}); use it on small cases (about 12 blocks, 4 stages) or pin "
+            "startup_slices and drain_slices"
         )
     cands = []
     for groups in maps:
         lay = Layout.from_cluster(cluster, groups, optimistic=True)
         for inner in itertools.combinations(range(1, n), stages - 1):
             cuts = [0, *inner, n]
-            for k in ks:
-                e = evaluate(costs, lay, cuts, batch, m, k, optimizer_factor=optimizer_factor,
-                             critical_path=False)
-                cands.append((not e.fits, e.iteration_ms, groups, cuts, k))
+            for k, j in slices:
+                e = evaluate(costs, lay, cuts, batch, m, k, drain_slices=j,
+                             optimizer_factor=optimizer_factor, critical_path=False)
+                cands.append((not e.fits, e.iteration_ms, groups, cuts, k, j))
     cands.sort(key=lambda c: (c[0], c[1]))
     best: tuple[tuple[bool, float], Proposal] | None = None
-    for unfit, bound, groups, cuts, k in cands:
+    for unfit, bound, groups, cuts, k, j in cands:
         if best is not None and (unfit, bound) >= best[0]:
             break
         plan = Plan("optimal", batch, m, k,
-                    [StagePlan((cuts[s], cuts[s + 1]), groups[s]) for s in range(stages)])
+                    [StagePlan((cuts[s], cuts[s + 1]), groups[s]) for s in range(stages)],
+                    drain_slices=j)
         res = simulate(plan, profile, cluster, optimizer_bytes_per_param_byte=optimizer_factor)
         fits = all(v <= cluster.device(d).spec.memory_bytes
                    for d, v in res.peak_memory_bytes.items())
         key = (not fits, res.iteration_ms)
         if best is None or key < best[0]:
-            best = (key, Proposal(groups, cuts, m, k))
+            best = (key, Proposal(groups, cuts, m, k, j))
     assert best is not None
     return best[1]

@@ -33,7 +33,8 @@ def format_plan(plan: Plan, profile: Profile) -> str:
         f"plan ({plan.planner}) for {plan.model or profile.model}: {plan.num_stages} stages x "
         f"{rep} replicas, global batch {plan.global_batch_size} = {plan.num_microbatches} "
         f"micro-batches of {per:g} samples per replica, {plan.startup_slices} startup "
-        f"slice{'s' if plan.startup_slices != 1 else ''}",
+        f"slice{'s' if plan.startup_slices != 1 else ''}, {plan.drain_slices} drain "
+        f"slice{'s' if plan.drain_slices != 1 else ''}",
     ]
     head = (f"{'stage':>5}  {'blocks':<11} {'first .. last block':<44} {'devices':<28} "
             f"{'stage ms':>9}  {'peak memory':>11}")
@@ -73,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="python -m lightning_autopipe plan",
-        description="Choose stages, replicas, micro-batches and startup slices for a profiled "
+        description="Choose stages, replicas, micro-batches and slices for a profiled "
         "model on a cluster, and predict the step with the simulator.",
     )
     p.add_argument("--profile", required=True, help="Profile JSON (python -m ... profile)")
@@ -85,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, help="pin the data-parallel width")
     p.add_argument("--micro-batches", type=int, help="pin micro-batches per replica")
     p.add_argument("--startup-slices", type=int, help="pin the slices of micro-batch 0")
+    p.add_argument("--drain-slices", type=int, help="pin the slices of the last micro-batch")
     p.add_argument("--devices", help="comma-separated device names to restrict to")
     p.add_argument("--uniform-replicas", action="store_true",
                    help="same replica count on every stage (what the runtime executes)")
@@ -116,6 +118,7 @@ def plan_main(argv: list[str]) -> int:
             profile, cluster, args.global_batch_size, planner=args.planner,
             num_stages=args.stages, replicas=args.replicas,
             num_microbatches=args.micro_batches, startup_slices=args.startup_slices,
+            drain_slices=args.drain_slices,
             devices=args.devices.split(",") if args.devices else None,
             uniform_replicas=args.uniform_replicas, use_all_devices=args.use_all_devices,
             memory_check=not args.no_memory_check,

@@ -36,7 +36,7 @@ from lightning_autopipe.planner._links import (
     _pairs,
     _ring_resources,
 )
-from lightning_autopipe.planner.schedule import Kind, Schedule, slice_sizes
+from lightning_autopipe.planner.schedule import Kind, Schedule, spans, unit_sizes
 from lightning_autopipe.profile import Profile, affine_ms
 
 __all__ = ["BlockCosts", "Layout", "Estimate", "compile_schedule", "evaluate", "stage_times"]
@@ -180,23 +180,23 @@ def compile_schedule(schedule: Schedule, fracs: list[float]) -> _Compiled:
     return _compile_lists(lists, fracs)
 
 
-def _one_f_one_b_lists(num: int, m: int, k: int) -> list[list[tuple[bool, int]]]:
+def _one_f_one_b_lists(num: int, m: int, k: int, j: int = 1) -> list[list[tuple[bool, int]]]:
     """:func:`~.schedule.one_f_one_b` as (is_backward, unit index) lists, without Action objects.
 
-    Same rule as the generator (a test checks they agree): stage ``s`` forwards every unit
-    starting before ``end + (S - 1 - s) k`` (positions in slices) before the backward of a unit
-    ending at ``end``.
+    Same rule and the same unit positions (:func:`~.schedule.spans`) as the generator (a test
+    checks they agree): stage ``s`` forwards every unit starting before ``end + (S - 1 - s)``
+    micro-batches before the backward of a unit ending at ``end``.
     """
-    spans = [(u, u + 1) for u in range(k)] + [(mb * k, (mb + 1) * k) for mb in range(1, m)]
-    nu = len(spans)
+    order, scale = spans(m, k, j)
+    nu = len(order)
     out = []
     for s in range(num):
-        lead = (num - 1 - s) * k
+        lead = (num - 1 - s) * scale
         acts: list[tuple[bool, int]] = []
         nxt = 0
         for u in range(nu):
-            lim = spans[u][1] + lead
-            while nxt < nu and spans[nxt][0] < lim:
+            lim = order[u][3] + lead
+            while nxt < nu and order[nxt][2] < lim:
                 acts.append((False, nxt))
                 nxt += 1
             acts.append((True, u))
@@ -256,9 +256,12 @@ def _compile_lists(lists: list[list[tuple[bool, int]]], fracs: list[float]) -> _
 
 
 @functools.lru_cache(maxsize=1024)
-def _compiled(num_stages: int, num_microbatches: int, startup_slices: int, mb: int) -> _Compiled:
-    fracs = [sz / mb for sz in slice_sizes(mb, startup_slices)] + [1.0] * (num_microbatches - 1)
-    lists = _one_f_one_b_lists(num_stages, num_microbatches, startup_slices)
+def _compiled(
+    num_stages: int, num_microbatches: int, startup_slices: int, mb: int, drain_slices: int = 1
+) -> _Compiled:
+    m, k, j = num_microbatches, startup_slices, drain_slices
+    fracs = [sz / mb for sz in unit_sizes(mb, m, k, j)]
+    lists = _one_f_one_b_lists(num_stages, m, k, j)
     return _compile_lists(lists, fracs)
 
 
@@ -303,6 +306,7 @@ def evaluate(
     num_microbatches: int,
     startup_slices: int = 1,
     *,
+    drain_slices: int = 1,
     optimizer_factor: float = 2.0,
     critical_path: bool = True,
     exact: bool = False,
@@ -316,7 +320,7 @@ def evaluate(
     (within about 1% of the full replay; the steady phase can cycle over several micro-batches).
     """
     num = layout.num_stages
-    m, k = num_microbatches, startup_slices
+    m, k, j = num_microbatches, startup_slices, drain_slices
     mb = max(1, batch // (m * max(layout.replicas)))
     fw, bw, scale = stage_times(costs, layout, cuts, batch, m)
     ovh = layout.overhead_ms
@@ -335,15 +339,15 @@ def evaluate(
     m0 = _extrapolation_point(num)
     lat, queue = layout.link_lat_ms, not layout.optimistic
     if exact or m <= m0:
-        comp = _compiled(num, m, k, mb)
+        comp = _compiled(num, m, k, mb, j)
         finish, end, via = _replay(comp, vfw, vbw, ovf, ovb, cut_ms, lat, ar, queue)
         finish = _allreduce_finish(layout, finish, grads)
         total = max(finish)
     else:
         win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
-        first = _compiled(num, m0, k, mb)
+        first = _compiled(num, m0, k, mb, j)
         f1, _, _ = _replay(first, vfw, vbw, ovf, ovb, cut_ms, lat, ar, queue)
-        comp = _compiled(num, m0 + win, k, mb)
+        comp = _compiled(num, m0 + win, k, mb, j)
         finish, end, via = _replay(comp, vfw, vbw, ovf, ovb, cut_ms, lat, ar, queue)
         period = max(0.0, max(finish) - max(f1)) / win
         shift = (m - m0 - win) * period

@@ -20,6 +20,9 @@
 3. :func:`choose_startup_slices` — the ``k`` in ``1..max_slices`` that minimises the predicted
    step (1 = no slicing): slicing micro-batch 0 fills the pipeline sooner but adds per-action
    overhead and message latency, so on shallow pipelines it does not pay.
+4. :func:`choose_drain_slices` — the same for the last micro-batch (``j``), given ``k``: the
+   cool-down's tail (the first stage's last backward after the last stage is done) shrinks
+   about ``j``-fold for the same per-action price.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "stage_limits",
     "autopipe_partition",
     "choose_startup_slices",
+    "choose_drain_slices",
     "partition_and_slice",
     "PartitionResult",
 ]
@@ -268,6 +272,34 @@ def choose_startup_slices(
             best_k, best = k, e
     assert best is not None
     return best_k, best
+
+
+def choose_drain_slices(
+    costs: BlockCosts,
+    layout: Layout,
+    cuts: list[int],
+    batch: int,
+    num_microbatches: int,
+    startup_slices: int,
+    max_slices: int = 8,
+    *,
+    optimizer_factor: float = 2.0,
+) -> tuple[int, Estimate]:
+    """Slices ``j`` of the last micro-batch (1 = off) with the shortest predicted step.
+
+    Chosen after ``k`` (coordinate descent): the drain tail and the fill head are at opposite
+    ends of the step and barely interact. Only with two or more micro-batches.
+    """
+    mb = batch // (num_microbatches * max(layout.replicas))
+    top = max(1, min(max_slices, mb)) if num_microbatches >= 2 else 1
+    best_j, best = 1, None
+    for j in range(1, top + 1):
+        e = evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
+                     drain_slices=j, optimizer_factor=optimizer_factor, critical_path=False)
+        if _better(e, best, 1e-6):
+            best_j, best = j, e
+    assert best is not None
+    return best_j, best
 
 
 def partition_and_slice(

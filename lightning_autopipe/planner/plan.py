@@ -42,8 +42,10 @@ class Plan:
     """A complete training layout, as the planner chose it and the runtime executes it.
 
     ``num_microbatches`` micro-batches per data-parallel replica and step; micro-batch 0 is split
-    into ``startup_slices`` even slices. ``schedule`` names the generator (``"1f1b"`` or
-    ``"gpipe"``). The predicted figures (``iteration_ms`` …) come from the simulator.
+    into ``startup_slices`` even slices and, with two or more micro-batches, the last one into
+    ``drain_slices`` (1 = whole; plans written before drain slicing existed load with 1).
+    ``schedule`` names the generator (``"1f1b"`` or ``"gpipe"``). The predicted figures
+    (``iteration_ms`` …) come from the simulator.
     """
 
     planner: str
@@ -59,6 +61,7 @@ class Plan:
     schedule: str = "1f1b"
     model: str | None = None
     fingerprint: str | None = None
+    drain_slices: int = 1
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
@@ -76,10 +79,10 @@ class Plan:
         if len(used) != len(set(used)):
             dup = sorted({d for d in used if used.count(d) > 1})
             raise PlanError(f"devices {dup} are assigned to more than one stage")
-        if self.num_microbatches < 1 or self.startup_slices < 1:
+        if min(self.num_microbatches, self.startup_slices, self.drain_slices) < 1:
             raise PlanError(
-                f"num_microbatches ({self.num_microbatches}) and startup_slices "
-                f"({self.startup_slices}) must be >= 1"
+                f"num_microbatches ({self.num_microbatches}), startup_slices "
+                f"({self.startup_slices}) and drain_slices ({self.drain_slices}) must be >= 1"
             )
 
     @property
@@ -130,6 +133,7 @@ class Plan:
             "global_batch_size": self.global_batch_size,
             "num_microbatches": self.num_microbatches,
             "startup_slices": self.startup_slices,
+            "drain_slices": self.drain_slices,
             "schedule": self.schedule,
             "stages": [
                 {"blocks": list(s.blocks), "devices": list(s.devices), "stage_ms": s.stage_ms}

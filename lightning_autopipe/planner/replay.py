@@ -195,10 +195,12 @@ def _fail(schedule: Schedule, rep: _Replay, msg: str, where: tuple[int, int] | N
     raise ScheduleError(f"invalid schedule: {msg}{where_txt}\n{_grid(schedule, rep, mark)}")
 
 
-def validate(schedule: Schedule, num_microbatches: int, startup_slices: int) -> None:
+def validate(
+    schedule: Schedule, num_microbatches: int, startup_slices: int, drain_slices: int = 1
+) -> None:
     """Check a schedule the runtime and the simulator will replay.
 
-    Checks stages ``0..S-1`` with their own actions, every unit of ``units(m, k)`` forwarded
+    Checks stages ``0..S-1`` with their own actions, every unit of ``units(m, k, j)`` forwarded
     exactly once per stage and (unless the schedule has no backward at all, i.e. forward-only)
     backwarded exactly once after its forward, then replays the schedule (a compute-only one
     both as given and lowered by :func:`lower_communication`): sends must match receives in
@@ -207,12 +209,12 @@ def validate(schedule: Schedule, num_microbatches: int, startup_slices: int) -> 
     Raises:
         ScheduleError: with the step x stage grid and the offending step marked.
     """
-    _check_shape(1, num_microbatches, startup_slices)
+    _check_shape(1, num_microbatches, startup_slices, drain_slices)
     stages = sorted(schedule)
     if stages != list(range(len(stages))) or not stages:
         raise ScheduleError(f"schedule stages must be 0..S-1, got {stages}")
     rep = _replay(schedule)
-    expected = units(num_microbatches, startup_slices)
+    expected = units(num_microbatches, startup_slices, drain_slices)
     want = set(expected)
     has_backward = any(a.kind is Kind.BACKWARD for acts in schedule.values() for a in acts)
     for s in stages:
@@ -224,7 +226,7 @@ def validate(schedule: Schedule, num_microbatches: int, startup_slices: int) -> 
                     schedule,
                     rep,
                     f"{a} names unit {a.unit}, not one of the {len(expected)} units of "
-                    f"m={num_microbatches}, k={startup_slices}",
+                    f"m={num_microbatches}, k={startup_slices}, j={drain_slices}",
                     (s, i),
                 )
         kinds = [Kind.FORWARD, Kind.BACKWARD] if has_backward else [Kind.FORWARD]
@@ -250,21 +252,27 @@ def validate(schedule: Schedule, num_microbatches: int, startup_slices: int) -> 
 
 # ---------------------------------------------------------------------------- ascii timeline
 def ascii_timeline(
-    schedule: Schedule, startup_slices: int, forward: int = 2, backward: int = 4
+    schedule: Schedule,
+    startup_slices: int,
+    forward: int = 2,
+    backward: int = 4,
+    drain_slices: int = 1,
 ) -> str:
     """Time-proportional text picture of a compute-only schedule on a balanced pipeline.
 
-    A micro-batch takes ``forward`` / ``backward`` ticks, a slice of micro-batch 0 its share
-    (rounded up to one tick). Digits are forwards of that micro-batch, letters backwards
-    (``a`` = 0, ``b`` = 1, ...), ``-``/``=`` continue a unit, ``.`` is idle. Transfers are free.
+    A micro-batch takes ``forward`` / ``backward`` ticks, a slice of micro-batch 0 (or of the
+    last micro-batch, with ``drain_slices``) its share (rounded up to one tick). Digits are
+    forwards of that micro-batch, letters backwards (``a`` = 0, ``b`` = 1, ...), ``-``/``=``
+    continue a unit, ``.`` is idle. Transfers are free.
     """
-    k = startup_slices
     stages = sorted(schedule)
     first, last = stages[0], stages[-1]
+    final = max((a.microbatch for acts in schedule.values() for a in acts), default=0)
 
     def ticks(a: Action) -> int:
         base = forward if a.kind is Kind.FORWARD else backward
-        return max(1, round(base / k)) if a.microbatch == 0 and k > 1 else base
+        n = startup_slices if a.microbatch == 0 else drain_slices if a.microbatch == final else 1
+        return max(1, round(base / n))
 
     done: dict[tuple[int, Kind, tuple[int, int]], int] = {}
     free = dict.fromkeys(stages, 0)

@@ -39,6 +39,9 @@ __all__ = [
     "lower_communication",
     "slice_sizes",
     "units",
+    "unit_sizes",
+    "slice_count",
+    "spans",
     "one_f_one_b",
     "gpipe",
     "forward_only",
@@ -146,22 +149,49 @@ def lower_communication(schedule: Schedule) -> Schedule:
 def slice_sizes(microbatch_size: int, startup_slices: int) -> list[int]:
     """Sizes of the ``startup_slices`` even slices of one micro-batch (they differ by at most 1).
 
-    Only micro-batch 0 is sliced; every later micro-batch is one unit of ``microbatch_size``.
+    Used for micro-batch 0 (startup slices) and, with the drain count, for the last one.
     """
     if startup_slices < 1:
         raise ScheduleError(f"startup_slices must be >= 1, got {startup_slices}")
     if startup_slices > microbatch_size:
         raise ScheduleError(
             f"cannot split a micro-batch of {microbatch_size} samples into {startup_slices} "
-            f"startup slices; use startup_slices <= {microbatch_size} or a larger micro-batch"
+            f"slices; use startup_slices / drain_slices <= {microbatch_size} or a larger "
+            "micro-batch"
         )
     base, extra = divmod(microbatch_size, startup_slices)
     return [base + (1 if i < extra else 0) for i in range(startup_slices)]
 
 
-def units(num_microbatches: int, startup_slices: int) -> list[tuple[int, int]]:
-    """The (micro-batch, slice) units of one step in the order they enter the pipeline."""
-    return [(0, s) for s in range(startup_slices)] + [(m, 0) for m in range(1, num_microbatches)]
+def slice_count(mb: int, num_microbatches: int, startup_slices: int, drain_slices: int) -> int:
+    """How many slices micro-batch ``mb`` is cut into (the first: k, the last: j, others 1)."""
+    if mb == 0:
+        return startup_slices
+    return drain_slices if mb == num_microbatches - 1 else 1
+
+
+def units(
+    num_microbatches: int, startup_slices: int, drain_slices: int = 1
+) -> list[tuple[int, int]]:
+    """The (micro-batch, slice) units of one step in the order they enter the pipeline.
+
+    Micro-batch 0 has ``startup_slices`` slices; with two or more micro-batches the last one has
+    ``drain_slices`` (with one micro-batch, the startup slices are all there is).
+    """
+    m, k, j = num_microbatches, startup_slices, drain_slices
+    return [(mb, sl) for mb in range(m) for sl in range(slice_count(mb, m, k, j))]
+
+
+def unit_sizes(
+    microbatch_size: int, num_microbatches: int, startup_slices: int, drain_slices: int = 1
+) -> list[int]:
+    """Samples in each unit of :func:`units` when every micro-batch has ``microbatch_size``."""
+    m, k, j = num_microbatches, startup_slices, drain_slices
+    out: list[int] = []
+    for mb in range(m):
+        n = slice_count(mb, m, k, j)
+        out += slice_sizes(microbatch_size, n) if n > 1 else [microbatch_size]
+    return out
 
 
 def format_schedule(schedule: Schedule) -> str:
@@ -183,30 +213,43 @@ def parse_schedule(text: str) -> Schedule:
 
 
 # ---------------------------------------------------------------------------- generators
-def _check_shape(num_stages: int, num_microbatches: int, startup_slices: int) -> None:
+def _check_shape(
+    num_stages: int, num_microbatches: int, startup_slices: int, drain_slices: int = 1
+) -> None:
     for name, v in (
         ("num_stages", num_stages),
         ("num_microbatches", num_microbatches),
         ("startup_slices", startup_slices),
+        ("drain_slices", drain_slices),
     ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {v!r}")
 
 
-def _spans(num_microbatches: int, startup_slices: int) -> list[tuple[int, int, int, int]]:
-    """``(microbatch, slice, start, end)`` of each unit in pipeline order.
+def spans(
+    num_microbatches: int, startup_slices: int, drain_slices: int = 1
+) -> tuple[list[tuple[int, int, int, int]], int]:
+    """``(microbatch, slice, start, end)`` of each unit in pipeline order, and the scale.
 
-    Positions count samples in units of ``1 / startup_slices`` of a micro-batch, so slice ``j``
-    of micro-batch 0 spans ``[j, j + 1)`` and micro-batch ``i >= 1`` spans ``[i k, (i + 1) k)``.
+    Positions count samples in units of ``1 / (k j)`` of a micro-batch (``scale = k j`` per
+    micro-batch), so the slices of micro-batch 0 are ``j`` positions long, those of the last
+    micro-batch ``k``, and every other micro-batch ``i`` spans ``[i k j, (i + 1) k j)``.
+    Shared with the fast cost model, which replays the same order without Action objects.
     """
-    k = startup_slices
-    return [
-        (mb, sl, mb * k + sl, mb * k + sl + 1) if mb == 0 else (mb, sl, mb * k, (mb + 1) * k)
-        for mb, sl in units(num_microbatches, startup_slices)
-    ]
+    m, k, j = num_microbatches, startup_slices, drain_slices
+    scale = k * j
+    out = []
+    for mb, sl in units(m, k, j):
+        n = slice_count(mb, m, k, j)
+        width = scale // n
+        start = mb * scale + sl * width
+        out.append((mb, sl, start, start + width))
+    return out, scale
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int, startup_slices: int = 1) -> Schedule:
+def one_f_one_b(
+    num_stages: int, num_microbatches: int, startup_slices: int = 1, drain_slices: int = 1
+) -> Schedule:
     """1F1B (one-forward-one-backward) with micro-batch 0 split into ``startup_slices`` slices.
 
     Warm-up depth is counted in samples, not in units: before stage ``s`` runs the backward of a
@@ -243,35 +286,48 @@ def one_f_one_b(num_stages: int, num_microbatches: int, startup_slices: int = 1)
     micro-batch per stage); with ``m >= 2`` on a balanced pipeline with free transfers the step
     shrinks by exactly ``min((S - 1) f (1 - 1/k), b)`` (3 ticks above), which is that bound.
 
+    Drain slices are the mirror image: the last micro-batch cut into ``j`` slices. In the
+    cool-down every stage but the last waits for its last gradient, and the first stage's final
+    backward runs alone after the last stage has finished; with ``j`` slices the last stage hands
+    back the first slice's gradient early and that tail shrinks to about ``b / j``. The same
+    lead rule (in samples) applies, so memory in flight is unchanged. 2 stages, m = 3, j = 2::
+
+        j = 1   stage 0 |0-1-....a===2-b===..c===
+                stage 1 |..0-a===1-b===2-c===
+        j = 2   stage 0 |0-1-....a===22b===c=c=
+                stage 1 |..0-a===1-b===2c=2c=
+
     Args:
         num_stages: pipeline depth ``S``.
         num_microbatches: micro-batches ``m`` per replica and step.
         startup_slices: slices ``k`` of micro-batch 0 (1 = plain 1F1B).
+        drain_slices: slices ``j`` of the last micro-batch when ``m >= 2`` (1 = off).
 
     Returns:
         Compute-only schedule (``F``/``B``); :func:`lower_communication` adds the transfers.
     """
-    _check_shape(num_stages, num_microbatches, startup_slices)
-    spans = _spans(num_microbatches, startup_slices)
-    k = startup_slices
+    _check_shape(num_stages, num_microbatches, startup_slices, drain_slices)
+    order, scale = spans(num_microbatches, startup_slices, drain_slices)
     out: Schedule = {}
     for s in range(num_stages):
-        lead = (num_stages - 1 - s) * k
+        lead = (num_stages - 1 - s) * scale
         acts: list[Action] = []
         nxt = 0
-        for mb, sl, _start, end in spans:
-            while nxt < len(spans) and spans[nxt][2] < end + lead:
-                acts.append(Action(s, Kind.FORWARD, spans[nxt][0], spans[nxt][1]))
+        for mb, sl, _start, end in order:
+            while nxt < len(order) and order[nxt][2] < end + lead:
+                acts.append(Action(s, Kind.FORWARD, order[nxt][0], order[nxt][1]))
                 nxt += 1
             acts.append(Action(s, Kind.BACKWARD, mb, sl))
         out[s] = acts
     return out
 
 
-def gpipe(num_stages: int, num_microbatches: int, startup_slices: int = 1) -> Schedule:
+def gpipe(
+    num_stages: int, num_microbatches: int, startup_slices: int = 1, drain_slices: int = 1
+) -> Schedule:
     """GPipe: every stage forwards all units in order, then runs backwards in reverse order."""
-    _check_shape(num_stages, num_microbatches, startup_slices)
-    us = units(num_microbatches, startup_slices)
+    _check_shape(num_stages, num_microbatches, startup_slices, drain_slices)
+    us = units(num_microbatches, startup_slices, drain_slices)
     return {
         s: [Action(s, Kind.FORWARD, mb, sl) for mb, sl in us]
         + [Action(s, Kind.BACKWARD, mb, sl) for mb, sl in reversed(us)]
@@ -299,7 +355,7 @@ def build_schedule(plan: Plan) -> Schedule:
         raise ScheduleError(
             f"unknown schedule {plan.schedule!r}; use one of {sorted(SCHEDULES)}"
         ) from None
-    return gen(plan.num_stages, plan.num_microbatches, plan.startup_slices)
+    return gen(plan.num_stages, plan.num_microbatches, plan.startup_slices, plan.drain_slices)
 
 
 # The checker lives in its own module; re-exported here so callers need one import.

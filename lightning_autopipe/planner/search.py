@@ -34,7 +34,7 @@ from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner.costmodel import BlockCosts
 from lightning_autopipe.planner.mapping import rank_layouts, speed_order
-from lightning_autopipe.planner.partition import partition_and_slice
+from lightning_autopipe.planner.partition import choose_drain_slices, partition_and_slice
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import Profile, affine_ms
@@ -58,12 +58,13 @@ def _replay_cost(stages: int, m: int, k: int) -> int:
 
 @dataclass
 class Proposal:
-    """A planner's answer before scoring: device groups per stage, cuts, m and k."""
+    """A planner's answer before scoring: device groups per stage, cuts, m, k and j."""
 
     groups: list[list[str]]
     cuts: list[int]
     num_microbatches: int
     startup_slices: int = 1
+    drain_slices: int = 1
 
 
 def microbatch_choices(batch: int, replicas: int, num_stages: int) -> list[int]:
@@ -87,6 +88,7 @@ def make_plan(
     replicas: int | None = None,
     num_microbatches: int | None = None,
     startup_slices: int | None = None,
+    drain_slices: int | None = None,
     devices: list[str] | None = None,
     uniform_replicas: bool = False,
     use_all_devices: bool = False,
@@ -100,7 +102,8 @@ def make_plan(
         planner: ``autopipe`` or a yardstick (``dapple``, ``piper``, ``time``, ``parameters``,
             ``uniform``, ``optimal``); shapes a yardstick does not choose itself (and that are
             not pinned) are taken from the AutoPipe search, so partitions compare like for like.
-        num_stages, replicas, num_microbatches, startup_slices: pin that choice.
+        num_stages, replicas, num_microbatches, startup_slices, drain_slices: pin that choice
+            (drain slices are AutoPipe's; the yardsticks run whole last micro-batches).
         devices: restrict to these device names (e.g. the launched world); default all.
         uniform_replicas: every stage gets the same replica count (the runtime needs it).
         use_all_devices: stages x replicas must equal the number of devices.
@@ -118,10 +121,10 @@ def make_plan(
     if planner not in PLANNERS:
         raise PlanError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
     devs = _check_inputs(profile, cluster, global_batch_size, devices, num_stages, replicas,
-                         num_microbatches, startup_slices, use_all_devices)
+                         num_microbatches, startup_slices, use_all_devices, drain_slices)
     costs = BlockCosts.from_profile(profile)
     pins = dict(num_stages=num_stages, replicas=replicas, num_microbatches=num_microbatches,
-                startup_slices=startup_slices)
+                startup_slices=startup_slices, drain_slices=drain_slices)
     excluded = 0.0
     if planner == "autopipe":
         props = _autopipe(costs, cluster, devs, global_batch_size, pins, use_all_devices,
@@ -134,12 +137,16 @@ def make_plan(
             uniform_replicas=uniform_replicas, use_all_devices=use_all_devices,
             optimizer_factor=optimizer_factor, max_startup_slices=max_startup_slices,
         )
+        for p in props:  # a pinned drain applies to every planner's layout
+            p.drain_slices = drain_slices or p.drain_slices
     # Level 4: the simulator picks among the finalists when that is cheap; otherwise the fast
     # model's favourite stands (it tracks the simulator closely) and is simulated only to report
     # its predictions, which is not part of the search time.
     chosen, spent = [], 0
     for p in props:
-        spent += sum(len(g) for g in p.groups) * (p.num_microbatches + p.startup_slices)
+        spent += sum(len(g) for g in p.groups) * (
+            p.num_microbatches + p.startup_slices + p.drain_slices
+        )
         if spent > _SIM_BUDGET:
             break
         chosen.append(p)
@@ -171,7 +178,8 @@ def finish_plan(
     cuts = prop.cuts
     stages = [StagePlan((cuts[s], cuts[s + 1]), list(g)) for s, g in enumerate(prop.groups)]
     plan = Plan(planner, batch, prop.num_microbatches, prop.startup_slices, stages,
-                model=profile.model, fingerprint=profile.fingerprint)
+                model=profile.model, fingerprint=profile.fingerprint,
+                drain_slices=prop.drain_slices)
     res = simulate(plan, profile, cluster, optimizer_bytes_per_param_byte=optimizer_factor)
     for st, ms in zip(plan.stages, res.stage_ms):
         st.stage_ms = ms
@@ -194,11 +202,12 @@ def _check_inputs(
     m: int | None,
     k: int | None,
     use_all: bool,
+    j: int | None = None,
 ) -> list[str]:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise PlanError(f"global_batch_size must be a positive integer, got {batch!r}")
     for name, v in (("num_stages", num_stages), ("replicas", replicas),
-                    ("num_microbatches", m), ("startup_slices", k)):
+                    ("num_microbatches", m), ("startup_slices", k), ("drain_slices", j)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise PlanError(f"{name} must be a positive integer or None, got {v!r}")
     devs = [d.name for d in cluster.devices] if devices is None else list(devices)
@@ -241,6 +250,11 @@ def _check_inputs(
         raise PlanError(
             f"cannot split a micro-batch of {batch // (r * m)} samples into {k} startup slices;"
             f" use startup_slices <= {batch // (r * m)} or fewer micro-batches"
+        )
+    if j is not None and m is not None and m >= 2 and j > batch // (r * m):
+        raise PlanError(
+            f"cannot split a micro-batch of {batch // (r * m)} samples into {j} drain slices;"
+            f" use drain_slices <= {batch // (r * m)} or fewer micro-batches"
         )
     return devs
 
@@ -323,8 +337,8 @@ def _shapes(
             base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
             fixed = min(sum(costs.fixed(0, n)) / sum_sp, base)  # per-call part of base
             m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else [
-                m for m in microbatch_choices(batch, r, s)  # a pinned k needs >= k samples
-                if batch // (r * m) >= (pins["startup_slices"] or 1)]
+                m for m in microbatch_choices(batch, r, s)  # a pinned k or j needs >= k, j
+                if batch // (r * m) >= max(pins["startup_slices"] or 1, pins["drain_slices"] or 1)]
             for m in m_list:
                 scale = batch / (m * r * mbs)
                 # compute- or link-bound
@@ -382,10 +396,27 @@ def _autopipe(
             costs, mr.layout, batch, m, k_pin, max_slices, optimizer_factor=optimizer_factor,
             max_evaluations=budget,
         ):
-            level3.append((est, Proposal(groups, cuts, m, k)))
+            level3.append((est, Proposal(groups, cuts, m, k), mr.layout))
     level3.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
-    finalists = [p for _, p in level3[:_FINALISTS]]
+    # Drain slices for the finalists only: the tail they shorten is the same for close
+    # candidates, so choosing j earlier would multiply the partitioner's work for no change.
+    # Each finalist also goes to the simulator without them (right after it), since link
+    # contention the fast model ignores can make the extra messages cost more than they save.
+    j_pin = pins.get("drain_slices")
+    scored = []
+    for est, prop, layout in level3[:_FINALISTS]:
+        j, est_j = j_pin or 1, est
+        if not j_pin:
+            j, est_j = choose_drain_slices(
+                costs, layout, prop.cuts, batch, prop.num_microbatches, prop.startup_slices,
+                max_slices, optimizer_factor=optimizer_factor,
+            )
+        first = Proposal(prop.groups, prop.cuts, prop.num_microbatches, prop.startup_slices, j)
+        scored.append((est_j, [first] + ([prop] if j != 1 and not j_pin else [])))
+    scored.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
+    finalists = [p for _, props in scored for p in props]
     top = finalists[0]
-    if top.startup_slices > 1 and not k_pin:  # plain 1F1B of the favourite: link contention
-        finalists.append(Proposal(top.groups, top.cuts, top.num_microbatches, 1))  # may favour
+    plain = (k_pin or 1, j_pin or 1)  # plain 1F1B of the favourite, for the same reason
+    if (top.startup_slices, top.drain_slices) != plain:
+        finalists.append(Proposal(top.groups, top.cuts, top.num_microbatches, *plain))
     return finalists

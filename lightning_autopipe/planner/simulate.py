@@ -10,7 +10,7 @@ Cost model (the one every planner here is judged by):
 * **Replicas.** Stage ``s`` has ``r_s`` replicas (its ``devices``). Each unit of the global step
   (global micro-batch = ``B / m`` samples; micro-batch 0 split into ``k`` slices) is split evenly
   over a stage's replicas, so with the same ``R`` on every stage this is ``R`` independent
-  pipelines of ``B / (R m)``-sample micro-batches (slices sized by ``slice_sizes``). With uneven
+  pipelines of ``B / (R m)``-sample micro-batches (slices sized by ``unit_sizes``). With uneven
   counts, replica ``i`` of ``s`` holds the fraction ``[i/r_s, (i+1)/r_s)`` of every unit and
   sends each replica of ``s + 1`` the part of it that replica holds.
 * **Transfers.** Activations from ``s`` to ``s + 1`` are the ``activation_bytes`` of the stage's
@@ -49,7 +49,8 @@ from lightning_autopipe.planner.schedule import (
     Schedule,
     build_schedule,
     lower_communication,
-    slice_sizes,
+    slice_count,
+    unit_sizes,
     units,
 )
 from lightning_autopipe.profile import Profile, affine_ms
@@ -170,22 +171,22 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
 def _unit_samples(plan: Plan) -> tuple[list[float], list[int]]:
     """Global samples of each unit (summed over a stage's replicas) and replicas per stage."""
     reps = [s.replicas for s in plan.stages]
-    m, k = plan.num_microbatches, plan.startup_slices
+    m, k, j = plan.num_microbatches, plan.startup_slices, plan.drain_slices
     if len(set(reps)) == 1:
         r = reps[0]
         n = plan.microbatch_size  # raises PlanError when B is not divisible into R x m
-        sizes = slice_sizes(n, k)
-        per = [float(sizes[sl] if mb == 0 else n) for mb, sl in units(m, k)]
-        return [p * r for p in per], reps
+        return [float(sz * r) for sz in unit_sizes(n, m, k, j)], reps
     if plan.global_batch_size % m:
         raise PlanError(
             f"global batch {plan.global_batch_size} is not divisible into {m} micro-batches; "
             f"use a multiple of {m}"
         )
     g = plan.global_batch_size / m
-    if k > g:
-        raise PlanError(f"cannot split a micro-batch of {g:g} samples into {k} startup slices")
-    return [g / k if mb == 0 else g for mb, _ in units(m, k)], reps
+    if max(k, j) > g:
+        raise PlanError(
+            f"cannot split a micro-batch of {g:g} samples into {max(k, j)} startup/drain slices"
+        )
+    return [g / slice_count(mb, m, k, j) for mb, _ in units(m, k, j)], reps
 
 
 def _overlaps(r_a: int, r_b: int) -> list[tuple[int, int, float]]:
@@ -226,13 +227,13 @@ def simulate(
         lowered = lower_communication(schedule)
     else:
         lowered = schedule
-    m, k = plan.num_microbatches, plan.startup_slices
-    ulist = units(m, k)
+    m, k, j = plan.num_microbatches, plan.startup_slices, plan.drain_slices
+    ulist = units(m, k, j)
     uidx = {u: i for i, u in enumerate(ulist)}
     for acts in lowered.values():
         for a in acts:
             if a.unit not in uidx:
-                raise ScheduleError(f"schedule action {a} is not a unit of m={m}, k={k}")
+                raise ScheduleError(f"schedule action {a} is not a unit of m={m}, k={k}, j={j}")
     nu = len(ulist)
     gsamples, reps = _unit_samples(plan)
     mbs = float(profile.micro_batch_size)

@@ -51,9 +51,14 @@ def check_num_stages(num_stages: int | None, num_blocks: int, world_size: int) -
 
 
 def check_microbatches(
-    replica_batch: int, num_microbatches: int | None, startup_slices: int | None, replicas: int = 1
+    replica_batch: int,
+    num_microbatches: int | None,
+    startup_slices: int | None,
+    replicas: int = 1,
+    drain_slices: int | None = None,
 ) -> None:
-    """The replica batch must cut into ``num_microbatches`` even micro-batches and ``k`` slices.
+    """The replica batch must cut into ``num_microbatches`` even micro-batches, ``k`` and ``j``
+    slices (startup and drain).
 
     ``None`` (auto) skips that part: the planner then only proposes sizes that fit.
     """
@@ -70,6 +75,12 @@ def check_microbatches(
         raise PlanError(
             f"a micro-batch of {micro} samples cannot be cut into {k} startup slices; use "
             f"startup_slices <= {micro}, fewer micro-batches or a larger batch"
+        )
+    if drain_slices is not None and m != 1 and drain_slices > replica_batch // (m or 1):
+        micro = replica_batch // (m or 1)
+        raise PlanError(
+            f"a micro-batch of {micro} samples cannot be cut into {drain_slices} drain slices; "
+            f"use drain_slices <= {micro}, fewer micro-batches or a larger batch"
         )
 
 
@@ -88,7 +99,10 @@ def check_plan_for_run(
         PlanError: the replica batch cannot be cut into the plan's micro-batches and slices.
         MemoryPlanError: a device's predicted peak exceeds its memory.
     """
-    check_microbatches(replica_batch, plan.num_microbatches, plan.startup_slices, plan.replicas)
+    check_microbatches(
+        replica_batch, plan.num_microbatches, plan.startup_slices, plan.replicas,
+        plan.drain_slices,
+    )
     if not memory_check:
         return
     for device, need in sorted(plan.peak_memory_bytes.items()):

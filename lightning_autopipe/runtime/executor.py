@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_autopipe.errors import PipelineRuntimeError
-from lightning_autopipe.planner.schedule import Action, Kind, slice_sizes
+from lightning_autopipe.planner.schedule import Action, Kind, slice_count, slice_sizes
 from lightning_autopipe.runtime.checks import check_batch_sizes
 from lightning_autopipe.runtime.comm import recv_tensors, send_tensors
 from lightning_autopipe.runtime.failure import FailureBoard, pipeline_failure
@@ -52,35 +52,37 @@ class TiedParameter:
     counted: bool
 
 
-def fit_units(batch_size: int, num_microbatches: int, startup_slices: int) -> tuple[int, int]:
-    """The (micro-batches, startup slices) actually used for a batch of ``batch_size`` samples.
+def fit_units(
+    batch_size: int, num_microbatches: int, startup_slices: int, drain_slices: int = 1
+) -> tuple[int, int, int]:
+    """The (micro-batches, startup slices, drain slices) actually used for ``batch_size``.
 
     The plan's values unless the batch is too small to give every unit a sample (a short last
-    batch); then both shrink so that every unit is non-empty.
+    batch); then they shrink so that every unit is non-empty.
     """
     if batch_size < 1:
         raise PipelineRuntimeError("cannot run a pipeline step on an empty batch")
     m = min(num_microbatches, batch_size)
-    first = -(-batch_size // m)
-    return m, min(startup_slices, first)
+    first, last = -(-batch_size // m), batch_size // m  # sizes of micro-batch 0 and m - 1
+    return m, min(startup_slices, first), min(drain_slices, last)
 
 
 def unit_bounds(
-    batch_size: int, num_microbatches: int, startup_slices: int
+    batch_size: int, num_microbatches: int, startup_slices: int, drain_slices: int = 1
 ) -> dict[Unit, tuple[int, int]]:
     """Sample range ``[start, stop)`` of every (micro-batch, slice) unit of one replica's batch.
 
-    Micro-batches are contiguous and even (sizes differ by at most one, larger first); only
-    micro-batch 0 is cut into ``startup_slices`` slices (:func:`slice_sizes`).
+    Micro-batches are contiguous and even (sizes differ by at most one, larger first); micro-batch
+    0 is cut into ``startup_slices`` slices and, with two or more, the last into ``drain_slices``
+    (:func:`~lightning_autopipe.planner.schedule.units`, :func:`slice_sizes`).
     """
-    m, k = num_microbatches, startup_slices
+    m, k, j = num_microbatches, startup_slices, drain_slices
     base, extra = divmod(batch_size, m)
     sizes = [base + (1 if i < extra else 0) for i in range(m)]
     out: dict[Unit, tuple[int, int]] = {}
     start = 0
     for mb, size in enumerate(sizes):
-        parts = slice_sizes(size, k) if mb == 0 else [size]
-        for sl, part in enumerate(parts):
+        for sl, part in enumerate(slice_sizes(size, slice_count(mb, m, k, j))):
             out[(mb, sl)] = (start, start + part)
             start += part
     return out
@@ -114,7 +116,7 @@ class PipelineExecutor:
         groups: process groups from :func:`build_groups` (None only for a 1-rank world).
         num_microbatches: micro-batches per replica and step (the plan's ``m``).
         startup_slices: slices of micro-batch 0 (the plan's ``k``).
-        train_schedule: ``(m, k) -> lowered action list`` of this stage for a training step.
+        train_schedule: ``(m, k, j) -> lowered action list`` of this stage for a training step.
         eval_schedule: ``m -> lowered action list`` of this stage for a forward-only step.
         inputs_fn: batch -> model inputs (positional tuple or keyword dict).
         flatten_inputs: model inputs -> tuple of tensors (the first stage's inputs).
@@ -126,6 +128,7 @@ class PipelineExecutor:
         failures: where this rank posts its failure and reads a peer's (see ``failure.py``).
         check_batch: every tensor of a batch must hold the inputs' sample count.
         timeout_s: the process groups' timeout (quoted in failure messages).
+        drain_slices: slices of the last micro-batch (the plan's ``j``).
     """
 
     def __init__(
@@ -136,7 +139,7 @@ class PipelineExecutor:
         *,
         num_microbatches: int,
         startup_slices: int,
-        train_schedule: Callable[[int, int], list[Action]],
+        train_schedule: Callable[[int, int, int], list[Action]],
         eval_schedule: Callable[[int], list[Action]],
         inputs_fn: Callable[[Any], Any],
         flatten_inputs: Callable[[Any], Sequence[Tensor]],
@@ -148,6 +151,7 @@ class PipelineExecutor:
         failures: FailureBoard | None = None,
         check_batch: bool = True,
         timeout_s: float | None = None,
+        drain_slices: int = 1,
     ) -> None:
         if layout.world_size > 1 and groups is None:
             raise PipelineRuntimeError("a multi-rank pipeline needs its process groups")
@@ -156,6 +160,7 @@ class PipelineExecutor:
         self.groups = groups
         self.num_microbatches = num_microbatches
         self.startup_slices = startup_slices
+        self.drain_slices = drain_slices
         self._train_schedule = train_schedule
         self._eval_schedule = eval_schedule
         self._inputs_fn = inputs_fn
@@ -173,7 +178,7 @@ class PipelineExecutor:
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         self.trace: list[Action] = []
         self.timeline: list[tuple[Action, float, float]] = []
-        self._schedules: dict[tuple[bool, int, int], list[Action]] = {}
+        self._schedules: dict[tuple[bool, int, int, int], list[Action]] = {}
         self._params = [p for p in stage.parameters() if p.requires_grad]
         self._dp_sync: GradientSync | None = None
         if layout.num_replicas > 1 and self._params:
@@ -250,10 +255,10 @@ class PipelineExecutor:
         return total
 
     # ---------------------------------------------------------------------------- internals
-    def _actions(self, train: bool, m: int, k: int) -> list[Action]:
-        key = (train, m, k)
+    def _actions(self, train: bool, m: int, k: int, j: int) -> list[Action]:
+        key = (train, m, k, j)
         if key not in self._schedules:
-            acts = self._train_schedule(m, k) if train else self._eval_schedule(m)
+            acts = self._train_schedule(m, k, j) if train else self._eval_schedule(m)
             wrong = [a for a in acts if a.stage != self.layout.stage]
             if wrong:
                 raise PipelineRuntimeError(
@@ -294,12 +299,12 @@ class PipelineExecutor:
             check_batch_sizes(batch, flat, size)
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         if train:
-            m, k = fit_units(size, self.num_microbatches, self.startup_slices)
+            m, k, j = fit_units(size, self.num_microbatches, self.startup_slices, self.drain_slices)
         else:
-            m, k = min(self.num_microbatches, size), 1
-        bounds = unit_bounds(size, m, k)
+            m, k, j = min(self.num_microbatches, size), 1, 1
+        bounds = unit_bounds(size, m, k, j)
         order = {u: i for i, u in enumerate(bounds)}
-        actions = self._actions(train, m, k)
+        actions = self._actions(train, m, k, j)
 
         received: dict[Unit, list[Tensor | None]] = {}
         saved: dict[Unit, tuple[list[Tensor | None], Any]] = {}

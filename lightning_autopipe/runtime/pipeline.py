@@ -81,6 +81,7 @@ def search_plan(
     num_stages: int | None = None,
     num_microbatches: int | None = None,
     startup_slices: int | None = None,
+    drain_slices: int | None = None,
 ) -> Plan:
     """The plan with the most samples/s that uses every launched device.
 
@@ -112,6 +113,7 @@ def search_plan(
                 replicas=replicas,
                 num_microbatches=num_microbatches,
                 startup_slices=startup_slices,
+                drain_slices=drain_slices,
                 devices=list(devices),
                 uniform_replicas=True,
                 use_all_devices=True,
@@ -144,8 +146,8 @@ def plan_table(plan: Plan, profile: Any) -> str:
     ]
     head = (
         f"AutoPipe plan ({plan.planner}): {plan.num_stages} stages x {plan.replicas} replicas, "
-        f"{plan.num_microbatches} micro-batches, {plan.startup_slices} startup slices, "
-        f"predicted {plan.iteration_ms:.1f} ms/step"
+        f"{plan.num_microbatches} micro-batches, {plan.startup_slices} startup / "
+        f"{plan.drain_slices} drain slices, predicted {plan.iteration_ms:.1f} ms/step"
     )
     return "\n".join([head, *rows])
 
@@ -337,7 +339,8 @@ def build_local_pipeline(
         groups,
         num_microbatches=plan.num_microbatches,
         startup_slices=plan.startup_slices,
-        train_schedule=lambda m, k: lower_communication(gen(num_stages, m, k))[s],
+        drain_slices=plan.drain_slices,
+        train_schedule=lambda m, k, j: lower_communication(gen(num_stages, m, k, j))[s],
         eval_schedule=lambda m: lower_communication(forward_only(num_stages, m))[s],
         inputs_fn=lambda batch: as_call_args(model_inputs(module, batch)),
         flatten_inputs=blocks.flatten_inputs,

@@ -106,9 +106,9 @@ def test_optimal_equals_brute_force_simulation():
     for s in (2, 3):
         for cuts in _splits(6, s):
             for order in itertools.permutations(devs, s):
-                for k in (1, 2, 3, 4):
+                for k, j in itertools.product((1, 2, 3, 4), repeat=2):
                     plan = Plan("bf", batch, m, k, [StagePlan((cuts[i], cuts[i + 1]), [order[i]])
-                                                    for i in range(s)])
+                                                    for i in range(s)], drain_slices=j)
                     best = min(best, simulate(plan, prof, HETERO3).iteration_ms)
     got = min(
         make_plan(prof, HETERO3, batch, planner="optimal", num_stages=s, replicas=1,

@@ -23,6 +23,7 @@ from lightning_autopipe.planner.schedule import (
     one_f_one_b,
     parse_actions,
     parse_schedule,
+    unit_sizes,
     units,
     validate,
 )
@@ -49,6 +50,10 @@ def test_generators_pass_the_validator(num_stages: int) -> None:
         validate(one_f_one_b(num_stages, m, k), m, k)
         validate(gpipe(num_stages, m, k), m, k)
         validate(lower_communication(one_f_one_b(num_stages, m, k)), m, k)
+    for m, k, j in itertools.product(range(1, 7), range(1, 4), range(2, 5)):
+        validate(one_f_one_b(num_stages, m, k, j), m, k, j)
+        validate(gpipe(num_stages, m, k, j), m, k, j)
+        validate(lower_communication(one_f_one_b(num_stages, m, k, j)), m, k, j)
     validate(forward_only(num_stages, 5), 5, 1)
 
 
@@ -82,11 +87,34 @@ def test_gpipe_forwards_everything_first() -> None:
         assert [a.unit for a in acts[5:]] == units(4, 2)[::-1]
 
 
+def test_drain_sliced_1f1b_keeps_the_memory_bound_and_ends_in_slices() -> None:
+    for num_stages, m, k in SHAPES:
+        for j in (2, 3):
+            sch = one_f_one_b(num_stages, m, k, j)
+            last_mb = m - 1
+            for s, acts in sch.items():
+                held = peak = 0.0
+                for a in acts:
+                    n = k if a.microbatch == 0 else j if a.microbatch == last_mb else 1
+                    held += (1 / n) * (1 if a.kind is Kind.FORWARD else -1)
+                    peak = max(peak, held)
+                assert peak <= min(num_stages - s, m) + 1e-9, (num_stages, m, k, j, s)
+            if m >= 2:
+                tail = [str(a) for a in sch[num_stages - 1]][-2 * j :]
+                assert tail == [f"{num_stages - 1}{x}{last_mb}.{i}" for i in range(j) for x in "FB"]
+    assert units(1, 2, 3) == [(0, 0), (0, 1)]  # one micro-batch: only startup slices
+    assert units(3, 2, 3) == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (2, 2)]
+    assert unit_sizes(5, 3, 2, 3) == [3, 2, 5, 2, 2, 1]
+
+
 def test_docstring_timeline_is_generated_by_the_code() -> None:
     doc = sched_mod.one_f_one_b.__doc__
     for k in (1, 2):
         for line in ascii_timeline(one_f_one_b(4, 4, k), k).splitlines():
             assert line in doc
+    for j in (1, 2):
+        for line in ascii_timeline(one_f_one_b(2, 3, 1, j), 1, drain_slices=j).splitlines():
+            assert line[len("stage 0 ") :] in doc
 
 
 def test_text_round_trip() -> None:
@@ -120,6 +148,8 @@ def test_generator_arguments_are_checked() -> None:
         one_f_one_b(2, 0)
     with pytest.raises(ScheduleError, match="startup_slices must be a positive integer"):
         gpipe(2, 2, 0)
+    with pytest.raises(ScheduleError, match="drain_slices must be a positive integer"):
+        one_f_one_b(2, 2, 1, 0)
 
 
 def _rejects(schedule: dict, m: int, k: int, reason: str) -> str:

@@ -118,6 +118,8 @@ def test_plan_json_round_trips_and_carries_the_profile_identity(tmp_path):
     for key in ("planner", "num_microbatches", "startup_slices", "stages", "iteration_ms",
                 "bubble_fraction", "balance", "peak_memory_bytes", "search_ms"):
         assert key in data
+    data.pop("drain_slices")  # plans saved before drain slicing load with whole micro-batches
+    assert Plan.from_dict(data).drain_slices == 1
 
 
 def test_analytic_gpt_matches_textbook_flop_counts():

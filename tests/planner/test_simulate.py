@@ -219,6 +219,30 @@ def test_startup_slices_save_exactly_the_bound_on_balanced_pipelines(fwd, bwd) -
         assert times[k] == pytest.approx(times[1] - saving), (num_stages, m, k)
 
 
+@pytest.mark.parametrize(("fwd", "bwd"), [(1.0, 2.0), (2.0, 1.0), (1.0, 3.0)])
+def test_drain_slices_save_exactly_the_mirrored_bound(fwd, bwd) -> None:  # noqa: ANN001
+    # time reversal of the startup case: the last micro-batch's backward leaves stage S-1 in
+    # slices, so the cool-down tail shrinks by min((S - 1) b (1 - 1/j), f), and no more
+    for num_stages, m, j in itertools.product(range(2, 6), range(2, 5), range(2, 5)):
+        prof = _profile([fwd] * num_stages, [bwd] * num_stages)
+        times = {}
+        for jj in (1, j):
+            plan = _chain(num_stages, m)
+            plan.drain_slices = jj
+            plan.global_batch_size = MBS * j * m
+            times[jj] = simulate(plan, prof, _free(num_stages)).iteration_ms
+        f, b = fwd * j, bwd * j
+        saving = min((num_stages - 1) * b * (1 - 1 / j), f)
+        assert times[j] == pytest.approx(times[1] - saving), (num_stages, m, j)
+        both = _chain(num_stages, m, 2)  # startup and drain slices add up (m >= 2)
+        both.drain_slices, both.global_batch_size = j, MBS * j * m * 2
+        start = _chain(num_stages, m, 2)
+        start.global_batch_size = both.global_batch_size
+        t_both = simulate(both, prof, _free(num_stages)).iteration_ms
+        t_start = simulate(start, prof, _free(num_stages)).iteration_ms
+        assert t_both < t_start
+
+
 def _two_servers(nic_gbps: float) -> Cluster:
     return Cluster.from_dict(
         {

@@ -26,7 +26,9 @@ from lightning_autopipe.runtime.groups import build_groups, destroy_groups, layo
 from tests.runtime._toy import ToyChain, ToyStage, toy_loss
 
 
-def _plan(cuts: list[int], replicas: int, m: int = 3, k: int = 2, batch: int = 12) -> Plan:
+def _plan(
+    cuts: list[int], replicas: int, m: int = 3, k: int = 2, batch: int = 12, j: int = 1
+) -> Plan:
     devs = iter(f"cpu0:{i}" for i in range(100))
     stages = [
         StagePlan(blocks=(a, b), devices=[next(devs) for _ in range(replicas)])
@@ -38,24 +40,14 @@ def _plan(cuts: list[int], replicas: int, m: int = 3, k: int = 2, batch: int = 1
         num_microbatches=m,
         startup_slices=k,
         stages=stages,
+        drain_slices=j,
     )
 
 
-def _one_f_one_b(num_stages: int, m: int, k: int) -> dict[int, list[Action]]:
-    try:
-        from lightning_autopipe.planner.schedule import one_f_one_b
-    except ImportError:  # the planner's generator has not landed: a plain 1F1B test double
-        us = units(m, k)
-        out: dict[int, list[Action]] = {}
-        for s in range(num_stages):
-            warm = min(num_stages - 1 - s, len(us))
-            acts = [Action(s, Kind.FORWARD, *u) for u in us[:warm]]
-            for i, u in enumerate(us[warm:]):
-                acts += [Action(s, Kind.FORWARD, *u), Action(s, Kind.BACKWARD, *us[i])]
-            acts += [Action(s, Kind.BACKWARD, *u) for u in us[len(us) - warm :]]
-            out[s] = acts
-        return out
-    return one_f_one_b(num_stages, m, k)
+def _one_f_one_b(num_stages: int, m: int, k: int, j: int = 1) -> dict[int, list[Action]]:
+    from lightning_autopipe.planner.schedule import one_f_one_b
+
+    return one_f_one_b(num_stages, m, k, j)
 
 
 def _forward_only(num_stages: int, m: int) -> dict[int, list[Action]]:
@@ -71,12 +63,17 @@ def test_unit_bounds_cover_the_batch_in_pipeline_order():
     b = unit_bounds(10, 3, 2)
     assert list(b) == units(3, 2)
     assert b == {(0, 0): (0, 2), (0, 1): (2, 4), (1, 0): (4, 7), (2, 0): (7, 10)}
+    b = unit_bounds(10, 3, 2, 2)  # the last micro-batch (3 samples) in 2 drain slices
+    assert list(b) == units(3, 2, 2)
+    assert b == {(0, 0): (0, 2), (0, 1): (2, 4), (1, 0): (4, 7), (2, 0): (7, 9), (2, 1): (9, 10)}
+    assert unit_bounds(4, 1, 2, 3) == {(0, 0): (0, 2), (0, 1): (2, 4)}  # one micro-batch: k only
 
 
 def test_fit_units_shrinks_only_for_short_batches():
-    assert fit_units(12, 3, 2) == (3, 2)
-    assert fit_units(2, 3, 2) == (2, 1)
-    assert fit_units(4, 3, 4) == (3, 2)
+    assert fit_units(12, 3, 2) == (3, 2, 1)
+    assert fit_units(12, 3, 2, 4) == (3, 2, 4)
+    assert fit_units(2, 3, 2, 2) == (2, 1, 1)
+    assert fit_units(4, 3, 4, 4) == (3, 2, 1)
     with pytest.raises(PipelineRuntimeError):
         fit_units(0, 3, 2)
 
@@ -118,19 +115,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, cuts: list[int], replicas: int, k: int) -> None:
+def _worker(
+    rank: int, world: int, port: int, cuts: list[int], replicas: int, k: int, j: int
+) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        _check_rank(rank, world, cuts, replicas, k)
+        _check_rank(rank, world, cuts, replicas, k, j)
     finally:
         dist.destroy_process_group()
 
 
-def _check_rank(rank: int, world: int, cuts: list[int], replicas: int, k: int) -> None:
+def _check_rank(
+    rank: int, world: int, cuts: list[int], replicas: int, k: int, drain: int
+) -> None:
     m, batch = 3, 12 * replicas
-    plan = _plan(cuts, replicas, m=m, k=k, batch=batch)
+    plan = _plan(cuts, replicas, m=m, k=k, batch=batch, j=drain)
     lay = layout_for_rank(plan, [f"cpu0:{i}" for i in range(world)], rank)
     S = lay.num_stages
     groups = build_groups(lay, [(0, S - 1)], timeout=timedelta(seconds=60))
@@ -152,7 +153,10 @@ def _check_rank(rank: int, world: int, cuts: list[int], replicas: int, k: int) -
         groups,
         num_microbatches=m,
         startup_slices=k,
-        train_schedule=lambda m_, k_: lower_communication(_one_f_one_b(S, m_, k_))[lay.stage],
+        drain_slices=drain,
+        train_schedule=lambda m_, k_, j_: lower_communication(_one_f_one_b(S, m_, k_, j_))[
+            lay.stage
+        ],
         eval_schedule=lambda m_: lower_communication(_forward_only(S, m_))[lay.stage],
         inputs_fn=lambda b: b[0],
         flatten_inputs=lambda a: (a,),
@@ -168,7 +172,7 @@ def _check_rank(rank: int, world: int, cuts: list[int], replicas: int, k: int) -
     )
     loss = ex.train_step(shard)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-7)
-    assert ex.trace == lower_communication(_one_f_one_b(S, m, k))[lay.stage]
+    assert ex.trace == lower_communication(_one_f_one_b(S, m, k, drain))[lay.stage]
     used = {"E"} if (i == 0 or j == 4) else set()
     used |= {f"l{b}" for b in (1, 2) if i <= b < j}
     for name, p in chain.named_parameters():
@@ -193,10 +197,10 @@ def _check_rank(rank: int, world: int, cuts: list[int], replicas: int, k: int) -
 
 
 @pytest.mark.parametrize(
-    ("cuts", "replicas", "k"),
-    [([0, 2, 4], 1, 2), ([0, 1, 2, 3, 4], 1, 1), ([0, 1, 4], 2, 3)],
-    ids=["2x1-sliced", "4x1", "2x2-sliced"],
+    ("cuts", "replicas", "k", "j"),
+    [([0, 2, 4], 1, 2, 1), ([0, 1, 2, 3, 4], 1, 1, 2), ([0, 1, 4], 2, 3, 4), ([0, 2, 4], 1, 1, 3)],
+    ids=["2x1-sliced", "4x1-drain", "2x2-both-ends", "2x1-drain"],
 )
-def test_pipeline_gradients_equal_single_process(cuts, replicas, k):
+def test_pipeline_gradients_equal_single_process(cuts, replicas, k, j):
     world = (len(cuts) - 1) * replicas
-    mp.spawn(_worker, args=(world, _free_port(), cuts, replicas, k), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, _free_port(), cuts, replicas, k, j), nprocs=world, join=True)

@@ -29,8 +29,12 @@ def _whole_model_ms(model: nn.Module, inputs: tuple, runs: int) -> tuple[float, 
     return min(fwd), min(bwd)
 
 
-def test_block_costs_sum_to_the_whole_model() -> None:
+@pytest.mark.parametrize("in_chain", [True, False], ids=["in-chain", "isolated"])
+def test_block_costs_sum_to_the_whole_model(in_chain: bool) -> None:
     """Per-block times add up to the whole model's forward and backward time.
+
+    Both ways of timing: inside whole forward-then-backward passes (the CPU default) and each
+    block alone.
 
     Measurement: three profiles interleaved with three timings of the unsplit model; each
     side keeps its fastest value (per block, resp. overall). Other processes on a shared CPU
@@ -47,7 +51,7 @@ def test_block_costs_sum_to_the_whole_model() -> None:
     blocks = split_model(model, example)
     profiles, whole = [], []
     for _ in range(3):
-        profiles.append(profile_blocks(blocks, example, repeats=3))
+        profiles.append(profile_blocks(blocks, example, repeats=3, in_chain=in_chain))
         whole.append(_whole_model_ms(model, example, runs=3))
     n = len(blocks)
     fwd = sum(min(p.blocks[b].forward_ms for p in profiles) for b in range(n))
@@ -93,11 +97,14 @@ def test_memory_is_what_autograd_keeps() -> None:
     assert [b.param_bytes for b in prof.blocks] == [(32 * 64 + 64) * 4, (64 * 16 + 16) * 4]
 
 
-def test_profiling_leaves_the_model_as_it_was() -> None:
+@pytest.mark.parametrize("in_chain", [True, False], ids=["in-chain", "isolated"])
+def test_profiling_leaves_the_model_as_it_was(in_chain: bool) -> None:
     model, example = build_model("small_cnn_bn", "tiny")
     blocks = split_model(model, example)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    profile_blocks(blocks, example, warmup=1, repeats=2)
+    prof = profile_blocks(blocks, example, warmup=1, repeats=2, in_chain=in_chain)
+    assert all(b.forward_ms > 0 and b.backward_ms > 0 for b in prof.blocks)
+    assert all(b.forward_fixed_ms >= 0 and b.backward_fixed_ms >= 0 for b in prof.blocks)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # batch-norm statistics restored
     assert all(p.grad is None for p in model.parameters())

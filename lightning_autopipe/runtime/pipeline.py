@@ -54,17 +54,41 @@ class LocalPipeline:
 
 
 def resolve_cluster(
-    cluster: Any, world_size: int, device: torch.device, exact: bool = False
+    cluster: Any,
+    world_size: int,
+    device: torch.device,
+    exact: bool = False,
+    calibrate: bool = True,
 ) -> Any:
     """A ``Cluster`` from an instance, a YAML path, or None (the launched world, homogeneous).
 
-    ``exact`` requires the cluster to describe exactly the launched devices (not more).
+    ``exact`` requires the cluster to describe exactly the launched devices (not more). For
+    None, with ``calibrate``, more than one process and ``torch.distributed`` initialized, the
+    link of ``Cluster.local`` is measured (:func:`~lightning_autopipe.runtime.calibrate.
+    measure_link`, a collective: every rank calls this before any other collective, in the same
+    order) instead of assumed, since the planner prices pipeline transfers and gradient
+    all-reduces with it; rank 0 reports the figures once. Otherwise the fixed defaults stay.
     """
     from lightning_autopipe.cluster import Cluster
 
     if cluster is None:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        return Cluster.local(world_size, device_name=name)
+        link = None
+        if calibrate and world_size > 1 and dist.is_available() and dist.is_initialized():
+            from lightning_autopipe.runtime.calibrate import measure_link
+
+            link = measure_link(device=device)
+        if link is None:
+            return Cluster.local(world_size, device_name=name)
+        latency_us, gbps = link
+        if dist.get_rank() == 0:
+            from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+            rank_zero_info(
+                f"local cluster: {dist.get_backend()} link measured at {gbps:.2f} Gb/s, "
+                f"{latency_us:.1f} us per message"
+            )
+        return Cluster.local(world_size, device_name=name, gbps=gbps, latency_us=latency_us)
     if isinstance(cluster, str | Path):
         cluster = Cluster.load(cluster)
     cluster.validate_world_size(world_size, exact=exact)
@@ -271,7 +295,11 @@ def build_local_pipeline(
 
     check_loss_contract(module)
     loss_fn = module.pipeline_loss
-    cluster = resolve_cluster(cluster_arg, world_size, device, exact=exact_cluster)
+    # Every rank, before any other collective (the link is measured here when no cluster is
+    # given); a given plan needs no link figures.
+    cluster = resolve_cluster(
+        cluster_arg, world_size, device, exact=exact_cluster, calibrate=not plan_given
+    )
     names = [d.name for d in cluster.devices[:world_size]]
     blocks = split_model(module, example, granularity=granularity)
     check_num_stages(num_stages, len(blocks), world_size)

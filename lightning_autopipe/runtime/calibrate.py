@@ -1,0 +1,139 @@
+"""Measure the launched processes' link (latency per message, bandwidth) for the local cluster.
+
+Without a cluster file the strategy describes the launched world as ``Cluster.local``, and the
+planner prices every pipeline transfer and every data-parallel gradient all-reduce with that
+cluster's link figures. Fixed defaults can be off several times over (gloo between two local
+processes moves 12-18 Gb/s for MB-sized messages, not 2), which makes the planner shy away from
+data parallelism where it is the fastest layout. So the link is measured once, on the process
+group the run uses, before planning.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["fit_link", "link_device", "measure_link"]
+
+#: No process-group message is cheaper than this (a floor for a noisy or negative fit).
+MIN_LATENCY_US = 1.0
+_TAG = 0
+
+
+def link_device(
+    group: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> torch.device:
+    """The device whose tensors ``group``'s backend moves: CUDA for NCCL, the CPU for gloo.
+
+    A CUDA ``device`` on a group with an NCCL backend (also ``"cpu:gloo,cuda:nccl"``) is kept,
+    so the figures are those of the transport the gradients will take; gloo gets CPU tensors
+    (its send/recv takes no CUDA tensors); any other backend gets ``device`` (or the CPU).
+    """
+    backend = str(dist.get_backend(group)).lower()
+    dev = torch.device(device) if device is not None else None
+    cuda = dev is not None and dev.type == "cuda"
+    if "nccl" in backend and (cuda or "gloo" not in backend):
+        if cuda and dev.index is not None:
+            return dev
+        return torch.device("cuda", torch.cuda.current_device())
+    if "gloo" in backend:
+        return torch.device("cpu")
+    return dev if dev is not None else torch.device("cpu")
+
+
+def fit_link(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, float]:
+    """``(latency_us, gbps)`` of ``t(n) = latency + n / bandwidth`` through two one-way times.
+
+    Args:
+        small: ``(bytes, seconds)`` of the small message.
+        large: ``(bytes, seconds)`` of the large message (more bytes than ``small``).
+
+    Noise can make the fit's slope zero or negative, or its intercept negative: the bandwidth
+    is then at least what the large message alone shows (``n / t(n)``: all of its time spent
+    moving bytes), and the latency at least :data:`MIN_LATENCY_US` (at most the small time).
+    """
+    (ns, ts), (nl, tl) = small, large
+    if nl <= ns:
+        raise ValueError(f"the large message ({nl} bytes) must be larger than the small ({ns})")
+    tl = max(tl, 1e-9)
+    floor = nl / tl  # bytes per second, a lower bound on the bandwidth
+    dt = tl - ts
+    bps = max((nl - ns) / dt, floor) if dt > 0 else floor
+    latency_us = max(min((ts - ns / bps) * 1e6, ts * 1e6), MIN_LATENCY_US)
+    return float(latency_us), float(bps * 8 / 1e9)
+
+
+def _round_trip(me: int, peer: int, buf: torch.Tensor, device: torch.device) -> float:
+    """Seconds for ``buf`` to go from group rank 0 to rank 1 and back (``me`` is 0 or 1)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    if me == 0:
+        dist.send(buf, peer, tag=_TAG)
+        dist.recv(buf, peer, tag=_TAG)
+    else:
+        dist.recv(buf, peer, tag=_TAG)
+        dist.send(buf, peer, tag=_TAG)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure_link(
+    group: dist.ProcessGroup | None = None,
+    *,
+    device: torch.device | None = None,
+    sizes: Sequence[int] = (4 * 2**10, 4 * 2**20),
+    warmup: int = 2,
+    repeats: int = 9,
+) -> tuple[float, float] | None:
+    """``(latency_us, gbps)`` of one message between the group's ranks 0 and 1; collective.
+
+    Every rank of ``group`` (default: the default group) must call it. Ranks 0 and 1 ping-pong a
+    small and a large message (``sizes``, bytes) on :func:`link_device` in alternation,
+    ``warmup`` rounds and then ``repeats`` timed ones. The one-way time ``t(n) = latency +
+    n / bandwidth`` is solved (:func:`fit_link`) from the small message's median round trip and
+    the median extra time of the large one over the small one of the same round (halved): a
+    scheduler hiccup that delays both messages of a round then leaves the bandwidth alone. Rank 0's
+    figures are then broadcast, so every rank returns the same numbers and plans from the same
+    inputs. Only ``send``/``recv``/``broadcast`` on ``group`` are used, each bounded by the
+    group's timeout, so a missing peer fails instead of hanging.
+
+    Returns:
+        None when ``torch.distributed`` is not initialized, the group has a single rank, or
+        this process is not a member: there is no link to measure.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    me = dist.get_rank(group)
+    if me < 0 or dist.get_world_size(group) < 2:
+        return None
+    small, large = sorted(int(s) for s in sizes)
+    if small < 4 or large // 4 <= small // 4:  # float32 buffers: whole 4-byte elements
+        raise ValueError(f"sizes must be two byte counts >= 4, 4+ apart, got {tuple(sizes)}")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    dev = link_device(group, device)
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    out = torch.zeros(2, dtype=torch.float64, device=dev)
+    if me in (0, 1):
+        peer = ranks[1 - me]
+        bufs = [torch.zeros(n // 4, dtype=torch.float32, device=dev) for n in (small, large)]
+        rounds = []
+        for r in range(warmup + repeats):  # small and large alternate: shared noise cancels
+            pair = [_round_trip(me, peer, buf, dev) for buf in bufs]
+            if r >= warmup:
+                rounds.append(pair)
+        if me == 0:
+            ts = statistics.median(p[0] for p in rounds) / 2
+            extra = statistics.median(p[1] - p[0] for p in rounds) / 2
+            nbytes = [buf.numel() * 4 for buf in bufs]
+            fit = fit_link((nbytes[0], ts), (nbytes[1], ts + extra))
+            out = torch.tensor(fit, dtype=torch.float64, device=dev)
+    dist.broadcast(out, ranks[0], group=group)
+    latency_us, gbps = out.tolist()
+    return float(latency_us), float(gbps)

@@ -1,0 +1,167 @@
+"""Link calibration of the local cluster: the fit, and real gloo ranks agreeing on the figures."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.runtime import calibrate
+from lightning_autopipe.runtime.calibrate import MIN_LATENCY_US, fit_link, measure_link
+from lightning_autopipe.runtime.pipeline import resolve_cluster
+
+CPU = torch.device("cpu")
+KB, MB = 2**10, 2**20
+
+
+# ------------------------------------------------------------------------------ the fit
+def test_fit_link_recovers_an_exact_line():
+    lat_s, bps = 80e-6, 16e9 / 8  # 80 us, 16 Gb/s
+    t = lambda n: lat_s + n / bps  # noqa: E731
+    latency_us, gbps = fit_link((4 * KB, t(4 * KB)), (4 * MB, t(4 * MB)))
+    assert latency_us == pytest.approx(80.0)
+    assert gbps == pytest.approx(16.0)
+
+
+def test_fit_link_floors_noisy_fits():
+    # The large message no slower than the small: bandwidth is what the large one alone shows.
+    latency_us, gbps = fit_link((4 * KB, 2e-3), (4 * MB, 1e-3))
+    assert gbps == pytest.approx(4 * MB * 8 / 1e-3 / 1e9)
+    assert MIN_LATENCY_US <= latency_us <= 2e3
+    # A steep slope (negative intercept): latency floored, bandwidth >= n / t(n) of the large.
+    latency_us, gbps = fit_link((4 * KB, 1e-6), (4 * MB, 1e-3))
+    assert latency_us == MIN_LATENCY_US
+    assert gbps >= 4 * MB * 8 / 1e-3 / 1e9
+    with pytest.raises(ValueError, match="larger"):
+        fit_link((4 * MB, 1e-3), (4 * KB, 1e-4))
+
+
+def test_no_process_group_keeps_the_defaults():
+    assert not dist.is_initialized()
+    assert measure_link() is None
+    got, default = resolve_cluster(None, 2, CPU), Cluster.local(2)
+    assert got.bandwidth_gbps("local:0", "local:1") == default.bandwidth_gbps("local:0", "local:1")
+    assert got.latency_us("local:0", "local:1") == default.latency_us("local:0", "local:1")
+
+
+# ---------------------------------------------------------------------------- multi-process
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float = 60) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def _link(cluster: Cluster, a: int, b: int) -> tuple[float, float]:
+    return cluster.latency_us(f"local:{a}", f"local:{b}"), cluster.bandwidth_gbps(
+        f"local:{a}", f"local:{b}"
+    )
+
+
+def _check_same_everywhere(value: object) -> None:
+    seen: list[object] = [None] * dist.get_world_size()  # every rank checks every rank's value
+    dist.all_gather_object(seen, value)
+    assert all(v == seen[0] for v in seen), seen
+
+
+def _check_sane(link: tuple[float, float] | None) -> None:
+    assert link is not None
+    latency_us, gbps = link
+    assert math.isfinite(latency_us)
+    assert math.isfinite(gbps)
+    assert 0 < latency_us < 50_000  # generous: a correctness test, not a speed test
+    assert gbps > 0.01
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    _init(rank, world, port)
+    try:
+        link = measure_link()
+        _check_sane(link)
+        _check_same_everywhere(link)
+
+        # resolve_cluster builds the local cluster from what measure_link returned on this rank.
+        returned: list[tuple[float, float] | None] = []
+        real = calibrate.measure_link
+
+        def recording(*args, **kwargs):
+            returned.append(real(*args, **kwargs))
+            return returned[-1]
+
+        calibrate.measure_link = recording
+        try:
+            cluster = resolve_cluster(None, world, CPU)
+        finally:
+            calibrate.measure_link = real
+        assert len(returned) == 1
+        _check_sane(returned[0])
+        assert cluster.num_devices == world
+        for a in range(world):
+            for b in range(world):
+                if a != b:
+                    assert _link(cluster, a, b) == returned[0]
+        _check_same_everywhere(_link(cluster, 0, 1))
+        assert _link(resolve_cluster(None, world, CPU, calibrate=False), 0, 1) == _link(
+            Cluster.local(world), 0, 1
+        )
+
+        if world >= 3:
+            # A group of ranks 1 and 2: rank 0 is no member, the group's rank 0 is global 1.
+            pair = dist.new_group([1, 2])
+            alone = dist.new_group([2])
+            sub = measure_link(pair)
+            if rank == 0:
+                assert sub is None
+            else:
+                _check_sane(sub)
+            seen: list[object] = [None] * world
+            dist.all_gather_object(seen, sub)
+            assert seen[1] == seen[2]
+            assert measure_link(alone) is None  # one rank (or no member): nothing to measure
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_gets_rank_zeros_link(world):
+    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+
+
+def _timeout_worker(rank: int, port: int) -> None:
+    _init(rank, 2, port, timeout_s=3)
+    store = dist.distributed_c10d._get_default_store()  # rank 0 serves it: it leaves last
+    if rank == 1:  # never takes part: rank 0 must fail within the group's timeout
+        deadline = time.monotonic() + 60
+        while not store.check(["rank0-done"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dist.destroy_process_group()
+        store.set("rank1-gone", "1")
+        return
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="(?i)timed out|closed"):
+            measure_link()
+        assert time.monotonic() - start < 30
+    finally:
+        store.set("rank0-done", "1")
+        store.wait(["rank1-gone"], timedelta(seconds=60))
+        dist.destroy_process_group()
+
+
+def test_a_missing_peer_fails_instead_of_hanging():
+    mp.spawn(_timeout_worker, args=(_free_port(),), nprocs=2, join=True)

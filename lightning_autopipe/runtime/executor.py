@@ -305,6 +305,8 @@ class PipelineExecutor:
         bounds = unit_bounds(size, m, k, j)
         order = {u: i for i, u in enumerate(bounds)}
         actions = self._actions(train, m, k, j)
+        if train and self._dp_sync is not None:
+            self._dp_sync.prepare()  # gradients accumulate straight into the all-reduce buffers
 
         received: dict[Unit, list[Tensor | None]] = {}
         saved: dict[Unit, tuple[list[Tensor | None], Any]] = {}

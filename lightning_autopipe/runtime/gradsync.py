@@ -1,10 +1,15 @@
 """Bucketed data-parallel gradient averaging that starts while the last backward still runs.
 
 Gradients are final once the stage's last backward of the step has accumulated them. A
-post-accumulate hook counts final gradients per bucket; a full bucket is flattened and its
-all-reduce launched asynchronously, in fixed bucket order on every rank (collectives on a group
-must be issued in the same order everywhere), so communication overlaps the rest of that
-backward. :meth:`GradientSync.finish` launches what is left, waits, and writes the averages back.
+post-accumulate hook counts final gradients per bucket; a full bucket's all-reduce is launched
+asynchronously, in fixed bucket order on every rank (collectives on a group must be issued in
+the same order everywhere), so communication overlaps the rest of that backward.
+:meth:`GradientSync.finish` launches what is left, waits, and scales by ``1 / replicas``.
+
+Every bucket owns one flat buffer and, for the step, each parameter's ``.grad`` is a view into
+it (:meth:`GradientSync.prepare`), so the all-reduce runs on the gradients where backward left
+them: no flatten before and no copy back after (on a CPU those two copies of a 26 MB GPT's
+gradients took as long as the all-reduce itself).
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ class GradientSync:
         self.group = group
         self.size = size
         self.buckets = make_buckets(params, bucket_bytes)
+        self._flats: list[torch.Tensor] = []
+        self._views: list[list[torch.Tensor]] = []
+        for bucket in self.buckets:
+            flat = torch.zeros(
+                sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device
+            )
+            self._flats.append(flat)
+            self._views.append(_unflatten_dense_tensors(flat, [p.detach() for p in bucket]))
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._armed = False
         self._seen: set[int] = set()
@@ -53,6 +66,24 @@ class GradientSync:
         self._next = 0
         self._works: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def prepare(self) -> None:
+        """Make every ``.grad`` a view into its bucket; call before the step's first backward.
+
+        A gradient that is None (zeroed with ``set_to_none``) starts from zero; one that holds
+        values (accumulated by the caller) is moved into the view, so accumulation semantics
+        are kept. Backward then accumulates into the views in place.
+        """
+        for bucket, views in zip(self.buckets, self._views):
+            for p, view in zip(bucket, views):
+                g = p.grad
+                if g is view:
+                    continue
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
+                p.grad = view
 
     def arm(self) -> None:
         self._armed = True
@@ -71,7 +102,8 @@ class GradientSync:
             work.wait()
             flat /= self.size
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
+                if g.data_ptr() != synced.data_ptr():  # not a view (prepare was not called)
+                    g.copy_(synced)
         self._works = []
         self._armed = False
 
@@ -90,11 +122,16 @@ class GradientSync:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._left[self._next] == 0:
             bucket = self.buckets[self._next]
-            for p in bucket:
+            views = self._views[self._next]
+            for p, view in zip(bucket, views):
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    view.zero_()
+                    p.grad = view
             grads = [p.grad for p in bucket]
-            flat = _flatten_dense_tensors(grads)
+            if all(g is v for g, v in zip(grads, views)):
+                flat = self._flats[self._next]
+            else:  # some gradient was replaced after prepare(): fall back to a copy
+                flat = _flatten_dense_tensors(grads)
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             self._works.append((work, flat, grads))
             self._next += 1

@@ -77,7 +77,8 @@ def _row(case: str, name: str, fn) -> dict:
     return {
         "case": case, "planner": name, "iteration_ms": plan.iteration_ms,
         "balance": plan.balance, "search_ms": plan.search_ms, "wall_s": time.perf_counter() - t0,
-        "shape": f"{plan.num_stages}x{rep} m{plan.num_microbatches} k{plan.startup_slices}",
+        "shape": f"{plan.num_stages}x{rep} m{plan.num_microbatches} k{plan.startup_slices}"
+        + (f" j{plan.drain_slices}" if plan.drain_slices > 1 else ""),
         "pins": (plan.num_stages, reps[0], plan.num_microbatches),
     }
 

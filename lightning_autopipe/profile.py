@@ -30,7 +30,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["BlockProfile", "LossFn", "Profile", "affine_ms", "fit_affine", "profile_blocks"]
+__all__ = [
+    "BlockProfile",
+    "LossFn",
+    "Profile",
+    "affine_ms",
+    "fit_affine",
+    "median_profile",
+    "profile_blocks",
+]
 
 LossFn = Callable[[tuple[Any, ...], int], Tensor]
 """``loss_fn(last_block_outputs, n) -> scalar``: the training loss of the first ``n`` samples."""
@@ -281,6 +289,35 @@ def _time_block(
         fwd.append((t1 - t0) * 1e3)
         bwd.append((t2 - t1) * 1e3)
     return fwd, bwd, outputs
+
+
+def median_profile(profiles: list[Profile]) -> Profile:
+    """Block by block, the median times of several profiles of the same blocks and size.
+
+    On a shared machine one profiling pass can land in a noisy second and skew a block (or a
+    whole micro-batch size) by 10%; profiling in rounds (e.g. interleaving the micro-batch
+    sizes a planner compares) and taking the median keeps such a pass from deciding the plan.
+    """
+    if not profiles:
+        raise ValueError("median_profile needs at least one profile")
+    first = profiles[0]
+    for p in profiles[1:]:
+        if p.names != first.names or p.micro_batch_size != first.micro_batch_size:
+            raise ValueError(
+                "median_profile: profiles differ in blocks or micro-batch size; combine only "
+                "profiles of the same split model at the same micro-batch size"
+            )
+    times = ("forward_ms", "backward_ms", "forward_fixed_ms", "backward_fixed_ms")
+    blocks = [
+        BlockProfile(
+            **{
+                **asdict(b),
+                **{f: statistics.median(getattr(p.blocks[i], f) for p in profiles) for f in times},
+            }
+        )
+        for i, b in enumerate(first.blocks)
+    ]
+    return Profile(first.model, first.micro_batch_size, first.device, blocks, first.fingerprint)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_autopipe import Profile, profile_blocks, split_model
 from lightning_autopipe.models import build_model
+from lightning_autopipe.profile import BlockProfile, median_profile
 
 
 def _whole_model_ms(model: nn.Module, inputs: tuple, runs: int) -> tuple[float, float]:
@@ -198,3 +199,20 @@ def test_loss_fn_must_return_a_scalar() -> None:
     blocks = split_model(model, (x,))
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor .* got \(4, 16\)"):
         profile_blocks(blocks, (x,), warmup=0, repeats=1, loss_fn=lambda o, n: o[0])
+
+
+def test_median_profile_takes_each_time_field_blockwise() -> None:
+    def prof(scale: float, mbs: int = 4) -> Profile:
+        blocks = [
+            BlockProfile(f"b{i}", scale * (i + 1), 2 * scale, 10, 20, 30, 0.1 * scale, 0.0)
+            for i in range(3)
+        ]
+        return Profile("m", mbs, "cpu", blocks, "fp")
+
+    med = median_profile([prof(1.0), prof(5.0), prof(2.0)])
+    assert [b.forward_ms for b in med.blocks] == [2.0, 4.0, 6.0]
+    assert [b.backward_ms for b in med.blocks] == [4.0] * 3
+    assert [b.forward_fixed_ms for b in med.blocks] == [pytest.approx(0.2)] * 3
+    assert (med.blocks[0].param_bytes, med.fingerprint, med.micro_batch_size) == (10, "fp", 4)
+    with pytest.raises(ValueError, match="same split model"):
+        median_profile([prof(1.0), prof(1.0, mbs=8)])

@@ -150,6 +150,11 @@ def make_plan(
         if spent > _SIM_BUDGET:
             break
         chosen.append(p)
+    if len(chosen) < 2 and props[0].drain_slices > 1 and len(props) > 1:
+        # too big to simulate many, but drain slices are where the fast model (no shared-NIC
+        # contention) is least sure: the favourite is judged against itself without them
+        # (the proposal right after it, see _autopipe)
+        chosen = props[:2]
     if len(chosen) >= 2:
         plans = [finish_plan(p, planner, profile, cluster, global_batch_size, optimizer_factor)
                  for p in chosen]

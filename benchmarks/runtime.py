@@ -1,6 +1,6 @@
 """Runtime benchmark: AutoPipe vs torch.distributed.pipelining vs DDP vs one process, 2 CPU ranks.
 
-    .venv/bin/python benchmarks/runtime.py [--steps 3] [--warmup 2] [--rounds 3] [--out FILE]
+    .venv/bin/python benchmarks/runtime.py [--steps 3] [--warmup 2] [--rounds 5] [--out FILE]
 
 A small GPT (vocab 512, seq 128, 8 layers, d_model 256, 4 heads), global batch 32, fp32, SGD.
 Every distributed run uses 2 processes with one thread each (gloo); the single-process baseline
@@ -38,7 +38,7 @@ from lightning_autopipe.models import TinyGPT  # noqa: E402
 from lightning_autopipe.planner import make_plan  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from lightning_autopipe.planner.simulate import simulate  # noqa: E402
-from lightning_autopipe.profile import profile_blocks  # noqa: E402
+from lightning_autopipe.profile import Profile, median_profile, profile_blocks  # noqa: E402
 
 VOCAB, SEQ, LAYERS, D, HEADS = 512, 128, 8, 256, 4
 BATCH, WORLD, PROFILE_MB = 32, 2, 4
@@ -237,6 +237,43 @@ def _worker(
         Path(out).write_text(json.dumps(results))
 
 
+def _profile_worker(rank: int, port: int, out: str) -> None:
+    """Measure the gloo link, then profile every block (loss on the last) on both ranks at once.
+
+    As ``AutoPipeStrategy`` does: the link figures replace ``Cluster.local``'s defaults, and both
+    ranks profile together so the figures include the contention for the shared cores, caches
+    and memory bandwidth that training sees.
+    """
+    from lightning_autopipe.runtime.calibrate import measure_link
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    try:
+        link = measure_link()
+    finally:
+        dist.destroy_process_group()
+    module = GPTTask()
+    x, y = _data()
+    blocks = split_model(module, (x[:PROFILE_MB],))
+
+    def loss(outputs: tuple[torch.Tensor, ...], n: int) -> torch.Tensor:
+        return module.pipeline_loss(blocks.unflatten_outputs(outputs), (x[:n], y[:n]))
+
+    # One profile per micro-batch size: on a CPU a block's time is not linear in the batch
+    # (caches, small GEMMs), so each candidate is priced at its own size. The sizes are
+    # profiled in interleaved rounds and combined by median, so that a noisy second on the
+    # shared machine skews no size against the others.
+    sizes, rounds = (2, 4, 8, 16), 3
+    taken: dict[int, list[Profile]] = {mb: [] for mb in sizes}
+    for _ in range(rounds):
+        for mb in sizes:
+            taken[mb].append(profile_blocks(blocks, (x[:mb],), repeats=3, loss_fn=loss))
+    profiles = {mb: median_profile(ps).to_json() for mb, ps in taken.items()}
+    if rank == 0:
+        Path(out).write_text(json.dumps({"link": link, "profiles": profiles}))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -244,10 +281,18 @@ def _free_port() -> int:
 
 
 # ----------------------------------------------------------------------------------- main
-def _variant(plan: Plan, *, startup_slices: int | None = None, cut: int | None = None) -> Plan:
+def _variant(
+    plan: Plan,
+    *,
+    startup_slices: int | None = None,
+    drain_slices: int | None = None,
+    cut: int | None = None,
+) -> Plan:
     data = plan.to_dict()
     if startup_slices is not None:
         data["startup_slices"] = startup_slices
+    if drain_slices is not None:
+        data["drain_slices"] = drain_slices
     if cut is not None:
         stages = [
             StagePlan((0, cut), plan.stages[0].devices),
@@ -262,7 +307,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per run and round")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; best is kept")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; best is kept")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "runtime.md"))
     ap.add_argument("--only", nargs="*", default=None, help="debug: run only these rows (substr)")
     args = ap.parse_args()
@@ -270,24 +315,30 @@ def main() -> None:
     command = "python benchmarks/runtime.py " + " ".join(sys.argv[1:])
     load0 = os.getloadavg()
 
-    print("profiling and planning (1 thread) ...", flush=True)
+    print("profiling (2 processes at once, 1 thread each, loss on the last block) ...", flush=True)
     module = GPTTask()
     x, _ = _data()
     blocks = split_model(module, (x[:PROFILE_MB],))
-    # One profile per micro-batch size: on a CPU a block's time is not linear in the batch
-    # (small GEMMs are less efficient), so each candidate is priced at its own size.
-    profiles = {mb: profile_blocks(blocks, (x[:mb],), repeats=3) for mb in (2, 4, 8, 16)}
-    cluster = Cluster.local(WORLD)
+    prof_out = Path(args.out).with_suffix(".profiles.tmp")
+    mp.spawn(_profile_worker, args=(_free_port(), str(prof_out)), nprocs=WORLD)
+    got = json.loads(prof_out.read_text())
+    prof_out.unlink()
+    profiles = {int(k): Profile.from_json(v) for k, v in got["profiles"].items()}
+    latency_us, gbps = got["link"]
+    print(f"planning (gloo link measured: {gbps:.1f} Gb/s, {latency_us:.0f} us) ...", flush=True)
+    cluster = Cluster.local(WORLD, gbps=gbps, latency_us=latency_us)
     names = [d.name for d in cluster.devices]
     common = dict(devices=names, uniform_replicas=True, use_all_devices=True)
     pinned = _pinned_sliced(profiles, cluster, common)
     auto = _auto(profiles, cluster, common)
-    noslice = _variant(pinned, startup_slices=1)
+    noslice = _variant(pinned, startup_slices=1, drain_slices=1)
+    startonly = _variant(pinned, drain_slices=1)
     layer4 = next(i for i, n in enumerate(blocks.names) if ".h.4." in f".{n}.")
     equal = _variant(pinned, cut=layer4)  # may coincide with the planner's cut
     cut = pinned.stages[0].blocks[1]
     rows: list[tuple[str, Plan | None]] = [
         ("AutoPipe pinned 2 stages, sliced", pinned),
+        ("AutoPipe pinned 2 stages, startup slices only", startonly),
         ("AutoPipe pinned 2 stages, no slicing", noslice),
         ("AutoPipe runtime, equal-layer split", equal),
         ("AutoPipe all auto", auto),
@@ -332,7 +383,10 @@ def main() -> None:
             f"batch {BATCH}, fp32, SGD; {WORLD} ranks x 1 thread (gloo) vs 1 process x 1 thread; "
             f"each run: best of {args.rounds} interleaved rounds of the median of {args.steps} "
             f"steps, after {args.warmup} warm-up steps; load average "
-            f"before/after {load0[0]:.2f}/{load1[0]:.2f} on {os.cpu_count()} cores.",
+            f"before/after {load0[0]:.2f}/{load1[0]:.2f} on {os.cpu_count()} cores. Predictions: "
+            f"blocks profiled on both ranks at once inside whole forward/backward passes (loss "
+            f"on the last block), gloo link measured at {gbps:.1f} Gb/s and {latency_us:.0f} us "
+            "per message.",
             "",
             *table,
         ]
@@ -390,7 +444,7 @@ def _describe(plan: Plan) -> str:
     cuts = "/".join(str(s.blocks[1] - s.blocks[0]) for s in plan.stages)
     return (
         f"{plan.num_stages}x{plan.replicas}, blocks {cuts}, m={plan.num_microbatches}, "
-        f"k={plan.startup_slices}"
+        f"k={plan.startup_slices}, j={plan.drain_slices}"
     )
 
 
@@ -438,7 +492,7 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
             )
     b1_name, b1 = best("1f1b")
     pinned = measured[rows[0][0]]
-    auto = measured[rows[3][0]]
+    auto = measured[next(name for name, _ in rows if name == "AutoPipe all auto")]
     lines += [
         "",
         "| target | value | goal |",

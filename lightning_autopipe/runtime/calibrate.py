@@ -96,9 +96,11 @@ def measure_link(
     Every rank of ``group`` (default: the default group) must call it. Ranks 0 and 1 ping-pong a
     small and a large message (``sizes``, bytes) on :func:`link_device` in alternation,
     ``warmup`` rounds and then ``repeats`` timed ones. The one-way time ``t(n) = latency +
-    n / bandwidth`` is solved (:func:`fit_link`) from the small message's median round trip and
-    the median extra time of the large one over the small one of the same round (halved): a
-    scheduler hiccup that delays both messages of a round then leaves the bandwidth alone. Rank 0's
+    n / bandwidth`` is solved (:func:`fit_link`) from the small message's fastest round trip
+    (noise only ever adds time to a message; with the median, one benchmark start measured
+    770 us where other starts measured about 100 us) and the median extra time of the large
+    one over the small one of the same round (halved): a scheduler hiccup that delays both
+    messages of a round then leaves the bandwidth alone. Rank 0's
     figures are then broadcast, so every rank returns the same numbers and plans from the same
     inputs. Only ``send``/``recv``/``broadcast`` on ``group`` are used, each bounded by the
     group's timeout, so a missing peer fails instead of hanging.
@@ -129,7 +131,7 @@ def measure_link(
             if r >= warmup:
                 rounds.append(pair)
         if me == 0:
-            ts = statistics.median(p[0] for p in rounds) / 2
+            ts = min(p[0] for p in rounds) / 2
             extra = statistics.median(p[1] - p[0] for p in rounds) / 2
             nbytes = [buf.numel() * 4 for buf in bufs]
             fit = fit_link((nbytes[0], ts), (nbytes[1], ts + extra))

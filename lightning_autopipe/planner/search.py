@@ -103,7 +103,8 @@ def make_plan(
             ``uniform``, ``optimal``); shapes a yardstick does not choose itself (and that are
             not pinned) are taken from the AutoPipe search, so partitions compare like for like.
         num_stages, replicas, num_microbatches, startup_slices, drain_slices: pin that choice
-            (drain slices are AutoPipe's; the yardsticks run whole last micro-batches).
+            (``optimal`` also searches drain slices; DAPPLE, Piper and the simple
+            partitioners run whole last micro-batches unless ``drain_slices`` is pinned).
         devices: restrict to these device names (e.g. the launched world); default all.
         uniform_replicas: every stage gets the same replica count (the runtime needs it).
         use_all_devices: stages x replicas must equal the number of devices.

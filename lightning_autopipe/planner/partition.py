@@ -264,14 +264,11 @@ def choose_startup_slices(
     ``k`` is limited by the per-replica micro-batch size (a slice holds at least one sample).
     """
     mb = batch // (num_microbatches * max(layout.replicas))
-    best_k, best = 1, None
-    for k in range(1, max(1, min(max_slices, mb)) + 1):
-        e = evaluate(costs, layout, cuts, batch, num_microbatches, k,
-                     optimizer_factor=optimizer_factor, critical_path=False)
-        if _better(e, best, 1e-6):
-            best_k, best = k, e
-    assert best is not None
-    return best_k, best
+    return _fewest_best(
+        max(1, min(max_slices, mb)),
+        lambda k: evaluate(costs, layout, cuts, batch, num_microbatches, k,
+                           optimizer_factor=optimizer_factor, critical_path=False),
+    )
 
 
 def choose_drain_slices(
@@ -291,15 +288,22 @@ def choose_drain_slices(
     ends of the step and barely interact. Only with two or more micro-batches.
     """
     mb = batch // (num_microbatches * max(layout.replicas))
-    top = max(1, min(max_slices, mb)) if num_microbatches >= 2 else 1
-    best_j, best = 1, None
-    for j in range(1, top + 1):
-        e = evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
-                     drain_slices=j, optimizer_factor=optimizer_factor, critical_path=False)
+    return _fewest_best(
+        max(1, min(max_slices, mb)) if num_microbatches >= 2 else 1,
+        lambda j: evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
+                           drain_slices=j, optimizer_factor=optimizer_factor,
+                           critical_path=False),
+    )
+
+
+def _fewest_best(top: int, estimate: Callable[[int], Estimate]) -> tuple[int, Estimate]:
+    """The smallest slice count in ``1..top`` whose estimate no larger count clearly beats."""
+    best_n, best = 1, estimate(1)
+    for n in range(2, top + 1):
+        e = estimate(n)
         if _better(e, best, 1e-6):
-            best_j, best = j, e
-    assert best is not None
-    return best_j, best
+            best_n, best = n, e
+    return best_n, best
 
 
 def partition_and_slice(

@@ -32,6 +32,7 @@ CASES = {
         "cnn-2s-k2",
         "cnn_bn-2s-k2",
         "gpt-2s-k2-bf16",
+        "hfgpt-2s-k2",
         "cnn-2s-k1-validate",
         "string",
         "untraceable",

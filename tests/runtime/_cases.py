@@ -23,6 +23,10 @@ def build_net(model: str) -> nn.Module:
     torch.manual_seed(0)
     if model == "gpt":
         return TinyGPT(vocab=VOCAB, seq_len=SEQ, d_model=16, n_layers=2, n_heads=2)
+    if model == "hfgpt":  # Hugging Face GPT-2 (tied embeddings), traced with torch.export
+        from lightning_autopipe.tasks import build_gpt
+
+        return build_gpt("hfgpt", arch="hf", vocab_size=VOCAB, max_seq_len=SEQ, n_embd=16)
     if model in ("cnn", "cnn_bn"):
         return SmallCNN(widths=(4, 8), blocks_per_stage=1, batch_norm=model == "cnn_bn")
     raise ValueError(model)
@@ -30,7 +34,7 @@ def build_net(model: str) -> nn.Module:
 
 def dataset(model: str, num: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    if model == "gpt":
+    if model in ("gpt", "hfgpt"):
         tokens = torch.randint(0, VOCAB, (num, SEQ + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     return torch.randn(num, 3, 8, 8, generator=g), torch.randint(0, 10, (num,), generator=g)

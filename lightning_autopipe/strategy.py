@@ -76,9 +76,11 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from lightning_autopipe import checkpoint as ckpt
+from lightning_autopipe.checkpointing import PipelineCheckpointing
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.checks import check_microbatches
+from lightning_autopipe.runtime.example import _example
 from lightning_autopipe.runtime.failure import describe, watch_launcher
 from lightning_autopipe.runtime.groups import RankLayout, destroy_groups
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline, search_plan
@@ -99,7 +101,7 @@ def _auto_or_positive(name: str, value: Any) -> int | None:
     return value
 
 
-class AutoPipeStrategy(ParallelStrategy):
+class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
     """Data-parallel 1F1B pipeline with split startup micro-batches (AutoPipe-H).
 
     Registered as ``"autopipe"`` when ``lightning_autopipe`` is imported. See the module
@@ -517,144 +519,7 @@ class AutoPipeStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # ------------------------------------------------------------------ checkpoint state
-    def _pipelined(self) -> bool:
-        """More than one rank holds parts of the model (collectives gather them)."""
-        return self._layout is not None and _distributed_is_initialized() and self.world_size > 1
-
-    def _gather_to_zero(self, obj: Any) -> list[Any]:
-        if not self._pipelined():
-            return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
-        return out or []
-
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if not self._pipelined():
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def _writes_shard(self) -> bool:
-        """Replica 0 of each stage holds the tensors a checkpoint stores (others are copies)."""
-        return self._layout is None or self._layout.replica == 0
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's ``state_dict`` under the original names (collective on every rank).
-
-        Consolidated: replica 0 of every stage sends its tensors to rank 0, which returns the
-        whole model's in the original key order (other ranks return their own part; only rank
-        0 writes). Sharded: this rank's stage (empty on replicas other than 0).
-        """
-        module = self.lightning_module
-        assert module is not None
-        local = module.state_dict()
-        if not self._pipelined():
-            return local
-        mine = {k: v.detach() for k, v in local.items()} if self._writes_shard() else {}
-        if self.checkpoint_format == "sharded":
-            return mine
-        parts = self._gather_to_zero(_to_cpu(mine))
-        if self.global_rank != 0:
-            return local
-        merged: dict[str, Any] = {}
-        for part in parts:
-            for key, value in part.items():
-                merged.setdefault(key, value)
-        rank = {k: i for i, k in enumerate(self._state_order)}
-        return dict(sorted(merged.items(), key=lambda kv: rank.get(kv[0], len(rank))))
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's state keyed by original parameter names, every stage merged.
-
-        Consolidated: rank 0 returns a plain ``torch.optim`` state dict over the whole model (ids
-        in the model's parameter order, names under ``"param_names"``); other ranks ``{}``.
-        Sharded: this rank's part in the named form with the groups merged across stages.
-        """
-        module = self.lightning_module
-        assert module is not None
-        if not self._pipelined():
-            return super().optimizer_state(optimizer)
-        named = ckpt.named_optimizer_state(optimizer, ckpt.param_names_by_id(module))
-        if not self._writes_shard():
-            named = {"state": {}, "param_groups": named["param_groups"]}
-        if self.checkpoint_format == "sharded":
-            groups = self._all_gather(named["param_groups"])
-            return {
-                "state": named["state"],
-                "param_groups": ckpt.merge_param_groups(groups, self._param_order),
-            }
-        parts = self._gather_to_zero(_to_cpu(named))
-        return ckpt.merge_optimizer_states(parts, self._param_order) if parts else {}
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        """Rank 0 writes the consolidated file atomically; sharded: every rank writes its part."""
-        if self.checkpoint_format == "sharded" and self._pipelined():
-            ckpt.save_sharded(
-                checkpoint, filepath, is_rank_zero=self.is_global_zero, barrier=self.barrier
-            )
-            return
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        """Either format; runs before ``setup`` (the module is still whole)."""
-        if ckpt.is_sharded(checkpoint_path):
-            module = self.lightning_module
-            assert module is not None
-            no_dist = not _distributed_is_initialized()
-            return ckpt.load_sharded(checkpoint_path, module.state_dict(), no_dist=no_dist)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Re-shard the saved (whole-model, name-keyed) optimizer state onto the local stage.
-
-        A checkpoint without names (``strategy="auto"``) is matched by position against the
-        whole model's groups, gathered from every stage in the model's parameter order.
-        """
-        module = self.lightning_module
-        assert module is not None
-        saved_states = checkpoint["optimizer_states"]
-        if len(saved_states) != len(self.optimizers):
-            raise PlanError(
-                f"the checkpoint holds {len(saved_states)} optimizer states but "
-                f"configure_optimizers built {len(self.optimizers)}; resume with the same "
-                "optimizers"
-            )
-        names = ckpt.param_names_by_id(module)
-        full: list[list[list[str]]] | None = None
-        for i, (opt, saved) in enumerate(zip(self.optimizers, saved_states)):
-            if isinstance(saved, ckpt.ShardedOptimizerState):
-                local = ckpt.load_sharded_optimizer(
-                    saved, opt, names, no_dist=not _distributed_is_initialized()
-                )
-            else:
-                if ckpt.group_names(saved) is None and full is None:
-                    full = self._whole_model_groups(names)
-                local = ckpt.local_optimizer_state(
-                    saved, opt, names, full_names=full[i] if full is not None else None
-                )
-            opt.load_state_dict(local)
-            _optimizers_to_device([opt], self.root_device)
-
-    def _whole_model_groups(self, names: dict[int, str]) -> list[list[list[str]]]:
-        """Names per group per optimizer of the whole model (every stage's, model order)."""
-        mine = [
-            [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
-            for opt in self.optimizers
-        ]
-        parts = self._all_gather(mine)
-        out = []
-        for i, groups in enumerate(mine):
-            merged = ckpt.merge_param_groups(
-                [[{"param_names": part[i][g]} for g in range(len(groups))] for part in parts],
-                self._param_order,
-            )
-            out.append([g["param_names"] for g in merged])
-        return out
-
+    # ------------------------------------------------- failures (checkpoints: checkpointing.py)
     def on_exception(self, exception: BaseException) -> None:
         """Post this rank's failure for its peers (the executor already posted its own)."""
         board = self._pipe.executor.failures if self._pipe is not None else None
@@ -684,84 +549,6 @@ class AutoPipeStrategy(ParallelStrategy):
             description="AutoPipe-H: heterogeneity-aware data-parallel pipeline",
             override=True,
         )
-
-
-def _to_cpu(obj: Any) -> Any:
-    """Tensors moved to the CPU (gathered objects are unpickled on rank 0)."""
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _example(trainer: Any, module: Any) -> tuple[Any, int, Any]:
-    """Example forward inputs (``example_input_array`` or the first batch), the batch size and
-    the batch holding the example's samples (or None).
-
-    The batch size is the dataloader's (one data-parallel replica's batch); it sizes the plan.
-    The third value lets the profile include ``pipeline_loss``: the first batch when the
-    example came from it, or its first samples when they match ``example_input_array``'s
-    shapes; None when no batch was drawn (a loader batch size and ``example_input_array`` need
-    none, and drawing one only for the profile would consume a one-pass stream's data).
-    """
-    from lightning_autopipe.runtime.local_stage import as_call_args, model_inputs
-
-    fitting = trainer.state.fn == TrainerFn.FITTING
-    loop = trainer.fit_loop if fitting else _eval_loop(trainer)
-    loader = loop._data_source.dataloader()
-    if isinstance(loader, list | tuple):
-        loader = loader[0]
-    batch = None
-    size = getattr(loader, "batch_size", None)
-    example = module.example_input_array
-    if example is None or not size:
-        try:
-            batch = next(iter(loader))
-        except StopIteration:
-            raise PlanError("the dataloader is empty; AutoPipeStrategy needs a batch") from None
-        inputs = as_call_args(model_inputs(module, batch))
-        first = next(iter(inputs.values() if isinstance(inputs, dict) else inputs))
-        size = size or int(first.shape[0])
-        if example is None:
-            return inputs, int(size), batch
-    example = as_call_args(example)
-    return example, int(size), _batch_like(module, batch, example)
-
-
-def _batch_like(module: Any, batch: Any, example: Any) -> Any:
-    """``batch`` cut to the example's sample count if its inputs then match the example's
-    shapes (so the loss's targets fit the outputs of the example), else None."""
-    from lightning_autopipe.runtime.executor import slice_batch
-    from lightning_autopipe.runtime.local_stage import as_call_args, model_inputs
-
-    if batch is None:
-        return None
-    ex = _tensors(example)
-    got = _tensors(as_call_args(model_inputs(module, batch)))
-    if not ex or len(ex) != len(got) or ex[0].dim() == 0 or got[0].dim() == 0:
-        return None
-    n, size = int(ex[0].shape[0]), int(got[0].shape[0])
-    if n > size:
-        return None
-    part = slice_batch(batch, 0, n, size)
-    got = _tensors(as_call_args(model_inputs(module, part)))
-    if [t.shape for t in got] != [t.shape for t in ex]:
-        return None
-    return part
-
-
-def _tensors(args: Any) -> list[Tensor]:
-    values = args.values() if isinstance(args, dict) else args
-    return [v for v in values if isinstance(v, Tensor)]
-
-
-def _eval_loop(trainer: Any) -> Any:
-    if trainer.state.fn == TrainerFn.VALIDATING:
-        return trainer.validate_loop
-    return trainer.test_loop
 
 
 def _register() -> None:

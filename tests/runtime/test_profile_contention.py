@@ -16,8 +16,8 @@ from torch import nn
 import lightning_autopipe.profile as profile_mod
 import lightning_autopipe.runtime.pipeline as pipeline_mod
 from lightning_autopipe.errors import PipelineRuntimeError
+from lightning_autopipe.runtime.example import _batch_like
 from lightning_autopipe.runtime.pipeline import build_local_pipeline, search_plan
-from lightning_autopipe.strategy import _batch_like
 from tests.runtime import _cases as C
 
 CPU = torch.device("cpu")

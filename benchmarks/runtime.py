@@ -442,26 +442,28 @@ def _pinned_sliced(profiles: dict[int, Any], cluster: Cluster, common: dict) -> 
 
 
 def _auto(profiles: dict[int, Any], cluster: Cluster, common: dict) -> Plan:
-    """Everything on auto: depth, width, m and k; each micro-batch size with its profile."""
+    """Everything on auto, planned as ``AutoPipeStrategy`` plans: from one profile.
+
+    The strategy profiles once, at its example's size, and ``make_plan`` prices other unit
+    sizes with the profile's fixed/per-sample split; depth, width, m, k and j are all its
+    choice (``search_plan`` keeps the fastest depth). Only the global batch is held at
+    ``BATCH`` here, so that every row trains the same samples per step.
+    """
     plans = []
-    for mb, profile in profiles.items():
-        for stages in (1, 2):
-            replicas = WORLD // stages
-            m = BATCH // (replicas * mb)
-            try:
-                plans.append(
-                    make_plan(
-                        profile,
-                        cluster,
-                        BATCH,
-                        num_stages=stages,
-                        replicas=replicas,
-                        num_microbatches=m,
-                        **common,
-                    )
+    for stages in (1, 2):
+        try:
+            plans.append(
+                make_plan(
+                    profiles[PROFILE_MB],
+                    cluster,
+                    BATCH,
+                    num_stages=stages,
+                    replicas=WORLD // stages,
+                    **common,
                 )
-            except PlanError:
-                continue
+            )
+        except PlanError:
+            continue
     return min(plans, key=lambda p: p.iteration_ms)
 
 

@@ -318,6 +318,11 @@ class PipelineExecutor:
         in_grads: dict[Unit, list[Tensor | None]] = {}
         outputs: dict[Unit, tuple[Tensor, ...]] = {}
         sends: list[Any] = []
+        # Forward sends by unit: the gradient of a unit arriving proves the peer received its
+        # activations, so they are waited (at no cost) and released then rather than at the end
+        # of the step -- a send keeps its buffer alive until waited (gloo marks it complete only
+        # then), and a step's worth of sent activations held to the end costs memory and cache.
+        fwd_sends: dict[Unit, list[Any]] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         trace: list[Action] = []
         timeline: list[tuple[Action, float, float]] = []
@@ -355,9 +360,13 @@ class PipelineExecutor:
                         if train:
                             saved[unit] = (inputs, outs)
                 elif a.kind is Kind.SEND_F:
-                    sends += send_tensors(outputs.pop(unit), layout.next_rank, tag, self.device)
+                    fwd_sends[unit] = send_tensors(
+                        outputs.pop(unit), layout.next_rank, tag, self.device
+                    )
                 elif a.kind is Kind.RECV_B:
                     out_grads[unit] = recv_tensors(layout.next_rank, tag, self.device)
+                    for work, _buf in fwd_sends.pop(unit, ()):
+                        work.wait()
                 elif a.kind is Kind.BACKWARD:
                     if idx == last_b and self._dp_sync is not None:
                         self._dp_sync.arm()  # gradients become final during this backward
@@ -375,7 +384,7 @@ class PipelineExecutor:
             trace.append(a)
             timeline.append((a, t0, time.perf_counter()))
         with self._watch("waiting for sends", None, communication=True):
-            for work, _buf in sends:
+            for work, _buf in [*sends, *(w for ws in fwd_sends.values() for w in ws)]:
                 work.wait()
         self.trace = trace
         self.timeline = timeline

@@ -204,3 +204,89 @@ def _check_rank(
 def test_pipeline_gradients_equal_single_process(cuts, replicas, k, j):
     world = (len(cuts) - 1) * replicas
     mp.spawn(_worker, args=(world, _free_port(), cuts, replicas, k, j), nprocs=world, join=True)
+
+
+def _release_worker(rank: int, port: int, out: str) -> None:
+    """2 stages, m=4: record sends, gradient receives and waits on rank 0."""
+    import lightning_autopipe.runtime.executor as ex_mod
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    events: list[tuple[str, int]] = []
+
+    class Tracked:
+        def __init__(self, work, unit):
+            self.work, self.unit = work, unit
+
+        def wait(self):
+            events.append(("wait", self.unit))
+            return self.work.wait()
+
+    def send(tensors, dst, tag, device):
+        works = ex_mod_send(tensors, dst, tag, device)
+        if tag % 2:  # gradients: not tracked
+            return works
+        events.extend([("send", tag // 2)] * len(works))  # one per work: header, tensors
+        return [(Tracked(w, tag // 2), buf) for w, buf in works]
+
+    def recv(src, tag, device):
+        got = ex_mod_recv(src, tag, device)
+        if tag % 2:
+            events.append(("grad", tag // 2))
+        return got
+
+    ex_mod_send, ex_mod_recv = ex_mod.send_tensors, ex_mod.recv_tensors
+    ex_mod.send_tensors, ex_mod.recv_tensors = send, recv
+    try:
+        plan = _plan([0, 2, 4], 1, m=4, k=1, batch=8)
+        lay = layout_for_rank(plan, ["cpu0:0", "cpu0:1"], rank)
+        groups = build_groups(lay, [], timeout=timedelta(seconds=60))
+        torch.manual_seed(0)
+        i, j = plan.stages[lay.stage].blocks
+        ex = PipelineExecutor(
+            ToyStage(ToyChain(), i, j),
+            lay,
+            groups,
+            num_microbatches=4,
+            startup_slices=1,
+            train_schedule=lambda m_, k_, j_: lower_communication(_one_f_one_b(2, m_, k_, j_))[
+                lay.stage
+            ],
+            eval_schedule=lambda m_: lower_communication(_forward_only(2, m_))[lay.stage],
+            inputs_fn=lambda b: b[0],
+            flatten_inputs=lambda a: (a,),
+            unflatten_outputs=lambda outs: outs[0],
+            loss_fn=toy_loss,
+            device=torch.device("cpu"),
+        )
+        ex.train_step((torch.randn(8, 6), torch.randn(8, 6)))
+        if rank == 0:
+            torch.save(events, out)
+        destroy_groups(groups)
+    finally:
+        ex_mod.send_tensors, ex_mod.recv_tensors = ex_mod_send, ex_mod_recv
+        dist.destroy_process_group()
+
+
+def test_sent_activations_are_released_when_their_gradient_arrives(tmp_path):
+    """1F1B's memory bound needs a unit's sent activations freed by its backward: a send holds
+    its buffer until waited, so each is waited as soon as the unit's gradient arrives (which
+    proves the peer has it), not at the end of the step."""
+    out = str(tmp_path / "events.pt")
+    mp.spawn(_release_worker, args=(_free_port(), out), nprocs=2, join=True)
+    events = torch.load(out)
+    sent = [u for kind, u in events if kind == "send"]
+    assert sorted(set(sent)) == [0, 1, 2, 3]
+    for pos, (kind, unit) in enumerate(events):
+        if kind != "grad":
+            continue
+        waits = []
+        for later_kind, later_unit in events[pos + 1 :]:
+            if later_kind != "wait":
+                break
+            waits.append(later_unit)
+        assert set(waits) == {unit}, (unit, events)
+    # every work waited exactly once, each right after its unit's gradient arrived
+    assert sorted(u for kind, u in events if kind == "wait") == sorted(sent)
+    assert sorted(u for kind, u in events if kind == "grad") == [0, 1, 2, 3]

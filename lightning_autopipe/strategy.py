@@ -534,6 +534,8 @@ class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
             module._example_input_array = self._hidden_example
         if "clip_grad_by_norm" in vars(self.precision_plugin):
             del self.precision_plugin.clip_grad_by_norm
+        if self._pipe is not None:
+            self._pipe.executor.close()
         if self._pipe is not None and self._pipe.groups is not None:
             destroy_groups(self._pipe.groups)
         self._pipe = None

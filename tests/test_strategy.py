@@ -31,6 +31,7 @@ CASES = {
         "cnn-2s-k1",
         "cnn-2s-k2",
         "cnn_bn-2s-k2",
+        "cnn_bn-2s-k2-j2",
         "gpt-2s-k2-bf16",
         "hfgpt-2s-k2",
         "cnn-2s-k1-validate",
@@ -83,7 +84,16 @@ def world4(tmp_path_factory):
 
 # ------------------------------------------------------------------------------- reference
 def _reference(
-    model: str, replicas: int, num: int, m: int, k: int, *, clip=None, bf16=False, steps=None
+    model: str,
+    replicas: int,
+    num: int,
+    m: int,
+    k: int,
+    *,
+    j: int = 1,
+    clip=None,
+    bf16=False,
+    steps=None,
 ):
     """Single process: whole global batch per step (batch norm: the same units in order)."""
     net = C.build_net(model)
@@ -102,7 +112,7 @@ def _reference(
             total = 0.0
             for r, (px, py) in enumerate(parts):
                 _load_buffers(net, buffers[r])
-                for lo, hi in C.unit_slices(b, m, k):
+                for lo, hi in C.unit_slices(b, m, k, j):
                     part = (px[lo:hi], py[lo:hi])
                     loss = C.loss_fn(net(part[0]), part) * ((hi - lo) / b) / replicas
                     loss.backward()
@@ -156,6 +166,7 @@ def _check_case(case: str, ranks: list[dict], world: int) -> None:
         num,
         plan.num_microbatches,
         k,
+        j=plan.drain_slices,
         clip=0.05 if "clip" in case else None,
     )
     names = [d.name for d in Cluster.local(world).devices]
@@ -203,6 +214,12 @@ def test_two_stages_one_replica_equals_single_process(world2, case):
 @pytest.mark.parametrize("case", CASES[4])
 def test_four_ranks_equal_single_process(world4, case):
     _check_case(case, world4[case], 4)
+
+
+@pytest.mark.slow
+def test_batch_norm_with_drain_slices_equals_the_same_units_in_one_process(world2):
+    assert Plan.from_json(world2["cnn_bn-2s-k2-j2"][0]["plan"]).drain_slices == 2
+    _check_case("cnn_bn-2s-k2-j2", world2["cnn_bn-2s-k2-j2"], 2)
 
 
 @pytest.mark.slow

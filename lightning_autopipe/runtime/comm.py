@@ -3,7 +3,9 @@
 ``torch.distributed.pipelining`` sizes its receive buffers once, so micro-batches of different
 sizes (startup slices) cannot share a step. Here each message is preceded by a fixed-size int64
 header that says how many tensors follow and, per tensor, whether it is present, its dtype, its
-shape and whether the receiver should treat it as requiring grad.
+shape and whether the receiver should treat it as requiring grad. The header's last int is a
+free acknowledgement the sender may fill (the executor says how many gradient messages it has
+received, so its peer can release the buffers of those sends without waiting on the network).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from lightning_autopipe.errors import PipelineRuntimeError
 __all__ = ["HEADER_LEN", "encode_header", "decode_header", "send_tensors", "recv_tensors"]
 
 HEADER_LEN = 256
+_ACK = HEADER_LEN - 1  # position of the acknowledgement; tensor specs end before it
 # Tensor i of the message with tag t travels under tag t * _TAG_STRIDE + 1 + i (the header under
-# t * _TAG_STRIDE): at most (HEADER_LEN - 1) // 4 tensors fit in a header, so tags never collide.
+# t * _TAG_STRIDE): at most (HEADER_LEN - 2) // 4 tensors fit in a header, so tags never collide.
 _TAG_STRIDE = 64
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -39,8 +42,9 @@ _DTYPES: tuple[torch.dtype, ...] = (
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
-def encode_header(tensors: Sequence[Tensor | None]) -> list[int]:
-    """``[n, (present, dtype code, requires_grad, ndim, *shape) per tensor]``, zero padded."""
+def encode_header(tensors: Sequence[Tensor | None], ack: int = 0) -> list[int]:
+    """``[n, (present, dtype code, requires_grad, ndim, *shape) per tensor]``, zero padded,
+    with ``ack`` in the last position."""
     out = [len(tensors)]
     for t in tensors:
         if t is None:
@@ -52,12 +56,12 @@ def encode_header(tensors: Sequence[Tensor | None]) -> list[int]:
                 f"{[str(d) for d in _DTYPES]}"
             )
         out += [1, _CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
-    if len(out) > HEADER_LEN:
+    if len(out) > _ACK:
         raise PipelineRuntimeError(
             f"{len(tensors)} tensors cross this stage boundary and their header needs {len(out)} "
-            f"ints (> {HEADER_LEN}); choose cuts where fewer values are live"
+            f"ints (> {_ACK}); choose cuts where fewer values are live"
         )
-    return out + [0] * (HEADER_LEN - len(out))
+    return out + [0] * (_ACK - len(out)) + [int(ack)]
 
 
 def decode_header(header: Sequence[int]) -> list[tuple[torch.dtype, tuple[int, ...], bool] | None]:
@@ -77,13 +81,14 @@ def decode_header(header: Sequence[int]) -> list[tuple[torch.dtype, tuple[int, .
 
 
 def send_tensors(
-    tensors: Sequence[Tensor | None], dst: int, tag: int, device: torch.device
+    tensors: Sequence[Tensor | None], dst: int, tag: int, device: torch.device, ack: int = 0
 ) -> list[tuple[dist.Work, Tensor]]:
-    """Non-blocking send of the header and every present tensor; wait on the returned works.
+    """Non-blocking send of the header (carrying ``ack``) and every present tensor; wait on the
+    returned works.
 
     Each work is returned with the buffer it reads so the caller keeps it alive until then.
     """
-    header = torch.tensor(encode_header(tensors), dtype=torch.int64, device=device)
+    header = torch.tensor(encode_header(tensors, ack), dtype=torch.int64, device=device)
     works = [(dist.isend(header, dst, tag=tag * _TAG_STRIDE), header)]
     for i, t in enumerate(tensors):
         if t is None:
@@ -93,15 +98,16 @@ def send_tensors(
     return works
 
 
-def recv_tensors(src: int, tag: int, device: torch.device) -> list[Tensor | None]:
-    """Blocking receive of one message from :func:`send_tensors`.
+def recv_tensors(src: int, tag: int, device: torch.device) -> tuple[list[Tensor | None], int]:
+    """Blocking receive of one message from :func:`send_tensors`: its tensors and its ``ack``.
 
     Floating tensors that were sent with ``requires_grad`` come back as leaves requiring grad,
     so the receiving stage can hand their ``.grad`` back after its backward.
     """
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     dist.recv(header, src, tag=tag * _TAG_STRIDE)
-    specs = decode_header(header.tolist())
+    ints = header.tolist()
+    specs = decode_header(ints)
     out: list[Tensor | None] = []
     works = []
     for i, spec in enumerate(specs):
@@ -117,4 +123,4 @@ def recv_tensors(src: int, tag: int, device: torch.device) -> list[Tensor | None
     for t, spec in zip(out, specs):
         if t is not None and spec is not None and spec[2] and t.is_floating_point():
             t.requires_grad_(True)
-    return out
+    return out, int(ints[_ACK])

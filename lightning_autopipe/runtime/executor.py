@@ -214,6 +214,17 @@ class PipelineExecutor:
         self.stage.eval()
         return self._run(batch, train=False)
 
+    def close(self) -> None:
+        """Remove the gradient hooks this executor put on the stage's parameters.
+
+        Call before the process groups are destroyed: a hook keeps the all-reduce group alive
+        through the parameters, and a gloo group that outlives ``destroy_process_group`` can
+        abort the process at interpreter exit ("terminate called without an active exception").
+        """
+        if self._dp_sync is not None:
+            self._dp_sync.remove()
+            self._dp_sync = None
+
     def nonfinite_origin(self) -> tuple[int, list[int]]:
         """After a step with a non-finite loss: the first stage whose outputs were non-finite.
 
@@ -317,12 +328,18 @@ class PipelineExecutor:
         out_grads: dict[Unit, list[Tensor | None]] = {}
         in_grads: dict[Unit, list[Tensor | None]] = {}
         outputs: dict[Unit, tuple[Tensor, ...]] = {}
-        sends: list[Any] = []
-        # Forward sends by unit: the gradient of a unit arriving proves the peer received its
-        # activations, so they are waited (at no cost) and released then rather than at the end
-        # of the step -- a send keeps its buffer alive until waited (gloo marks it complete only
-        # then), and a step's worth of sent activations held to the end costs memory and cache.
+        # Sends are released as soon as they are proven received, not at the end of the step
+        # (a send keeps its buffer alive until waited, and gloo marks it complete only then; a
+        # step's worth of sent activations and gradients held to the end would break 1F1B's
+        # memory bound). A unit's forward send is proven received when its gradient arrives;
+        # backward sends when the previous stage's next message acknowledges how many gradient
+        # messages it has received -- which names ours only when both sides take them in unit
+        # order, as every generated schedule does (otherwise they wait until the end).
         fwd_sends: dict[Unit, list[Any]] = {}
+        bwd_sends: list[list[Any]] = []
+        released = received_grads = 0
+        acks_valid = _in_unit_order(actions, Kind.RECV_B, order)
+        release_valid = _in_unit_order(actions, Kind.SEND_B, order)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         trace: list[Action] = []
         timeline: list[tuple[Action, float, float]] = []
@@ -338,7 +355,12 @@ class PipelineExecutor:
             peer = layout.prev_rank if a.kind in (Kind.RECV_F, Kind.SEND_B) else layout.next_rank
             with self._watch(_action_name(a), peer, a.kind not in _COMPUTE_KINDS):
                 if a.kind is Kind.RECV_F:
-                    received[unit] = recv_tensors(layout.prev_rank, tag, self.device)
+                    received[unit], ack = recv_tensors(layout.prev_rank, tag, self.device)
+                    while release_valid and released < min(ack, len(bwd_sends)):
+                        for work, _buf in bwd_sends[released]:
+                            work.wait()
+                        bwd_sends[released] = []
+                        released += 1
                 elif a.kind is Kind.FORWARD:
                     if layout.is_first:
                         inputs: list[Tensor | None] = [t[start:stop] for t in flat]
@@ -360,11 +382,13 @@ class PipelineExecutor:
                         if train:
                             saved[unit] = (inputs, outs)
                 elif a.kind is Kind.SEND_F:
+                    ack = received_grads if acks_valid else 0
                     fwd_sends[unit] = send_tensors(
-                        outputs.pop(unit), layout.next_rank, tag, self.device
+                        outputs.pop(unit), layout.next_rank, tag, self.device, ack
                     )
                 elif a.kind is Kind.RECV_B:
-                    out_grads[unit] = recv_tensors(layout.next_rank, tag, self.device)
+                    out_grads[unit], _ = recv_tensors(layout.next_rank, tag, self.device)
+                    received_grads += 1
                     for work, _buf in fwd_sends.pop(unit, ()):
                         work.wait()
                 elif a.kind is Kind.BACKWARD:
@@ -380,12 +404,15 @@ class PipelineExecutor:
                             t.grad if t is not None and t.requires_grad else None for t in inputs
                         ]
                 elif a.kind is Kind.SEND_B:
-                    sends += send_tensors(in_grads.pop(unit), layout.prev_rank, tag, self.device)
+                    bwd_sends.append(
+                        send_tensors(in_grads.pop(unit), layout.prev_rank, tag, self.device)
+                    )
             trace.append(a)
             timeline.append((a, t0, time.perf_counter()))
         with self._watch("waiting for sends", None, communication=True):
-            for work, _buf in [*sends, *(w for ws in fwd_sends.values() for w in ws)]:
-                work.wait()
+            for works in [*fwd_sends.values(), *bwd_sends]:
+                for work, _buf in works:
+                    work.wait()
         self.trace = trace
         self.timeline = timeline
         with self._watch("loss broadcast", layout.last_stage_rank, communication=True):
@@ -422,6 +449,12 @@ class PipelineExecutor:
             if t.param.grad is None:
                 t.param.grad = torch.zeros_like(t.param)
             dist.all_reduce(t.param.grad, group=group)
+
+
+def _in_unit_order(actions: Sequence[Action], kind: Kind, order: dict[Unit, int]) -> bool:
+    """Whether this rank's ``kind`` actions come in the step's unit order."""
+    seq = [order[a.unit] for a in actions if a.kind is kind and a.unit in order]
+    return seq == sorted(seq)
 
 
 def _action_name(a: Action) -> str:

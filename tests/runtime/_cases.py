@@ -59,12 +59,14 @@ def replica_indices(num: int, replicas: int, replica: int, shuffle: bool) -> lis
     return list(sampler)
 
 
-def unit_slices(batch: int, m: int, k: int) -> list[tuple[int, int]]:
-    """Contiguous even micro-batches, micro-batch 0 cut into k even slices (the contract)."""
+def unit_slices(batch: int, m: int, k: int, j: int = 1) -> list[tuple[int, int]]:
+    """Contiguous even micro-batches, micro-batch 0 cut into k even slices and, with two or more
+    micro-batches, the last into j (the contract)."""
     sizes = [batch // m + (1 if i < batch % m else 0) for i in range(m)]
     out, start = [], 0
     for mb, size in enumerate(sizes):
-        parts = [size // k + (1 if i < size % k else 0) for i in range(k)] if mb == 0 else [size]
+        n = k if mb == 0 else (j if mb == m - 1 else 1)
+        parts = [size // n + (1 if i < size % n else 0) for i in range(n)]
         for p in parts:
             out.append((start, start + p))
             start += p

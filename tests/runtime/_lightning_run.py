@@ -2,7 +2,8 @@
 
     python tests/runtime/_lightning_run.py OUT_DIR WORLD CASE [CASE ...]
 
-CASE is ``<model>-<stages>s-k<slices>[-bf16][-clip][-validate][-ckpt]`` (model: gpt, cnn, cnn_bn;
+CASE is ``<model>-<stages>s-k<slices>[-j2][-bf16][-clip][-validate][-ckpt]`` (``j2``: two drain
+slices, else the planner's choice) (model: gpt, cnn, cnn_bn;
 ``validate`` runs ``Trainer.validate`` only), ``string`` (``Trainer(strategy="autopipe")`` with
 every option on auto) or ``untraceable``. Lightning's
 popen launcher re-runs this script in every rank, so every rank runs every case in order and
@@ -93,6 +94,7 @@ def run_case(case: str, world: int, out: Path) -> None:
             num_stages=stages,
             num_microbatches=4,
             startup_slices=k,
+            drain_slices=2 if "j2" in parts else "auto",
             profile_repeats=1,
             timeout=60,
         )

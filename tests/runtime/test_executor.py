@@ -193,6 +193,7 @@ def _check_rank(
     with torch.no_grad():
         ref_eval = toy_loss(ref(x), (x, y))
     torch.testing.assert_close(ex.eval_step(shard), ref_eval, rtol=1e-5, atol=1e-7)
+    ex.close()
     destroy_groups(groups)
 
 
@@ -207,7 +208,7 @@ def test_pipeline_gradients_equal_single_process(cuts, replicas, k, j):
 
 
 def _release_worker(rank: int, port: int, out: str) -> None:
-    """2 stages, m=4: record sends, gradient receives and waits on rank 0."""
+    """2 stages, m=4: record each rank's sends, receives and the waits on its sends."""
     import lightning_autopipe.runtime.executor as ex_mod
 
     torch.set_num_threads(1)
@@ -223,17 +224,14 @@ def _release_worker(rank: int, port: int, out: str) -> None:
             events.append(("wait", self.unit))
             return self.work.wait()
 
-    def send(tensors, dst, tag, device):
-        works = ex_mod_send(tensors, dst, tag, device)
-        if tag % 2:  # gradients: not tracked
-            return works
+    def send(tensors, dst, tag, device, ack=0):
+        works = ex_mod_send(tensors, dst, tag, device, ack)
         events.extend([("send", tag // 2)] * len(works))  # one per work: header, tensors
         return [(Tracked(w, tag // 2), buf) for w, buf in works]
 
     def recv(src, tag, device):
         got = ex_mod_recv(src, tag, device)
-        if tag % 2:
-            events.append(("grad", tag // 2))
+        events.append(("grad" if tag % 2 else "act", tag // 2))
         return got
 
     ex_mod_send, ex_mod_recv = ex_mod.send_tensors, ex_mod.recv_tensors
@@ -261,32 +259,43 @@ def _release_worker(rank: int, port: int, out: str) -> None:
             device=torch.device("cpu"),
         )
         ex.train_step((torch.randn(8, 6), torch.randn(8, 6)))
-        if rank == 0:
-            torch.save(events, out)
+        ex.train_step((torch.randn(8, 6), torch.randn(8, 6)))  # counts start afresh each step
+        torch.save(events, f"{out}.rank{rank}")
         destroy_groups(groups)
     finally:
         ex_mod.send_tensors, ex_mod.recv_tensors = ex_mod_send, ex_mod_recv
         dist.destroy_process_group()
 
 
-def test_sent_activations_are_released_when_their_gradient_arrives(tmp_path):
-    """1F1B's memory bound needs a unit's sent activations freed by its backward: a send holds
-    its buffer until waited, so each is waited as soon as the unit's gradient arrives (which
-    proves the peer has it), not at the end of the step."""
-    out = str(tmp_path / "events.pt")
-    mp.spawn(_release_worker, args=(_free_port(), out), nprocs=2, join=True)
-    events = torch.load(out)
-    sent = [u for kind, u in events if kind == "send"]
-    assert sorted(set(sent)) == [0, 1, 2, 3]
-    for pos, (kind, unit) in enumerate(events):
-        if kind != "grad":
+def _waits_after(events: list[tuple[str, int]], kind: str) -> dict[int, set[int]]:
+    """For each ``kind`` receive: the units whose sends were waited right after it."""
+    got: dict[int, set[int]] = {}
+    for pos, (k, unit) in enumerate(events):
+        if k != kind:
             continue
-        waits = []
-        for later_kind, later_unit in events[pos + 1 :]:
-            if later_kind != "wait":
+        waits = got.setdefault(unit, set())
+        for later, later_unit in events[pos + 1 :]:
+            if later != "wait":
                 break
-            waits.append(later_unit)
-        assert set(waits) == {unit}, (unit, events)
-    # every work waited exactly once, each right after its unit's gradient arrived
-    assert sorted(u for kind, u in events if kind == "wait") == sorted(sent)
-    assert sorted(u for kind, u in events if kind == "grad") == [0, 1, 2, 3]
+            waits.add(later_unit)
+    return got
+
+
+def test_sends_are_released_as_soon_as_they_are_proven_received(tmp_path):
+    """1F1B's memory bound needs a unit's sent tensors freed by its backward, but a send holds
+    its buffer until waited. Rank 0 (first of 2 stages, m = 4) waits each activation send when
+    that unit's gradient arrives; rank 1 waits each gradient send when rank 0's next activation
+    message acknowledges it: in 1F1B rank 0 sends unit 2 after receiving gradient 0 and unit 3
+    after gradient 1, so gradient sends 0 and 1 are released there; 2 and 3 at the end."""
+    out = str(tmp_path / "events")
+    mp.spawn(_release_worker, args=(_free_port(), out), nprocs=2, join=True)
+    first, last = torch.load(f"{out}.rank0"), torch.load(f"{out}.rank1")
+    half = len(first) // 2  # two identical steps
+    assert first[:half] == first[half:]
+    assert _waits_after(first[:half], "grad") == {u: {u} for u in range(4)}
+    half = len(last) // 2
+    assert last[:half] == last[half:]
+    assert _waits_after(last[:half], "act") == {0: set(), 1: set(), 2: {0}, 3: {1}}
+    for events in (first, last):  # every work waited exactly once
+        sent = sorted(u for k, u in events if k == "send")
+        assert sorted(u for k, u in events if k == "wait") == sent

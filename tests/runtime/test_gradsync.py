@@ -55,6 +55,8 @@ def _worker(rank: int, port: int) -> None:
         sync.finish()
         for p, r in zip(params, ref.parameters()):
             torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-7)
+        sync.remove()  # the hooks hold the group: it must not outlive destroy_process_group
+        del sync
     finally:
         dist.destroy_process_group()
 

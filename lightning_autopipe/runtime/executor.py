@@ -328,18 +328,10 @@ class PipelineExecutor:
         out_grads: dict[Unit, list[Tensor | None]] = {}
         in_grads: dict[Unit, list[Tensor | None]] = {}
         outputs: dict[Unit, tuple[Tensor, ...]] = {}
-        # Sends are released as soon as they are proven received, not at the end of the step
-        # (a send keeps its buffer alive until waited, and gloo marks it complete only then; a
-        # step's worth of sent activations and gradients held to the end would break 1F1B's
-        # memory bound). A unit's forward send is proven received when its gradient arrives;
-        # backward sends when the previous stage's next message acknowledges how many gradient
-        # messages it has received -- which names ours only when both sides take them in unit
-        # order, as every generated schedule does (otherwise they wait until the end).
-        fwd_sends: dict[Unit, list[Any]] = {}
-        bwd_sends: list[list[Any]] = []
-        released = received_grads = 0
-        acks_valid = _in_unit_order(actions, Kind.RECV_B, order)
-        release_valid = _in_unit_order(actions, Kind.SEND_B, order)
+        outbox = _Outbox(
+            acks=_in_unit_order(actions, Kind.RECV_B, order),
+            releases=_in_unit_order(actions, Kind.SEND_B, order),
+        )
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         trace: list[Action] = []
         timeline: list[tuple[Action, float, float]] = []
@@ -356,11 +348,7 @@ class PipelineExecutor:
             with self._watch(_action_name(a), peer, a.kind not in _COMPUTE_KINDS):
                 if a.kind is Kind.RECV_F:
                     received[unit], ack = recv_tensors(layout.prev_rank, tag, self.device)
-                    while release_valid and released < min(ack, len(bwd_sends)):
-                        for work, _buf in bwd_sends[released]:
-                            work.wait()
-                        bwd_sends[released] = []
-                        released += 1
+                    outbox.acknowledged(ack)
                 elif a.kind is Kind.FORWARD:
                     if layout.is_first:
                         inputs: list[Tensor | None] = [t[start:stop] for t in flat]
@@ -382,15 +370,12 @@ class PipelineExecutor:
                         if train:
                             saved[unit] = (inputs, outs)
                 elif a.kind is Kind.SEND_F:
-                    ack = received_grads if acks_valid else 0
-                    fwd_sends[unit] = send_tensors(
-                        outputs.pop(unit), layout.next_rank, tag, self.device, ack
-                    )
+                    outs = outputs.pop(unit)
+                    works = send_tensors(outs, layout.next_rank, tag, self.device, outbox.ack)
+                    outbox.forward[unit] = works
                 elif a.kind is Kind.RECV_B:
                     out_grads[unit], _ = recv_tensors(layout.next_rank, tag, self.device)
-                    received_grads += 1
-                    for work, _buf in fwd_sends.pop(unit, ()):
-                        work.wait()
+                    outbox.gradient_arrived(unit)
                 elif a.kind is Kind.BACKWARD:
                     if idx == last_b and self._dp_sync is not None:
                         self._dp_sync.arm()  # gradients become final during this backward
@@ -404,15 +389,12 @@ class PipelineExecutor:
                             t.grad if t is not None and t.requires_grad else None for t in inputs
                         ]
                 elif a.kind is Kind.SEND_B:
-                    bwd_sends.append(
-                        send_tensors(in_grads.pop(unit), layout.prev_rank, tag, self.device)
-                    )
+                    grads = in_grads.pop(unit)
+                    outbox.backward.append(send_tensors(grads, layout.prev_rank, tag, self.device))
             trace.append(a)
             timeline.append((a, t0, time.perf_counter()))
         with self._watch("waiting for sends", None, communication=True):
-            for works in [*fwd_sends.values(), *bwd_sends]:
-                for work, _buf in works:
-                    work.wait()
+            outbox.wait_all()
         self.trace = trace
         self.timeline = timeline
         with self._watch("loss broadcast", layout.last_stage_rank, communication=True):
@@ -449,6 +431,51 @@ class PipelineExecutor:
             if t.param.grad is None:
                 t.param.grad = torch.zeros_like(t.param)
             dist.all_reduce(t.param.grad, group=group)
+
+
+class _Outbox:
+    """This step's sends, released as soon as they are proven received.
+
+    A send keeps its buffer alive until waited (gloo marks it complete only then), and holding
+    a step's worth of sent activations and gradients to its end would break 1F1B's memory
+    bound. A unit's forward send is proven received when that unit's gradient arrives. Backward
+    sends are proven received by the previous stage's next message, whose header acknowledges
+    how many gradient messages it has taken: that count names our first sends only when both
+    sides take them in unit order, as every generated schedule does (``acks`` / ``releases``;
+    otherwise they are waited at the end of the step, as any leftover is).
+    """
+
+    def __init__(self, acks: bool, releases: bool) -> None:
+        self.forward: dict[Unit, list[tuple[Any, Tensor]]] = {}
+        self.backward: list[list[tuple[Any, Tensor]]] = []
+        self._acks, self._releases = acks, releases
+        self._gradients = 0  # gradient messages received this step
+        self._released = 0  # backward sends waited so far
+
+    @property
+    def ack(self) -> int:
+        """What this rank's next activation message acknowledges to the next stage."""
+        return self._gradients if self._acks else 0
+
+    def gradient_arrived(self, unit: Unit) -> None:
+        self._gradients += 1
+        _wait(self.forward.pop(unit, ()))
+
+    def acknowledged(self, count: int) -> None:
+        while self._releases and self._released < min(count, len(self.backward)):
+            _wait(self.backward[self._released])
+            self.backward[self._released] = []
+            self._released += 1
+
+    def wait_all(self) -> None:
+        for works in [*self.forward.values(), *self.backward]:
+            _wait(works)
+        self.forward, self.backward = {}, []
+
+
+def _wait(works: Sequence[tuple[Any, Tensor]]) -> None:
+    for work, _buf in works:
+        work.wait()
 
 
 def _in_unit_order(actions: Sequence[Action], kind: Kind, order: dict[Unit, int]) -> bool:

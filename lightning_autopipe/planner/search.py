@@ -28,6 +28,7 @@ simulator and returned as the same :class:`Plan`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
@@ -294,6 +295,19 @@ class _Shape:
     fits: bool
 
 
+def _slice_term(
+    stages: int, size: int, tau: Callable[[float], float], pin: int | None, max_slices: int
+) -> float:
+    """Closed-form cost of one end micro-batch of ``size`` samples cut into its best q slices.
+
+    Each stage runs the q slices (``q * tau(size / q)``) and the fill (or drain) lasts half a
+    pipeline of one slice (``(stages - 1) / 2 * tau(size / q)``); with q = 1 both ends of a
+    plain 1F1B together give its ``(stages - 1) * tau`` bubble. A pinned count is taken as is.
+    """
+    qs = [pin] if pin else range(1, min(max_slices, size) + 1)
+    return min((q + (stages - 1) / 2) * tau(size / q) for q in qs)
+
+
 def _shapes(
     costs: BlockCosts,
     cluster: Cluster,
@@ -302,8 +316,15 @@ def _shapes(
     pins: dict,
     use_all: bool,
     optimizer_factor: float,
+    max_slices: int = 1,
 ) -> list[_Shape]:
-    """Level 1: every allowed (S, R, m) with its closed-form estimate."""
+    """Level 1: every allowed (S, R, m) with its closed-form estimate.
+
+    The estimate already counts startup and drain slices (``_slice_term``): with per-call
+    costs, the best micro-batch count with slices is often smaller than without them (fewer,
+    larger micro-batches; the ends cut finer), and a shape ranked on plain 1F1B alone would
+    never reach the partitioner.
+    """
     order = speed_order(cluster, devs)
     specs = [cluster.device(d).spec for d in order]
     nd, n = len(order), costs.num_blocks
@@ -345,11 +366,24 @@ def _shapes(
             m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else [
                 m for m in microbatch_choices(batch, r, s)  # a pinned k or j needs >= k, j
                 if batch // (r * m) >= max(pins["startup_slices"] or 1, pins["drain_slices"] or 1)]
+            def tau(samples: float, base=base, fixed=fixed, ovh=ovh, xfer=xfer) -> float:
+                """One stage's forward + backward of ``samples``: compute- or link-bound."""
+                return max(affine_ms(base, fixed, samples / mbs) + 2 * ovh, xfer * samples)
+
+            k_pin, j_pin = pins["startup_slices"], pins["drain_slices"]
             for m in m_list:
-                scale = batch / (m * r * mbs)
-                # compute- or link-bound
-                tau = max(affine_ms(base, fixed, scale) + 2 * ovh, xfer * scale * mbs)
-                est = (m + s - 1) * tau + 2 * (s - 1) * hop * scale + ar
+                size = batch // (m * r)
+                scale = size / mbs
+                if s == 1 or max_slices == 1:  # no fill or drain to shorten
+                    est = (m + s - 1) * tau(size)
+                elif m == 1:  # one micro-batch: startup slices only
+                    qs = [k_pin] if k_pin else range(1, min(max_slices, size) + 1)
+                    est = min((q + s - 1) * tau(size / q) for q in qs)
+                else:
+                    est = (m - 2) * tau(size) + sum(
+                        _slice_term(s, size, tau, pin, max_slices) for pin in (k_pin, j_pin)
+                    )
+                est += 2 * (s - 1) * hop * scale + ar
                 need = params / s * (2 + optimizer_factor) + mem / s * scale * min(s, m)
                 out.append(_Shape(s, r, m, est, need <= cap))
     return out
@@ -365,7 +399,7 @@ def _autopipe(
     max_slices: int,
     optimizer_factor: float,
 ) -> list[Proposal]:
-    shapes = _shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor)
+    shapes = _shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor, max_slices)
     if not shapes:
         raise PlanError(
             f"no (stages x replicas) shape uses all {len(devs)} devices with global batch "

@@ -146,3 +146,21 @@ def test_analytic_resnet_and_bert_match_published_sizes():
     assert own == pytest.approx(335e6, rel=0.02)
     with pytest.raises(ValueError, match="unknown analytic model kind"):
         analytic_profile("lstm")
+
+
+def test_micro_batch_count_is_chosen_with_slicing_in_mind():
+    """With per-call costs (every unit pays a fixed part, as eager PyTorch does on a CPU), fewer,
+    larger micro-batches with sliced ends can beat the micro-batch count that is best for plain
+    1F1B. Leaving m on auto must find a plan as good as pinning each m and slicing it."""
+    prof = Profile.from_dict({
+        "model": "fixed-cost", "micro_batch_size": 4, "device": "cpu",
+        "blocks": [{"name": f"b{i}", "forward_ms": 4.0 + (i % 3), "backward_ms": 8.0 + (i % 2),
+                    "forward_fixed_ms": 1.2, "backward_fixed_ms": 2.4, "param_bytes": 1000,
+                    "activation_bytes": 65536, "memory_bytes": 1000} for i in range(19)],
+    })
+    cl = Cluster.local(2, gbps=30, latency_us=100)
+    kw = dict(num_stages=2, replicas=1)
+    auto = make_plan(prof, cl, 32, **kw)
+    best = min((make_plan(prof, cl, 32, num_microbatches=m, **kw) for m in (1, 2, 4, 8, 16, 32)),
+               key=lambda p: p.iteration_ms)
+    assert auto.iteration_ms <= best.iteration_ms * 1.01, (auto, best)

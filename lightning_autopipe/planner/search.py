@@ -363,25 +363,27 @@ def _shapes(
             # perfectly balanced stages, plus half a block of rounding on the slowest stage
             base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
             fixed = min(sum(costs.fixed(0, n)) / sum_sp, base)  # per-call part of base
-            m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else [
-                m for m in microbatch_choices(batch, r, s)  # a pinned k or j needs >= k, j
-                if batch // (r * m) >= max(pins["startup_slices"] or 1, pins["drain_slices"] or 1)]
+            m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else (
+                microbatch_choices(batch, r, s)
+            )
+
             def tau(samples: float, base=base, fixed=fixed, ovh=ovh, xfer=xfer) -> float:
                 """One stage's forward + backward of ``samples``: compute- or link-bound."""
                 return max(affine_ms(base, fixed, samples / mbs) + 2 * ovh, xfer * samples)
 
             k_pin, j_pin = pins["startup_slices"], pins["drain_slices"]
+            limit = max_slices if s > 1 else 1  # one stage has no fill or drain to shorten
             for m in m_list:
+                if (batch // r) % m or batch // (r * m) < max(k_pin or 1, j_pin or 1):
+                    continue  # a pinned m, k or j this shape's replica batch cannot hold
                 size = batch // (m * r)
                 scale = size / mbs
-                if s == 1 or max_slices == 1:  # no fill or drain to shorten
-                    est = (m + s - 1) * tau(size)
-                elif m == 1:  # one micro-batch: startup slices only
-                    qs = [k_pin] if k_pin else range(1, min(max_slices, size) + 1)
+                if m == 1:  # one micro-batch: startup slices only
+                    qs = [k_pin] if k_pin else range(1, min(limit, size) + 1)
                     est = min((q + s - 1) * tau(size / q) for q in qs)
                 else:
                     est = (m - 2) * tau(size) + sum(
-                        _slice_term(s, size, tau, pin, max_slices) for pin in (k_pin, j_pin)
+                        _slice_term(s, size, tau, pin, limit) for pin in (k_pin, j_pin)
                     )
                 est += 2 * (s - 1) * hop * scale + ar
                 need = params / s * (2 + optimizer_factor) + mem / s * scale * min(s, m)

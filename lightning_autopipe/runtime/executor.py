@@ -175,10 +175,12 @@ class PipelineExecutor:
         self.timeout_s = timeout_s
         self.step: int | None = None  # the caller's step number, quoted in failure messages
         self._training = True
-        # the sum of every floating output of this step: non-finite iff some element was (or the
-        # sum overflowed, which only happens when activations are blowing up anyway). One reduce
-        # per output costs ~1/50 of ``~isfinite(o).all()``, which re-reads the tensor three times.
-        self._output_sum = torch.zeros((), dtype=torch.float32, device=device)
+        # the sum of every floating output of this step: non-finite iff some element was, or the
+        # float32 sum overflowed (finite values summing past 3.4e38: activations blowing up
+        # anyway; then an earlier stage may be named). One reduce per output costs ~1/50 of
+        # ``~isfinite(o).all()``, which re-reads the tensor three times. float64 sums float64.
+        self._output_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._closed = False
         self.trace: list[Action] = []
         self.timeline: list[tuple[Action, float, float]] = []
         self._schedules: dict[tuple[bool, int, int, int], list[Action]] = {}
@@ -224,6 +226,7 @@ class PipelineExecutor:
         if self._dp_sync is not None:
             self._dp_sync.remove()
             self._dp_sync = None
+        self._closed = True
 
     def nonfinite_origin(self) -> tuple[int, list[int]]:
         """After a step with a non-finite loss: the first stage whose outputs were non-finite.
@@ -305,6 +308,8 @@ class PipelineExecutor:
             ) from exc
 
     def _run(self, batch: Any, train: bool) -> Tensor:
+        if self._closed:  # its replicas would no longer average gradients
+            raise PipelineRuntimeError("this PipelineExecutor was closed; build a new one")
         layout = self.layout
         flat = tuple(self._flatten(self._inputs_fn(batch)))
         if not flat:
@@ -312,7 +317,7 @@ class PipelineExecutor:
         size = int(flat[0].shape[0]) if flat[0].dim() else 0
         if self.check_batch:
             check_batch_sizes(batch, flat, size)
-        self._output_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._output_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         if train:
             m, k, j = fit_units(size, self.num_microbatches, self.startup_slices, self.drain_slices)
         else:
@@ -358,7 +363,10 @@ class PipelineExecutor:
                     outs = tuple(outs) if isinstance(outs, list | tuple) else (outs,)
                     for o in outs:
                         if o.is_floating_point():
-                            self._output_sum += o.detach().sum(dtype=torch.float32)
+                            wide = o.dtype == torch.float64
+                            self._output_sum += o.detach().sum(
+                                dtype=torch.float64 if wide else torch.float32
+                            )
                     if layout.is_last:
                         part = slice_batch(batch, start, stop, size)
                         loss = self._loss_fn(self._unflatten(outs), part) * ((stop - start) / size)

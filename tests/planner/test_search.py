@@ -164,3 +164,10 @@ def test_micro_batch_count_is_chosen_with_slicing_in_mind():
     best = min((make_plan(prof, cl, 32, num_microbatches=m, **kw) for m in (1, 2, 4, 8, 16, 32)),
                key=lambda p: p.iteration_ms)
     assert auto.iteration_ms <= best.iteration_ms * 1.01, (auto, best)
+
+
+def test_a_pinned_micro_batch_count_limits_the_replicas_it_fits():
+    """m = 8 of a batch of 8 leaves room for one replica only; the search must not price the
+    others (a replica batch of 4 cannot hold 8 micro-batches) and still plan."""
+    plan = make_plan(_profile(8), LOCAL4, 8, num_microbatches=8)
+    assert (plan.replicas, plan.num_microbatches) == (1, 8)

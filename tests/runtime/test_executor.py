@@ -207,27 +207,31 @@ def test_pipeline_gradients_equal_single_process(cuts, replicas, k, j):
     mp.spawn(_worker, args=(world, _free_port(), cuts, replicas, k, j), nprocs=world, join=True)
 
 
-def _release_worker(rank: int, port: int, out: str) -> None:
-    """2 stages, m=4: record each rank's sends, receives and the waits on its sends."""
+def _release_worker(
+    rank: int, port: int, out: str, stages: int, m: int, k: int, j: int, schedule: str
+) -> None:
+    """Record each rank's receives, sends and the waits on its sends over two steps."""
     import lightning_autopipe.runtime.executor as ex_mod
+    from lightning_autopipe.planner.schedule import SCHEDULES
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=stages, timeout=timedelta(seconds=60))
     events: list[tuple[str, int]] = []
 
     class Tracked:
-        def __init__(self, work, unit):
-            self.work, self.unit = work, unit
+        def __init__(self, work, name, unit):
+            self.work, self.name, self.unit = work, name, unit
 
         def wait(self):
-            events.append(("wait", self.unit))
+            events.append((self.name, self.unit))
             return self.work.wait()
 
     def send(tensors, dst, tag, device, ack=0):
         works = ex_mod_send(tensors, dst, tag, device, ack)
-        events.extend([("send", tag // 2)] * len(works))  # one per work: header, tensors
-        return [(Tracked(w, tag // 2), buf) for w, buf in works]
+        kind = "b" if tag % 2 else "f"
+        events.extend([("send_" + kind, tag // 2)] * len(works))  # per work: header, tensors
+        return [(Tracked(w, "wait_" + kind, tag // 2), buf) for w, buf in works]
 
     def recv(src, tag, device):
         got = ex_mod_recv(src, tag, device)
@@ -236,24 +240,27 @@ def _release_worker(rank: int, port: int, out: str) -> None:
 
     ex_mod_send, ex_mod_recv = ex_mod.send_tensors, ex_mod.recv_tensors
     ex_mod.send_tensors, ex_mod.recv_tensors = send, recv
+    gen = SCHEDULES[schedule]
     try:
-        plan = _plan([0, 2, 4], 1, m=4, k=1, batch=8)
-        lay = layout_for_rank(plan, ["cpu0:0", "cpu0:1"], rank)
+        cuts = [round(4 * i / stages) for i in range(stages + 1)]
+        plan = _plan(cuts, 1, m=m, k=k, batch=8, j=j)
+        lay = layout_for_rank(plan, [f"cpu0:{i}" for i in range(stages)], rank)
         groups = build_groups(lay, [], timeout=timedelta(seconds=60))
         torch.manual_seed(0)
-        i, j = plan.stages[lay.stage].blocks
+        a, b = plan.stages[lay.stage].blocks
         ex = PipelineExecutor(
-            ToyStage(ToyChain(), i, j),
+            ToyStage(ToyChain(), a, b),
             lay,
             groups,
-            num_microbatches=4,
-            startup_slices=1,
-            train_schedule=lambda m_, k_, j_: lower_communication(_one_f_one_b(2, m_, k_, j_))[
+            num_microbatches=m,
+            startup_slices=k,
+            drain_slices=j,
+            train_schedule=lambda m_, k_, j_: lower_communication(gen(stages, m_, k_, j_))[
                 lay.stage
             ],
-            eval_schedule=lambda m_: lower_communication(_forward_only(2, m_))[lay.stage],
-            inputs_fn=lambda b: b[0],
-            flatten_inputs=lambda a: (a,),
+            eval_schedule=lambda m_: lower_communication(_forward_only(stages, m_))[lay.stage],
+            inputs_fn=lambda x: x[0],
+            flatten_inputs=lambda x: (x,),
             unflatten_outputs=lambda outs: outs[0],
             loss_fn=toy_loss,
             device=torch.device("cpu"),
@@ -261,24 +268,45 @@ def _release_worker(rank: int, port: int, out: str) -> None:
         ex.train_step((torch.randn(8, 6), torch.randn(8, 6)))
         ex.train_step((torch.randn(8, 6), torch.randn(8, 6)))  # counts start afresh each step
         torch.save(events, f"{out}.rank{rank}")
+        ex.close()
         destroy_groups(groups)
     finally:
         ex_mod.send_tensors, ex_mod.recv_tensors = ex_mod_send, ex_mod_recv
         dist.destroy_process_group()
 
 
-def _waits_after(events: list[tuple[str, int]], kind: str) -> dict[int, set[int]]:
-    """For each ``kind`` receive: the units whose sends were waited right after it."""
+def _waits_after(events: list[tuple[str, int]], kind: str, wait: str) -> dict[int, set[int]]:
+    """For each ``kind`` receive: the units whose ``wait`` sends were waited right after it."""
     got: dict[int, set[int]] = {}
     for pos, (k, unit) in enumerate(events):
         if k != kind:
             continue
         waits = got.setdefault(unit, set())
         for later, later_unit in events[pos + 1 :]:
-            if later != "wait":
+            if not later.startswith("wait"):
                 break
-            waits.add(later_unit)
+            if later == wait:
+                waits.add(later_unit)
     return got
+
+
+def _release_events(tmp_path, stages, m, k, j, schedule):
+    out = str(tmp_path / "events")
+    args = (_free_port(), out, stages, m, k, j, schedule)
+    mp.spawn(_release_worker, args=args, nprocs=stages, join=True)
+    steps = []
+    for r in range(stages):
+        events = torch.load(f"{out}.rank{r}")
+        half = len(events) // 2
+        assert events[:half] == events[half:]  # both steps alike
+        steps.append(events[:half])
+    return steps
+
+
+def _check_waited_once(events):
+    for kind in ("f", "b"):
+        sent = sorted(u for k, u in events if k == "send_" + kind)
+        assert sorted(u for k, u in events if k == "wait_" + kind) == sent
 
 
 def test_sends_are_released_as_soon_as_they_are_proven_received(tmp_path):
@@ -287,15 +315,31 @@ def test_sends_are_released_as_soon_as_they_are_proven_received(tmp_path):
     that unit's gradient arrives; rank 1 waits each gradient send when rank 0's next activation
     message acknowledges it: in 1F1B rank 0 sends unit 2 after receiving gradient 0 and unit 3
     after gradient 1, so gradient sends 0 and 1 are released there; 2 and 3 at the end."""
-    out = str(tmp_path / "events")
-    mp.spawn(_release_worker, args=(_free_port(), out), nprocs=2, join=True)
-    first, last = torch.load(f"{out}.rank0"), torch.load(f"{out}.rank1")
-    half = len(first) // 2  # two identical steps
-    assert first[:half] == first[half:]
-    assert _waits_after(first[:half], "grad") == {u: {u} for u in range(4)}
-    half = len(last) // 2
-    assert last[:half] == last[half:]
-    assert _waits_after(last[:half], "act") == {0: set(), 1: set(), 2: {0}, 3: {1}}
-    for events in (first, last):  # every work waited exactly once
-        sent = sorted(u for k, u in events if k == "send")
-        assert sorted(u for k, u in events if k == "wait") == sent
+    first, last = _release_events(tmp_path, 2, 4, 1, 1, "1f1b")
+    assert _waits_after(first, "grad", "wait_f") == {u: {u} for u in range(4)}
+    assert _waits_after(last, "act", "wait_b") == {0: set(), 1: set(), 2: {0}, 3: {1}}
+    for events in (first, last):
+        _check_waited_once(events)
+
+
+@pytest.mark.parametrize(
+    ("stages", "m", "k", "j", "schedule"), [(3, 3, 2, 2, "1f1b"), (3, 4, 1, 1, "gpipe")]
+)
+def test_every_send_is_waited_once_and_only_when_proven_received(tmp_path, stages, m, k, j,
+                                                                 schedule):
+    """A middle stage both acknowledges and releases. Activation sends are waited right after
+    their unit's gradient on every schedule; gradient sends are released early by 1F1B (units
+    in order on both sides) and only at the end of the step by GPipe (reversed backwards)."""
+    ranks = _release_events(tmp_path, stages, m, k, j, schedule)
+    for rank, events in enumerate(ranks):
+        _check_waited_once(events)
+        grads = _waits_after(events, "grad", "wait_f")
+        assert all(got == {u} for u, got in grads.items()), (rank, grads)
+        last_recv = max(i for i, (kind, _) in enumerate(events) if kind in ("act", "grad"))
+        early = [u for i, (kind, u) in enumerate(events) if kind == "wait_b" and i < last_recv]
+        if rank == 0:
+            assert not early  # the first stage sends no gradients
+        elif schedule == "gpipe":
+            assert not early, (rank, events)
+        else:
+            assert early, (rank, events)  # released before the step's last receive

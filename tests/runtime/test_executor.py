@@ -127,6 +127,27 @@ def _worker(
         dist.destroy_process_group()
 
 
+def _toy_executor(stage, lay, groups, m, k, j, gen, tied=()) -> PipelineExecutor:
+    """An executor of the toy chain's ``stage`` under schedule generator ``gen``."""
+    S = lay.num_stages
+    return PipelineExecutor(
+        stage,
+        lay,
+        groups,
+        num_microbatches=m,
+        startup_slices=k,
+        drain_slices=j,
+        train_schedule=lambda m_, k_, j_: lower_communication(gen(S, m_, k_, j_))[lay.stage],
+        eval_schedule=lambda m_: lower_communication(_forward_only(S, m_))[lay.stage],
+        inputs_fn=lambda b: b[0],
+        flatten_inputs=lambda a: (a,),
+        unflatten_outputs=lambda outs: outs[0],
+        loss_fn=toy_loss,
+        device=torch.device("cpu"),
+        tied=tied,
+    )
+
+
 def _check_rank(
     rank: int, world: int, cuts: list[int], replicas: int, k: int, drain: int
 ) -> None:
@@ -147,24 +168,7 @@ def _check_rank(
     i, j = plan.stages[lay.stage].blocks
     stage = ToyStage(chain, i, j)
     tied = [TiedParameter(0, chain.E, counted=lay.is_first)] if (i == 0 or j == 4) else []
-    ex = PipelineExecutor(
-        stage,
-        lay,
-        groups,
-        num_microbatches=m,
-        startup_slices=k,
-        drain_slices=drain,
-        train_schedule=lambda m_, k_, j_: lower_communication(_one_f_one_b(S, m_, k_, j_))[
-            lay.stage
-        ],
-        eval_schedule=lambda m_: lower_communication(_forward_only(S, m_))[lay.stage],
-        inputs_fn=lambda b: b[0],
-        flatten_inputs=lambda a: (a,),
-        unflatten_outputs=lambda outs: outs[0],
-        loss_fn=toy_loss,
-        device=torch.device("cpu"),
-        tied=tied,
-    )
+    ex = _toy_executor(stage, lay, groups, m, k, drain, _one_f_one_b, tied)
     per = batch // replicas
     shard = (
         x[lay.replica * per : (lay.replica + 1) * per],
@@ -248,23 +252,7 @@ def _release_worker(
         groups = build_groups(lay, [], timeout=timedelta(seconds=60))
         torch.manual_seed(0)
         a, b = plan.stages[lay.stage].blocks
-        ex = PipelineExecutor(
-            ToyStage(ToyChain(), a, b),
-            lay,
-            groups,
-            num_microbatches=m,
-            startup_slices=k,
-            drain_slices=j,
-            train_schedule=lambda m_, k_, j_: lower_communication(gen(stages, m_, k_, j_))[
-                lay.stage
-            ],
-            eval_schedule=lambda m_: lower_communication(_forward_only(stages, m_))[lay.stage],
-            inputs_fn=lambda x: x[0],
-            flatten_inputs=lambda x: (x,),
-            unflatten_outputs=lambda outs: outs[0],
-            loss_fn=toy_loss,
-            device=torch.device("cpu"),
-        )
+        ex = _toy_executor(ToyStage(ToyChain(), a, b), lay, groups, m, k, j, gen)
         ex.train_step((torch.randn(8, 6), torch.randn(8, 6)))
         ex.train_step((torch.randn(8, 6), torch.randn(8, 6)))  # counts start afresh each step
         torch.save(events, f"{out}.rank{rank}")

@@ -296,16 +296,18 @@ class _Shape:
 
 
 def _slice_term(
-    stages: int, size: int, tau: Callable[[float], float], pin: int | None, max_slices: int
+    fill: float, size: int, tau: Callable[[float], float], pin: int | None, max_slices: int
 ) -> float:
-    """Closed-form cost of one end micro-batch of ``size`` samples cut into its best q slices.
+    """Closed-form cost of a micro-batch of ``size`` samples cut into its best q slices.
 
-    Each stage runs the q slices (``q * tau(size / q)``) and the fill (or drain) lasts half a
-    pipeline of one slice (``(stages - 1) / 2 * tau(size / q)``); with q = 1 both ends of a
-    plain 1F1B together give its ``(stages - 1) * tau`` bubble. A pinned count is taken as is.
+    Each stage runs the q slices (``q * tau(size / q)``), and the pipeline waits ``fill`` slice
+    times for them: ``stages - 1`` when the micro-batch is the only one (its slices both fill
+    and drain the pipeline), half of that for one end of several micro-batches (with q = 1 the
+    two ends of a plain 1F1B together give its ``(stages - 1) * tau`` bubble). A pinned count
+    is taken as is.
     """
     qs = [pin] if pin else range(1, min(max_slices, size) + 1)
-    return min((q + (stages - 1) / 2) * tau(size / q) for q in qs)
+    return min((q + fill) * tau(size / q) for q in qs)
 
 
 def _shapes(
@@ -379,11 +381,10 @@ def _shapes(
                 size = batch // (m * r)
                 scale = size / mbs
                 if m == 1:  # one micro-batch: startup slices only
-                    qs = [k_pin] if k_pin else range(1, min(limit, size) + 1)
-                    est = min((q + s - 1) * tau(size / q) for q in qs)
+                    est = _slice_term(s - 1, size, tau, k_pin, limit)
                 else:
                     est = (m - 2) * tau(size) + sum(
-                        _slice_term(s, size, tau, pin, limit) for pin in (k_pin, j_pin)
+                        _slice_term((s - 1) / 2, size, tau, pin, limit) for pin in (k_pin, j_pin)
                     )
                 est += 2 * (s - 1) * hop * scale + ar
                 need = params / s * (2 + optimizer_factor) + mem / s * scale * min(s, m)

@@ -535,9 +535,9 @@ class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
         if "clip_grad_by_norm" in vars(self.precision_plugin):
             del self.precision_plugin.clip_grad_by_norm
         if self._pipe is not None:
-            self._pipe.executor.close()
-        if self._pipe is not None and self._pipe.groups is not None:
-            destroy_groups(self._pipe.groups)
+            self._pipe.executor.close()  # its hooks hold the groups: release them first
+            if self._pipe.groups is not None:
+                destroy_groups(self._pipe.groups)
         self._pipe = None
         if self._watch is not None:
             self._watch.disarm()

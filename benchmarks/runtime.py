@@ -277,13 +277,14 @@ def _profile_worker(rank: int, port: int, out: str) -> None:
     ranks profile together so the figures include the contention for the shared cores, caches
     and memory bandwidth that training sees.
     """
-    from lightning_autopipe.runtime.calibrate import measure_link
+    from lightning_autopipe.runtime.calibrate import measure_link, measure_reduce
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
     try:
         link = measure_link()
+        link = (*link, measure_reduce(link))
     finally:
         dist.destroy_process_group()
     # One profile per micro-batch size: on a CPU a block's time is not linear in the batch
@@ -345,9 +346,13 @@ def main() -> None:
     got = json.loads(prof_out.read_text())
     prof_out.unlink()
     profiles = {int(k): Profile.from_json(v) for k, v in got["profiles"].items()}
-    latency_us, gbps = got["link"]
-    print(f"planning (gloo link measured: {gbps:.1f} Gb/s, {latency_us:.0f} us) ...", flush=True)
-    cluster = Cluster.local(WORLD, gbps=gbps, latency_us=latency_us)
+    latency_us, gbps, reduce = got["link"]
+    print(
+        f"planning (gloo link measured: {gbps:.1f} Gb/s, {latency_us:.0f} us; all-reduce "
+        f"reduces at {reduce:.1f} Gb/s) ...",
+        flush=True,
+    )
+    cluster = Cluster.local(WORLD, gbps=gbps, latency_us=latency_us, reduce_gbps=reduce)
     names = [d.name for d in cluster.devices]
     common = dict(devices=names, uniform_replicas=True, use_all_devices=True)
     pinned = _pinned_sliced(profiles, cluster, common)
@@ -408,7 +413,9 @@ def main() -> None:
             f"before/after {load0[0]:.2f}/{load1[0]:.2f} on {os.cpu_count()} cores. Predictions: "
             f"blocks profiled on both ranks at once inside whole forward/backward passes (loss "
             f"on the last block), gloo link measured at {gbps:.1f} Gb/s and {latency_us:.0f} us "
-            "per message. 'predicted ms': the simulator on the profile the plans were made from "
+            f"per message, its all-reduce reducing at {reduce:.1f} Gb/s (the sums and copies "
+            "a gradient all-reduce does on the CPU besides moving the bytes). 'predicted ms': "
+            "the simulator on the profile the plans were made from "
             "(taken before the timings); 'pred. same round': on a profile taken by both ranks at "
             "the start of the round whose timing is reported (the machine's speed drifts by "
             "several percent over minutes).",

@@ -10,7 +10,7 @@ A cluster is read from YAML (``conf/cluster/*.yaml``) and validated on load::
         count: 2                # optional, default 1
         gpus: 8
         nic_gbps: 25            # optional: this server's NIC, default network_gbps
-        device: {name: V100-32GB, speed: 0.45, memory_gb: 32}  # optional overhead_ms (default 0)
+        device: {name: V100-32GB, speed: 0.45, memory_gb: 32}  # optional: overhead_ms, reduce_gbps
         levels:                 # innermost first: group size -> bandwidth between its members
           - {size: 2, gbps: 100}          # optional latency_us per level (default 2)
           - {size: 4, gbps: 64}
@@ -19,7 +19,12 @@ A cluster is read from YAML (``conf/cluster/*.yaml``) and validated on load::
 Level rules (so that every pair of GPUs in a server shares exactly one innermost level): sizes
 strictly increase, each divides the next, and the last equals ``gpus``. GPU ``i`` belongs to
 group ``i // size`` of a level. ``speed`` is throughput relative to the device the profile was
-measured on; ``memory_gb`` is GiB (2**30 bytes).
+measured on; ``memory_gb`` is GiB (2**30 bytes). ``overhead_ms`` is a fixed cost per compute
+action (default 0). ``reduce_gbps`` is how fast the device's collective backend does its own
+part of a gradient all-reduce (summing and copying the bytes it reduces), in Gb/s of reduced
+bytes; absent (the default), that work is free next to the links, as NCCL's is on a GPU. gloo on
+a CPU is not: two local processes reduce at about 10 Gb/s while their link moves 30 Gb/s, so
+:meth:`Cluster.local` takes the measured figure.
 
 Contention resources (:meth:`Cluster.link_resources`) are directional: a transfer whose innermost
 shared level is ``L`` occupies the uplink of the sender's level-``L-1`` group out of it and of the
@@ -49,18 +54,20 @@ _DEFAULT_NETWORK_LATENCY_US = 20.0
 
 _TOP_KEYS = {"name", "network_gbps", "network_latency_us", "servers", "description"}
 _SERVER_KEYS = {"name", "count", "gpus", "device", "levels", "nic_gbps"}
-_DEVICE_KEYS = {"name", "speed", "memory_gb", "overhead_ms"}
+_DEVICE_KEYS = {"name", "speed", "memory_gb", "overhead_ms", "reduce_gbps"}
 _LEVEL_KEYS = {"size", "gbps", "latency_us"}
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """A kind of accelerator: relative speed, memory and a fixed cost per compute action."""
+    """A kind of accelerator: relative speed, memory, a fixed cost per compute action and the
+    rate at which its collective backend reduces gradient bytes (``inf``: free)."""
 
     name: str
     speed: float
     memory_gb: float
     overhead_ms: float = 0.0
+    reduce_gbps: float = math.inf
 
     @property
     def memory_bytes(self) -> int:
@@ -205,11 +212,14 @@ class Cluster:
         memory_gb: float = 16.0,
         gbps: float = 2.0,
         latency_us: float = 50.0,
+        reduce_gbps: float = math.inf,
     ) -> Cluster:
         """The launched processes as one homogeneous server named ``local``.
 
         The defaults describe CPU processes talking through gloo on one machine (about 2 Gb/s
-        and 50 us per message, measured on the development machines).
+        and 50 us per message, measured on the development machines) with the all-reduce's own
+        work left out; the strategy measures all three instead
+        (:mod:`lightning_autopipe.runtime.calibrate`).
         """
         if world_size < 1:
             raise ClusterError(f"Cluster.local needs world_size >= 1, got {world_size}")
@@ -217,7 +227,9 @@ class Cluster:
             name="local",
             count=1,
             gpus=int(world_size),
-            device=DeviceSpec(device_name, float(speed), float(memory_gb)),
+            device=DeviceSpec(
+                device_name, float(speed), float(memory_gb), reduce_gbps=float(reduce_gbps)
+            ),
             levels=(Level(int(world_size), float(gbps), float(latency_us)),),
         )
         return cls(name="local", network_gbps=math.inf, network_latency_us=0.0, servers=[spec])
@@ -232,6 +244,8 @@ class Cluster:
             }
             if s.device.overhead_ms:
                 dev["overhead_ms"] = s.device.overhead_ms
+            if math.isfinite(s.device.reduce_gbps):
+                dev["reduce_gbps"] = s.device.reduce_gbps
             entry: dict[str, Any] = {
                 "name": s.name,
                 "count": s.count,
@@ -361,7 +375,8 @@ class Cluster:
         """Uncontended ring all-reduce of ``nbytes`` over ``devices``.
 
         ``2 (n-1)/n * bytes`` cross every ring edge, so the slowest edge sets the pace; each of
-        the ``2 (n-1)`` steps pays the slowest edge's latency once.
+        the ``2 (n-1)`` steps pays the slowest edge's latency once; the reduction itself adds
+        :meth:`reduce_ms_per_byte`.
         """
         ring = self.ring_order(list(devices))
         n = len(ring)
@@ -371,7 +386,25 @@ class Cluster:
         bw = min(self.bandwidth_gbps(a, b) for a, b in edges)
         lat = max(self.latency_us(a, b) for a, b in edges)
         volume = 2 * (n - 1) / n * nbytes
-        return volume / (bw * BYTES_PER_MS_PER_GBPS) + 2 * (n - 1) * lat / 1e3
+        return (
+            volume / (bw * BYTES_PER_MS_PER_GBPS)
+            + 2 * (n - 1) * lat / 1e3
+            + nbytes * self.reduce_ms_per_byte(ring)
+        )
+
+    def reduce_ms_per_byte(self, devices: list[str]) -> float:
+        """The reduction's own time per gradient byte of a ring all-reduce over ``devices``.
+
+        Each member reduces ``(n-1)/n`` of the bytes (its share of the reduce-scatter), all at
+        once, so the slowest member's ``reduce_gbps`` sets the pace; it does not share links, so
+        it adds to the transfers rather than contending with them. 0 for one device or when
+        every device reduces for free.
+        """
+        n = len(devices)
+        if n <= 1:
+            return 0.0
+        rate = min(self.device(d).spec.reduce_gbps for d in devices)
+        return (n - 1) / n / (rate * BYTES_PER_MS_PER_GBPS)
 
 
 # ---------------------------------------------------------------------- validation helpers
@@ -435,6 +468,9 @@ def _parse_server(raw: Any, i: int) -> ServerSpec:
             _require(dev, "memory_gb", f"{where} device"), "memory_gb", f"{where} device"
         ),
         overhead_ms=_non_negative(dev.get("overhead_ms", 0.0), "overhead_ms", f"{where} device"),
+        reduce_gbps=_positive(
+            dev.get("reduce_gbps", math.inf), "reduce_gbps", f"{where} device"
+        ),
     )
     levels_raw = _require(raw, "levels", where)
     if not isinstance(levels_raw, list) or not levels_raw:

@@ -32,7 +32,7 @@ def _contended_gbps(cluster: Cluster, pairs: list[tuple[str, str]]) -> float:
 def _allreduce_costs(
     cluster: Cluster, groups: list[list[str]], contended: bool = True
 ) -> tuple[list[float], list[float]]:
-    """Per group: ring all-reduce (latency ms, ms per parameter byte), all rings contending.
+    """Per group: ring all-reduce (latency ms, ms per parameter byte on the links).
 
     The stages' all-reduces run at the end of the step, close together; rings whose edges
     share a NIC or a PCIe level split its bandwidth, which decides between keeping a stage's
@@ -67,6 +67,11 @@ def _allreduce_costs(
     return lat, per_byte
 
 
+def _reduce_costs(cluster: Cluster, groups: list[list[str]]) -> list[float]:
+    """Per group: the ring all-reduce's own reduction time per gradient byte (no link shared)."""
+    return [cluster.reduce_ms_per_byte(list(g)) for g in groups]
+
+
 def _ring_resources(
     cluster: Cluster, groups: list[list[str]]
 ) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[float, ...]]:
@@ -95,13 +100,19 @@ def _ring_resources(
     return tuple(rings), tuple(caps)
 
 
+def _reduce_of(layout: Any, s: int) -> float:
+    """Stage ``s``'s reduction time per gradient byte (0 for layouts built without it)."""
+    return layout.ar_reduce_ms_per_byte[s] if layout.ar_reduce_ms_per_byte else 0.0
+
+
 def _allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) -> list[float]:
     """When each stage's gradient all-reduce ends, rings sharing links splitting their bandwidth.
 
     A small fluid model: each ring starts when its stage's last action ends and moves
     ``2 (n - 1) / n`` of the gradient bytes over every edge; an edge gets an equal share of each
     resource it crosses, a ring advances at its slowest edge's rate, and rates are recomputed
-    whenever a ring starts or ends. The optimistic layout uses uncontended rings instead.
+    whenever a ring starts or ends; the reduction's own work (no link) adds to each ring's end.
+    The optimistic layout uses uncontended rings instead.
     """
     num = len(stage_end)
     out = list(stage_end)
@@ -110,10 +121,12 @@ def _allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) 
         edges = layout.ar_rings[s] if layout.ar_rings else ()
         if len(edges) > 1 and nbytes[s] > 0:
             if layout.optimistic:
-                out[s] = stage_end[s] + layout.ar_lat_ms[s] + nbytes[s] * layout.ar_ms_per_byte[s]
+                per_byte = layout.ar_ms_per_byte[s] + _reduce_of(layout, s)
+                out[s] = stage_end[s] + layout.ar_lat_ms[s] + nbytes[s] * per_byte
             else:
                 n = len(edges)
-                jobs[s] = [stage_end[s], 2 * (n - 1) / n * nbytes[s]]
+                reduce = nbytes[s] * _reduce_of(layout, s)
+                jobs[s] = [stage_end[s], 2 * (n - 1) / n * nbytes[s], reduce]
     if not jobs:
         return out
     caps = layout.ar_caps
@@ -137,7 +150,7 @@ def _allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) 
             active[s] -= rate[s] * step
             if active[s] <= 1e-9 * jobs[s][1] + 1e-12:
                 del active[s]
-                out[s] = t + step + layout.ar_lat_ms[s]
+                out[s] = t + step + layout.ar_lat_ms[s] + jobs[s][2]
         t += step
         if not active and pending:
             t = max(t, jobs[pending[0]][0])

@@ -34,6 +34,7 @@ from lightning_autopipe.planner._links import (
     _allreduce_finish,
     _contended_gbps,
     _pairs,
+    _reduce_costs,
     _ring_resources,
 )
 from lightning_autopipe.planner.schedule import Kind, Schedule, spans, unit_sizes
@@ -96,10 +97,11 @@ class Layout:
     link_lat_ms: tuple[float, ...]  # cut s: stage s <-> s + 1
     link_ms_per_byte: tuple[float, ...]
     ar_lat_ms: tuple[float, ...]
-    ar_ms_per_byte: tuple[float, ...]  # uncontended ring
+    ar_ms_per_byte: tuple[float, ...]  # uncontended ring, links only
     optimistic: bool = False  # a lower bound of simulate(): no link queues, fastest replicas
     ar_rings: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per stage: resources of each edge
     ar_caps: tuple[float, ...] = ()  # bytes per ms of each resource
+    ar_reduce_ms_per_byte: tuple[float, ...] = ()  # per stage: the reduction's own work
 
     @property
     def num_stages(self) -> int:
@@ -112,7 +114,8 @@ class Layout:
     def signature(self) -> tuple:
         """Everything but the device names: layouts with equal signatures cost the same."""
         return (self.replicas, self.speeds, self.capacity, self.overhead_ms, self.link_lat_ms,
-                self.link_ms_per_byte, self.ar_lat_ms, self.ar_ms_per_byte)
+                self.link_ms_per_byte, self.ar_lat_ms, self.ar_ms_per_byte,
+                self.ar_reduce_ms_per_byte)
 
     @classmethod
     def from_cluster(
@@ -152,6 +155,7 @@ class Layout:
             optimistic=optimistic,
             ar_rings=rings,
             ar_caps=caps,
+            ar_reduce_ms_per_byte=tuple(_reduce_costs(cluster, [list(g) for g in groups])),
         )
 
 

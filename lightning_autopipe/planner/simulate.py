@@ -23,7 +23,8 @@ Cost model (the one every planner here is judged by):
 * **All-reduce.** After the last action of all replicas of a stage, its gradients
   (``param_bytes``) are all-reduced in a ring (rank order): every replica sends
   ``2 (r-1)/r * bytes`` to its ring neighbour as one flow (contending like any transfer), and
-  the ring finishes when its slowest flow does plus ``2 (r-1)`` times the slowest hop's latency;
+  the ring finishes when its slowest flow does plus ``2 (r-1)`` times the slowest hop's latency
+  plus the reduction's own work (:meth:`Cluster.reduce_ms_per_byte`, which shares no link);
   uncontended, that is exactly :meth:`Cluster.allreduce_ms`.
 * **Results.** Iteration time = when the last device finishes (all-reduce included); bubble
   fraction = ``1 - mean(busy compute) / iteration``; peak memory per device = parameters x
@@ -314,7 +315,8 @@ def simulate(
         n = len(ring)
         nbytes = 2 * (n - 1) / n * costs[s].param_bytes
         lat = max(cluster.latency_us(ring[i], ring[(i + 1) % n]) for i in range(n)) / 1e3
-        ar_state[s] = [n, now, 2 * (n - 1) * lat]
+        reduce = costs[s].param_bytes * cluster.reduce_ms_per_byte(ring)  # local work, no link
+        ar_state[s] = [n, now, 2 * (n - 1) * lat + reduce]
         for i in range(n):
             gbps, _, res = link(ring[i], ring[(i + 1) % n])
             start_flow(now, nbytes, gbps, 0.0, res, ("ar", s))  # latency: per ring step, above

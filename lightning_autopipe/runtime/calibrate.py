@@ -1,15 +1,18 @@
-"""Measure the launched processes' link (latency per message, bandwidth) for the local cluster.
+"""Measure the launched processes' link and all-reduce for the local cluster.
 
 Without a cluster file the strategy describes the launched world as ``Cluster.local``, and the
 planner prices every pipeline transfer and every data-parallel gradient all-reduce with that
-cluster's link figures. Fixed defaults can be off several times over (gloo between two local
+cluster's figures. Fixed defaults can be off several times over (gloo between two local
 processes moves 12-18 Gb/s for MB-sized messages, not 2), which makes the planner shy away from
 data parallelism where it is the fastest layout. So the link is measured once, on the process
-group the run uses, before planning.
+group the run uses, before planning (:func:`measure_link`), and then a real all-reduce
+(:func:`measure_reduce`): on a CPU, gloo's all-reduce takes about three times what its bytes
+need on that link (it sums and copies them on the same cores), which the link alone misses.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -17,10 +20,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["fit_link", "link_device", "measure_link"]
+__all__ = ["fit_link", "fit_reduce", "link_device", "measure_link", "measure_reduce"]
 
 #: No process-group message is cheaper than this (a floor for a noisy or negative fit).
 MIN_LATENCY_US = 1.0
+#: An all-reduce within this fraction of what its link needs has a free reduction (noise).
+REDUCE_NOISE = 0.05
 _TAG = 0
 
 
@@ -139,3 +144,76 @@ def measure_link(
     dist.broadcast(out, ranks[0], group=group)
     latency_us, gbps = out.tolist()
     return float(latency_us), float(gbps)
+
+
+def fit_reduce(
+    world: int, nbytes: int, seconds: float, latency_us: float, gbps: float
+) -> float:
+    """``reduce_gbps`` that makes :meth:`Cluster.allreduce_ms` match a measured all-reduce.
+
+    A ring all-reduce of ``nbytes`` over ``world`` ranks moves ``2 (w-1)/w * nbytes`` over a link
+    of ``gbps`` and pays ``2 (w-1)`` latencies; each rank also reduces ``(w-1)/w * nbytes``. What
+    the measured ``seconds`` exceed the link part by is that reduction: its rate is returned in
+    Gb/s of reduced bytes. ``inf`` (free) when the link explains the time to within
+    :data:`REDUCE_NOISE`, or for a single rank.
+    """
+    if world < 2 or nbytes <= 0:
+        return math.inf
+    frac = (world - 1) / world
+    link_s = 2 * frac * nbytes * 8 / (gbps * 1e9) + 2 * (world - 1) * latency_us / 1e6
+    extra = seconds - link_s
+    if extra <= REDUCE_NOISE * seconds:
+        return math.inf
+    return float(frac * nbytes * 8 / extra / 1e9)
+
+
+def measure_reduce(
+    link: tuple[float, float],
+    group: dist.ProcessGroup | None = None,
+    *,
+    device: torch.device | None = None,
+    nbytes: int = 16 * 2**20,
+    warmup: int = 1,
+    repeats: int = 5,
+) -> float | None:
+    """``reduce_gbps`` of ``group``'s all-reduce (see :func:`fit_reduce`); collective.
+
+    Every rank of ``group`` all-reduces a float32 buffer of ``nbytes`` (gradient-sized: the
+    reduction's rate on a CPU depends on the bytes leaving the caches) after a barrier,
+    ``warmup`` times and then ``repeats`` timed times; rank 0's fastest run (noise only adds
+    time) is fitted against ``link`` = ``(latency_us, gbps)`` from :func:`measure_link` and
+    broadcast, so every rank plans from the same figure. Each collective is bounded by the
+    group's timeout.
+
+    Returns:
+        None when ``torch.distributed`` is not initialized, the group has a single rank, or
+        this process is not a member.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    me = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    if me < 0 or world < 2:
+        return None
+    if nbytes < 4 or warmup < 0 or repeats < 1:
+        raise ValueError(
+            f"need nbytes >= 4, warmup >= 0 and repeats >= 1, got {nbytes}, {warmup}, {repeats}"
+        )
+    dev = link_device(group, device)
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    times = []
+    for r in range(warmup + repeats):
+        dist.barrier(group=group)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if r >= warmup:
+            times.append(time.perf_counter() - start)
+    rate = fit_reduce(world, buf.numel() * 4, min(times), *link)
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    out = torch.tensor([rate], dtype=torch.float64, device=dev)
+    dist.broadcast(out, ranks[0], group=group)
+    return float(out.item())

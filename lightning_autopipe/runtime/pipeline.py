@@ -6,6 +6,7 @@ Kept apart from the Lightning strategy so the benchmark and tests can build a pi
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,21 +65,23 @@ def resolve_cluster(
 
     ``exact`` requires the cluster to describe exactly the launched devices (not more). For
     None, with ``calibrate``, more than one process and ``torch.distributed`` initialized, the
-    link of ``Cluster.local`` is measured (:func:`~lightning_autopipe.runtime.calibrate.
-    measure_link`, a collective: every rank calls this before any other collective, in the same
-    order) instead of assumed, since the planner prices pipeline transfers and gradient
-    all-reduces with it; rank 0 reports the figures once. Otherwise the fixed defaults stay.
+    link of ``Cluster.local`` and its all-reduce's reduction rate are measured
+    (:func:`~lightning_autopipe.runtime.calibrate.measure_link` and ``measure_reduce``,
+    collectives: every rank calls this before any other collective, in the same order) instead
+    of assumed, since the planner prices pipeline transfers and gradient all-reduces with them;
+    rank 0 reports the figures once. Otherwise the fixed defaults stay.
     """
     from lightning_autopipe.cluster import Cluster
 
     if cluster is None:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        link = None
+        link = reduce = None
         if calibrate and world_size > 1 and dist.is_available() and dist.is_initialized():
-            from lightning_autopipe.runtime.calibrate import measure_link
+            from lightning_autopipe.runtime.calibrate import measure_link, measure_reduce
 
             link = measure_link(device=device)
-        if link is None:
+            reduce = measure_reduce(link, device=device) if link is not None else None
+        if link is None or reduce is None:
             return Cluster.local(world_size, device_name=name)
         latency_us, gbps = link
         if dist.get_rank() == 0:
@@ -86,9 +89,12 @@ def resolve_cluster(
 
             rank_zero_info(
                 f"local cluster: {dist.get_backend()} link measured at {gbps:.2f} Gb/s, "
-                f"{latency_us:.1f} us per message"
+                f"{latency_us:.1f} us per message; all-reduce reduces at "
+                + (f"{reduce:.2f} Gb/s" if math.isfinite(reduce) else "no extra cost")
             )
-        return Cluster.local(world_size, device_name=name, gbps=gbps, latency_us=latency_us)
+        return Cluster.local(
+            world_size, device_name=name, gbps=gbps, latency_us=latency_us, reduce_gbps=reduce
+        )
     if isinstance(cluster, str | Path):
         cluster = Cluster.load(cluster)
     cluster.validate_world_size(world_size, exact=exact)

@@ -195,6 +195,30 @@ def test_allreduce_is_the_ring_formula() -> None:
     assert c.allreduce_ms(["nv:0"], nbytes) == 0.0
 
 
+def test_the_reduction_adds_its_own_time_to_the_ring() -> None:
+    data = copy.deepcopy(RACK)
+    data["servers"][1]["device"]["reduce_gbps"] = 8  # the V100 servers' backend sums slowly
+    c = Cluster.from_dict(data)
+    nbytes = 100_000_000
+    devs = ["pcie0:0", "pcie0:1", "pcie0:2", "pcie0:3"]
+    ring = 2 * 3 / 4 * nbytes / (64 * BYTES_PER_MS_PER_GBPS) + 2 * 3 * 2.0 / 1e3
+    reduce = 3 / 4 * nbytes / (8 * BYTES_PER_MS_PER_GBPS)  # each rank reduces (n-1)/n of it
+    assert c.allreduce_ms(devs, nbytes) == pytest.approx(ring + reduce, rel=1e-12)
+    # one slow reducer in the ring sets the pace; the A100s alone reduce for free
+    mixed = ["nv:0", "pcie0:0"]
+    assert c.reduce_ms_per_byte(mixed) == pytest.approx(1 / 2 / (8 * BYTES_PER_MS_PER_GBPS))
+    assert c.reduce_ms_per_byte(["nv:0", "nv:1"]) == 0.0
+    assert c.reduce_ms_per_byte(["pcie0:0"]) == 0.0
+    assert Cluster.from_dict(yaml.safe_load(c.to_yaml())) == c
+    assert "reduce_gbps" not in yaml.safe_load(c.to_yaml())["servers"][0]["device"]
+    local = Cluster.local(2, gbps=30, latency_us=100, reduce_gbps=10)
+    assert local.devices[0].spec.reduce_gbps == 10
+    assert Cluster.from_dict(local.to_dict()) == local
+    data["servers"][1]["device"]["reduce_gbps"] = 0
+    with pytest.raises(ClusterError, match="reduce_gbps must be > 0"):
+        Cluster.from_dict(data)
+
+
 def test_validate_world_size() -> None:
     c = Cluster.from_dict(RACK)
     c.validate_world_size(24)

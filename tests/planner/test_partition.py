@@ -149,6 +149,28 @@ def test_fast_model_equals_simulator_without_contention():
         assert est.peak_bytes == pytest.approx(peaks, rel=1e-8)  # the simulator rounds to bytes
 
 
+@pytest.mark.parametrize("optimistic", [False, True])
+def test_fast_model_prices_the_reduction_as_the_simulator(optimistic):
+    """Replicas on CPUs whose all-reduce sums slowly: the fast model's step == simulate()'s.
+
+    One stage, so that the two models' transfers between replicas (which differ by a few
+    percent by design) do not enter; the all-reduce is then the whole difference to free links.
+    """
+    rng = random.Random(5)
+    slow = Cluster.local(4, gbps=20, latency_us=10, reduce_gbps=5)
+    for _ in range(10):
+        n, r, m = rng.randint(1, 9), rng.randint(2, 4), rng.randint(1, 6)
+        batch = m * 4 * r
+        prof = random_profile(rng, n)
+        groups = [[f"local:{i}" for i in range(r)]]
+        layout = Layout.from_cluster(slow, groups, optimistic=optimistic)
+        est = evaluate(BlockCosts.from_profile(prof), layout, [0, n], batch, m, 1)
+        sim = simulate(_plan([0, n], groups, batch, m, 1), prof, slow)
+        assert est.iteration_ms == pytest.approx(sim.iteration_ms, rel=1e-9)
+        params = sum(b.param_bytes for b in prof.blocks)
+        assert sim.allreduce_ms[0] == pytest.approx(slow.allreduce_ms(groups[0], params))
+
+
 def test_critical_stage_comes_from_the_critical_path_not_the_heaviest_stage():
     fwd = [3.68, 3.34, 1.59, 3.65, 2.15, 2.02, 3.7, 2.17]
     bwd = [10.89, 9.19, 3.69, 8.06, 1.62, 4.09, 10.78, 5.78]

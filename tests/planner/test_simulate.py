@@ -314,6 +314,20 @@ def test_allreduce_is_priced_by_the_ring_formula() -> None:
     assert sorted(e.device for e in ars) == devs
 
 
+def test_allreduce_adds_the_reduction_of_the_slowest_reducer() -> None:
+    # gloo on CPUs: links of 30 Gb/s, but each rank sums its share at 10 Gb/s
+    cl = Cluster.local(3, gbps=30, latency_us=100, reduce_gbps=10)
+    devs = ["local:0", "local:1", "local:2"]
+    nbytes = 30_000_000
+    res = simulate(Plan("t", 3 * MBS, 1, 1, [StagePlan((0, 1), devs)]),
+                   _profile([1.0], [2.0], params=nbytes), cl)
+    ring = 2 * 2 / 3 * nbytes / (30 * BYTES_PER_MS_PER_GBPS) + 2 * 2 * 100 / 1e3
+    reduce = 2 / 3 * nbytes / (10 * BYTES_PER_MS_PER_GBPS)
+    assert res.allreduce_ms[0] == pytest.approx(ring + reduce, rel=1e-9)
+    assert res.allreduce_ms[0] == pytest.approx(cl.allreduce_ms(devs, nbytes), rel=1e-9)
+    assert res.iteration_ms == pytest.approx(3.0 + ring + reduce, rel=1e-9)
+
+
 def test_peak_memory_counts_parameters_optimizer_and_activations() -> None:
     params, mem = [1000, 3000], [100, 10]
     prof = _profile([1.0, 1.0], [1.0, 1.0], mem=mem, params=params)

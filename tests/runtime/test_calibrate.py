@@ -15,7 +15,13 @@ import torch.multiprocessing as mp
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.runtime import calibrate
-from lightning_autopipe.runtime.calibrate import MIN_LATENCY_US, fit_link, measure_link
+from lightning_autopipe.runtime.calibrate import (
+    MIN_LATENCY_US,
+    fit_link,
+    fit_reduce,
+    measure_link,
+    measure_reduce,
+)
 from lightning_autopipe.runtime.pipeline import resolve_cluster
 
 CPU = torch.device("cpu")
@@ -44,9 +50,24 @@ def test_fit_link_floors_noisy_fits():
         fit_link((4 * MB, 1e-3), (4 * KB, 1e-4))
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fit_reduce_recovers_the_rate_the_cluster_prices(world):
+    # The reference: what Cluster.allreduce_ms predicts for a known reduction rate.
+    devs = [f"local:{i}" for i in range(world)]
+    slow = Cluster.local(world, gbps=30, latency_us=100, reduce_gbps=9)
+    ms = slow.allreduce_ms(devs, 16 * MB)
+    assert fit_reduce(world, 16 * MB, ms / 1e3, 100, 30) == pytest.approx(9)
+    # An all-reduce the link explains (to within noise) reduces for free.
+    free = Cluster.local(world, gbps=30, latency_us=100).allreduce_ms(devs, 16 * MB)
+    assert fit_reduce(world, 16 * MB, free / 1e3, 100, 30) == math.inf
+    assert fit_reduce(world, 16 * MB, 1.02 * free / 1e3, 100, 30) == math.inf
+    assert fit_reduce(1, 16 * MB, 1.0, 100, 30) == math.inf
+
+
 def test_no_process_group_keeps_the_defaults():
     assert not dist.is_initialized()
     assert measure_link() is None
+    assert measure_reduce((100.0, 30.0)) is None
     got, default = resolve_cluster(None, 2, CPU), Cluster.local(2)
     assert got.bandwidth_gbps("local:0", "local:1") == default.bandwidth_gbps("local:0", "local:1")
     assert got.latency_us("local:0", "local:1") == default.latency_us("local:0", "local:1")
@@ -95,26 +116,37 @@ def _worker(rank: int, world: int, port: int) -> None:
         _check_sane(link)
         _check_same_everywhere(link)
 
-        # resolve_cluster builds the local cluster from what measure_link returned on this rank.
-        returned: list[tuple[float, float] | None] = []
-        real = calibrate.measure_link
+        # resolve_cluster builds the local cluster from what measure_link and measure_reduce
+        # returned on this rank.
+        returned: dict[str, list] = {"measure_link": [], "measure_reduce": []}
+        real = {name: getattr(calibrate, name) for name in returned}
 
-        def recording(*args, **kwargs):
-            returned.append(real(*args, **kwargs))
-            return returned[-1]
+        def recording(name):
+            def call(*args, **kwargs):
+                returned[name].append(real[name](*args, **kwargs))
+                return returned[name][-1]
 
-        calibrate.measure_link = recording
+            return call
+
+        for name in returned:
+            setattr(calibrate, name, recording(name))
         try:
             cluster = resolve_cluster(None, world, CPU)
         finally:
-            calibrate.measure_link = real
-        assert len(returned) == 1
-        _check_sane(returned[0])
+            for name, fn in real.items():
+                setattr(calibrate, name, fn)
+        assert len(returned["measure_link"]) == 1
+        _check_sane(returned["measure_link"][0])
         assert cluster.num_devices == world
+        assert len(returned["measure_reduce"]) == 1
+        reduce = returned["measure_reduce"][0]
+        assert reduce > 0  # a rate in Gb/s, or inf: the link explains the whole all-reduce
+        assert {d.spec.reduce_gbps for d in cluster.devices} == {reduce}
+        _check_same_everywhere(reduce)
         for a in range(world):
             for b in range(world):
                 if a != b:
-                    assert _link(cluster, a, b) == returned[0]
+                    assert _link(cluster, a, b) == returned["measure_link"][0]
         _check_same_everywhere(_link(cluster, 0, 1))
         assert _link(resolve_cluster(None, world, CPU, calibrate=False), 0, 1) == _link(
             Cluster.local(world), 0, 1
@@ -133,6 +165,9 @@ def _worker(rank: int, world: int, port: int) -> None:
             dist.all_gather_object(seen, sub)
             assert seen[1] == seen[2]
             assert measure_link(alone) is None  # one rank (or no member): nothing to measure
+            sub_reduce = measure_reduce((100.0, 30.0), pair)
+            assert (sub_reduce is None) == (rank == 0)
+            assert measure_reduce((100.0, 30.0), alone) is None
     finally:
         dist.destroy_process_group()
 

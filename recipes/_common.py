@@ -170,7 +170,9 @@ def train(cfg: Any) -> int:
     network = instantiate(cfg.model)
     task = instantiate(cfg.task, model=network)
     if "_target_" in cfg.strategy:
-        strategy = instantiate(cfg.strategy, cluster=build_cluster(cfg.cluster))
+        # the Cluster goes in after instantiation: Hydra would copy a keyword argument into
+        # the config, and OmegaConf cannot hold a Cluster object
+        strategy = instantiate(cfg.strategy, _partial_=True)(cluster=build_cluster(cfg.cluster))
     else:
         strategy = cfg.strategy.name
     report = PlanReport(run_dir, model_name=cfg.model.name)

@@ -64,6 +64,22 @@ def test_recipe_runs_two_pipelined_steps(tmp_path, recipe, extra):
     assert all(math.isfinite(v) and v > 0 for v in logged.values())
 
 
+def test_a_cluster_file_named_on_the_command_line_trains(tmp_path):
+    """``cluster=mixed_rack`` (the README's override): the plan uses that file's devices.
+
+    Hydra copies instantiate()'s keyword arguments into the config, which cannot hold a
+    ``Cluster``; the recipe must hand it to the strategy after instantiation.
+    """
+    proc = run(["recipes/train_gpt.py", "cluster=mixed_rack", "trainer.max_steps=2",
+                f"run_dir={tmp_path}", *QUIET])
+    assert BANNER in proc.stdout
+    rack = {d.name for d in Cluster.load(CONF_DIR / "cluster" / "mixed_rack.yaml").devices}
+    devices = Plan.load(tmp_path / "plan.json").devices
+    assert len(devices) == 2
+    assert set(devices) <= rack
+    assert sorted(losses(tmp_path)) == [0, 1]
+
+
 def _run_in_process(monkeypatch, capsys, recipe: str, argv: list[str]) -> str:
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
     # setenv (not delenv) so that what the recipe exports is undone after the test

@@ -519,16 +519,25 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
         "Where an AutoPipe step goes (the median step of its best round, per rank, ms): forward /"
         " backward compute,"
         " blocked in receives of activations (RF) / gradients (RB), gradient sync after the last"
-        " action.",
+        " action; 'pred.': the simulator's compute on that rank from the same-round profile.",
         "",
-        "| run | rank | F | B | RF wait | RB wait | sync | step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | rank | F | pred. F | B | pred. B | RF wait | RB wait | sync | step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, _ in rows:
+    for name, plan in rows:
+        if name not in measured:
+            continue
+        same = measured["round profiles"][measured["best round"][name]][str(plan.microbatch_size)]
+        events = simulate(plan, Profile.from_json(same), cluster).events
         for r, st in enumerate(measured.get(name + " stats", [])):
+            dev = cluster.devices[r].name
+            pf, pb = (
+                sum(e.end_ms - e.start_ms for e in events if e.device == dev and e.kind == k)
+                for k in ("F", "B")
+            )
             lines.append(
-                f"| {name} | {r} | {st['F']:.0f} | {st['B']:.0f} | {st['RF']:.0f} | "
-                f"{st['RB']:.0f} | {st['sync']:.0f} | {st['step']:.0f} |"
+                f"| {name} | {r} | {st['F']:.0f} | {pf:.0f} | {st['B']:.0f} | {pb:.0f} | "
+                f"{st['RF']:.0f} | {st['RB']:.0f} | {st['sync']:.0f} | {st['step']:.0f} |"
             )
     b1_name, b1 = best("1f1b")
     pinned = measured[rows[0][0]]

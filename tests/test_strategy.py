@@ -34,6 +34,7 @@ CASES = {
         "cnn_bn-2s-k2-j2",
         "gpt-2s-k2-bf16",
         "hfgpt-2s-k2",
+        "hfbert-2s-k2",
         "cnn-2s-k1-validate",
         "string",
         "untraceable",
@@ -97,8 +98,8 @@ def _reference(
 ):
     """Single process: whole global batch per step (batch norm: the same units in order)."""
     net = C.build_net(model)
-    x, y = C.dataset(model, num, seed=1)
-    vx, vy = C.dataset(model, C.REPLICA_BATCH * C.VAL_BATCHES * replicas, seed=2)
+    data = C.dataset(model, num, seed=1)  # inputs..., targets
+    val_data = C.dataset(model, C.REPLICA_BATCH * C.VAL_BATCHES * replicas, seed=2)
     opt = torch.optim.SGD(net.parameters(), lr=C.LR)
     b = C.REPLICA_BATCH
     idx = [C.replica_indices(num, replicas, r, shuffle=True) for r in range(replicas)]
@@ -107,29 +108,30 @@ def _reference(
     losses = []
     for t in range(len(idx[0]) // b if steps is None else steps):
         opt.zero_grad()
-        parts = [(x[i[t * b : (t + 1) * b]], y[i[t * b : (t + 1) * b]]) for i in idx]
+        parts = [tuple(d[i[t * b : (t + 1) * b]] for d in data) for i in idx]
         if bn:  # statistics per unit, each replica with its own running buffers
             total = 0.0
-            for r, (px, py) in enumerate(parts):
+            for r, part_r in enumerate(parts):
                 _load_buffers(net, buffers[r])
                 for lo, hi in C.unit_slices(b, m, k, j):
-                    part = (px[lo:hi], py[lo:hi])
-                    loss = C.loss_fn(net(part[0]), part) * ((hi - lo) / b) / replicas
+                    part = tuple(d[lo:hi] for d in part_r)
+                    loss = C.loss_fn(net(*part[:-1]), part) * ((hi - lo) / b) / replicas
                     loss.backward()
                     total += loss.detach()
                 buffers[r] = {k_: v.clone() for k_, v in net.named_buffers()}
             losses.append(total)
         else:
-            gx, gy = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            whole = tuple(torch.cat(ds) for ds in zip(*parts))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = C.loss_fn(net(gx), (gx, gy))
+                loss = C.loss_fn(net(*whole[:-1]), whole)
             loss.backward()
             losses.append(loss.detach().float())
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
     net.eval()
-    vidx = [C.replica_indices(len(vx), replicas, r, shuffle=False) for r in range(replicas)]
+    nval = len(val_data[0])
+    vidx = [C.replica_indices(nval, replicas, r, shuffle=False) for r in range(replicas)]
     val = []
     with torch.no_grad():
         for t in range(C.VAL_BATCHES):
@@ -137,8 +139,8 @@ def _reference(
             for r, i in enumerate(vidx):
                 if bn:
                     _load_buffers(net, buffers[r])
-                sel = i[t * b : (t + 1) * b]
-                per.append(C.loss_fn(net(vx[sel]), (vx[sel], vy[sel])))
+                sel = tuple(d[i[t * b : (t + 1) * b]] for d in val_data)
+                per.append(C.loss_fn(net(*sel[:-1]), sel))
             val.append(torch.stack(per).mean())
     states = []
     for r in range(replicas):

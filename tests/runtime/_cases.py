@@ -29,19 +29,50 @@ def build_net(model: str) -> nn.Module:
         return build_gpt("hfgpt", arch="hf", vocab_size=VOCAB, max_seq_len=SEQ, n_embd=16)
     if model in ("cnn", "cnn_bn"):
         return SmallCNN(widths=(4, 8), blocks_per_stage=1, batch_norm=model == "cnn_bn")
+    if model == "hfbert":  # Hugging Face BERT called with a padding mask: two inputs
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=SEQ,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return _MaskedBert(BertForMaskedLM(config))
     raise ValueError(model)
 
 
-def dataset(model: str, num: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+class _MaskedBert(nn.Module):
+    """``BertForMaskedLM`` as ``(input_ids, attention_mask) -> logits``."""
+
+    def __init__(self, bert: nn.Module) -> None:
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def dataset(model: str, num: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """The model's inputs, then its targets (last)."""
     g = torch.Generator().manual_seed(seed)
     if model in ("gpt", "hfgpt"):
         tokens = torch.randint(0, VOCAB, (num, SEQ + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if model == "hfbert":  # 0-3 padded positions per sample: the mask differs between samples
+        ids = torch.randint(0, VOCAB, (num, SEQ), generator=g)
+        pad = torch.randint(0, 4, (num, 1), generator=g)
+        mask = (torch.arange(SEQ) < SEQ - pad).long()
+        return ids, mask, torch.randint(0, VOCAB, (num, SEQ), generator=g)
     return torch.randn(num, 3, 8, 8, generator=g), torch.randint(0, 10, (num,), generator=g)
 
 
-def loss_fn(outputs: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    targets = batch[1]
+def loss_fn(outputs: torch.Tensor, batch) -> torch.Tensor:
+    targets = batch[-1]
     return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
 
 

@@ -3,7 +3,7 @@
     python tests/runtime/_lightning_run.py OUT_DIR WORLD CASE [CASE ...]
 
 CASE is ``<model>-<stages>s-k<slices>[-j2][-bf16][-clip][-validate][-ckpt]`` (``j2``: two drain
-slices, else the planner's choice) (model: gpt, cnn, cnn_bn;
+slices, else the planner's choice) (model: gpt, hfgpt, hfbert, cnn, cnn_bn;
 ``validate`` runs ``Trainer.validate`` only), ``string`` (``Trainer(strategy="autopipe")`` with
 every option on auto) or ``untraceable``. Lightning's
 popen launcher re-runs this script in every rank, so every rank runs every case in order and
@@ -37,10 +37,21 @@ class Task(pl.LightningModule):
         self.step_losses: list[float] = []
         self.traces: list[list[str]] = []
 
-    def forward(self, x):
+    def forward(self, x, attention_mask=None):
         if self.kind == "untraceable" and x.sum() > 0:  # data-dependent control flow
             return self.net(x) * 2
+        if attention_mask is not None:
+            return self.net(x, attention_mask)
         return self.net(x)
+
+    def pipeline_inputs(self, batch):
+        if self.kind == "hfbert":  # two inputs, by name: the mask crosses stages too
+            return {"x": batch[0], "attention_mask": batch[1]}
+        return batch[0]
+
+    def _forward_batch(self, batch):
+        inputs = self.pipeline_inputs(batch)
+        return self(**inputs) if isinstance(inputs, dict) else self(inputs)
 
     def pipeline_loss(self, outputs, batch):
         if self.kind == "untraceable":
@@ -48,10 +59,10 @@ class Task(pl.LightningModule):
         return C.loss_fn(outputs, batch)
 
     def training_step(self, batch, batch_idx):
-        return self.pipeline_loss(self(batch[0]), batch)
+        return self.pipeline_loss(self._forward_batch(batch), batch)
 
     def validation_step(self, batch, batch_idx):
-        loss = self.pipeline_loss(self(batch[0]), batch)
+        loss = self.pipeline_loss(self._forward_batch(batch), batch)
         self.log("val_loss", loss)
         return loss
 
@@ -70,8 +81,8 @@ class Task(pl.LightningModule):
         if self.kind == "untraceable":
             x = torch.randn(num, 4)
             return DataLoader(TensorDataset(x, x), batch_size=C.REPLICA_BATCH)
-        x, y = C.dataset(self.kind, num, seed)
-        return DataLoader(TensorDataset(x, y), batch_size=C.REPLICA_BATCH)
+        data = C.dataset(self.kind, num, seed)
+        return DataLoader(TensorDataset(*data), batch_size=C.REPLICA_BATCH)
 
     def train_dataloader(self):
         return self._loader(C.REPLICA_BATCH * C.STEPS * self.replicas, seed=1)

@@ -404,13 +404,13 @@ def simulate(
     full = [g for (mb, _), g in zip(ulist, gsamples) if mb > 0]
     whole = full[0] if full else sum(gsamples)
     stage_ms = []
-    for s, c in enumerate(costs):
+    for s, c in enumerate(costs):  # one whole micro-batch, priced as the timeline prices units
         per = whole / reps[s] / mbs
+        ms = affine_ms(c.forward_ms, c.forward_fixed_ms, per) + affine_ms(
+            c.backward_ms, c.backward_fixed_ms, per
+        )
         stage_ms.append(
-            max(
-                (c.forward_ms + c.backward_ms) * per / specs[d].speed + 2 * specs[d].overhead_ms
-                for d in stage_devs[s]
-            )
+            max(ms / specs[d].speed + 2 * specs[d].overhead_ms for d in stage_devs[s])
         )
     peak = _peak_memory(schedule, costs, gsamples, reps, uidx, mbs, optimizer_bytes_per_param_byte)
     return SimResult(

@@ -355,6 +355,25 @@ def test_uneven_replicas_split_every_unit() -> None:
     assert res.stage_ms == pytest.approx([6.0, 3.0])
 
 
+def test_stage_ms_is_what_the_timeline_charges_a_whole_micro_batch() -> None:
+    # per-call costs (fixed parts) and micro-batches of 2x the profiled samples: a linear
+    # scaling of the profiled time would say 2 * (3 + 5) = 16 ms per stage
+    blocks = [BlockProfile(f"b{i}", 3.0, 5.0, 0, 0, 0, forward_fixed_ms=1.0,
+                           backward_fixed_ms=2.0) for i in range(2)]
+    prof = Profile("toy", MBS, "cpu", blocks)
+    cl = Cluster.from_dict({"name": "slow", "servers": [_server("s", 2, speed=0.5,
+                                                                   overhead_ms=0.25)]})
+    plan = _chain(2, 3)
+    plan.global_batch_size = 3 * 2 * MBS
+    res = simulate(plan, prof, cl)
+    for s in range(2):
+        whole = [e for e in res.events
+                 if e.stage == s and e.unit == (1, 0) and e.kind in ("F", "B")]
+        assert len(whole) == 2
+        assert res.stage_ms[s] == pytest.approx(sum(e.end_ms - e.start_ms for e in whole))
+    assert res.stage_ms[0] == pytest.approx(((1 + 2 * 2) + (2 + 3 * 2)) / 0.5 + 2 * 0.25)
+
+
 def test_device_speed_and_overhead() -> None:
     cl = Cluster.from_dict(
         {"name": "slow", "servers": [_server("s", 2, speed=0.5, overhead_ms=0.25)]}

@@ -24,6 +24,7 @@ __all__ = ["PLAN_BANNER", "PlanReport", "plan_only", "choose_profile"]
 
 PLAN_BANNER = "== AutoPipe plan:"
 _MEASURE_LIMIT = 300_000_000  # parameters; beyond this a CPU profile takes too long / too much
+_MEASURE_BUDGET_S = 60.0  # a --plan-only profile estimated to take longer uses the FLOP model
 
 
 class PlanReport(pl.Callback):
@@ -152,34 +153,69 @@ def choose_profile(cfg: Any, cluster: Any, local: bool) -> tuple[Any, str]:
     """The profile to plan from and a sentence saying which kind and why."""
     analytic = _analytic_args(cfg)
     params = _param_count(cfg)
-    if analytic is not None and (not local or params > _MEASURE_LIMIT):
+    why = None
+    if analytic is not None and not local:
+        why = f"cluster {cluster.name!r} describes devices other than this machine"
+    elif analytic is not None and params > _MEASURE_LIMIT:
+        why = f"{params / 1e6:.0f}M parameters are too many to profile here"
+    task = None
+    if why is None and analytic is not None:
+        task, example = _task_and_example(cfg)
+        estimate = _profile_seconds(task, example)
+        if estimate > _MEASURE_BUDGET_S:
+            why = f"measuring its blocks here would take about {estimate / 60:.0f} min"
+    if why is not None:
         from lightning_autopipe.planner.analytic import analytic_profile
 
         profile = analytic_profile(**analytic, micro_batch_size=1, model=cfg.model.name)
-        why = (
-            f"cluster {cluster.name!r} describes devices other than this machine"
-            if not local
-            else f"{params / 1e6:.0f}M parameters are too many to profile here"
-        )
         return profile, f"analytic (FLOP/byte counts, {profile.device}) because {why}"
     if not local:
         print(
             f"note: no FLOP model for {cfg.model.name!r}; measuring on this CPU, so cluster "
             f"speeds are taken relative to this machine"
         )
-    return _measured_profile(cfg), f"measured on this machine's CPU ({params / 1e6:.2f}M params)"
+    return _measured_profile(cfg, task), (
+        f"measured on this machine's CPU ({params / 1e6:.2f}M params)"
+    )
 
 
-def _measured_profile(cfg: Any) -> Any:
-    """Trace and profile the recipe's own LightningModule, as the strategy does."""
+def _task_and_example(cfg: Any) -> tuple[Any, Any]:
     from hydra.utils import instantiate
 
+    from lightning_autopipe.runtime.local_stage import as_call_args
+
+    task = instantiate(cfg.task, model=instantiate(cfg.model))
+    return task, as_call_args(task.example_input_array)
+
+
+def _profile_seconds(task: Any, example: Any) -> float:
+    """Rough wall time of :func:`_measured_profile`: it runs about 50 forward passes' worth
+    (11 forward-then-backward passes, backward ~2 forwards, again at half the batch for the
+    fixed-cost fit), so one timed forward of the example predicts it."""
+    import time
+
+    import torch
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        if isinstance(example, dict):
+            task(**example)
+        else:
+            task(*example)
+    return 50 * (time.perf_counter() - start)
+
+
+def _measured_profile(cfg: Any, task: Any = None) -> Any:
+    """Trace and profile the recipe's own LightningModule, as the strategy does."""
     from lightning_autopipe.graph import split_model
     from lightning_autopipe.profile import profile_blocks
     from lightning_autopipe.runtime.local_stage import as_call_args
 
-    task = instantiate(cfg.task, model=instantiate(cfg.model))
-    example = as_call_args(task.example_input_array)
+    if task is None:
+        task, example = _task_and_example(cfg)
+    else:
+        example = as_call_args(task.example_input_array)
+    print(f"measuring the blocks of {cfg.model.name} on this CPU ...", flush=True)
     granularity = cfg.strategy.get("granularity", "sub-block")
     blocks = split_model(task, example, granularity=granularity)
     # More repeats than a training run's profile: one process, and the median must survive

@@ -121,6 +121,21 @@ def test_plan_only_measures_a_small_model_for_the_local_cluster(tmp_path, monkey
     assert plan.global_batch_size == 2 * 16  # data.batch_size per replica x 2 replicas
 
 
+def test_plan_only_does_not_measure_what_would_take_minutes(tmp_path, monkeypatch, capsys):
+    """A model that would take too long to profile here (GPT-2 124M: ~8 min on 2 cores) is
+    planned from the FLOP model instead, and says so; the budget is shrunk to make a tiny model
+    stand in for it."""
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    import _plan
+
+    monkeypatch.setattr(_plan, "_MEASURE_BUDGET_S", 0.0)
+    out = _run_in_process(monkeypatch, capsys, "train_gpt",
+                          ["--plan-only", f"run_dir={tmp_path}"])
+    assert "analytic" in out
+    assert "measuring its blocks here would take about" in out
+    assert json.loads((tmp_path / "profile.json").read_text())["device"].startswith("analytic")
+
+
 def test_help_and_unknown_flags(monkeypatch, capsys):
     out = _run_in_process(monkeypatch, capsys, "train_resnet", ["--help"])
     assert "--plan-only" in out

@@ -313,6 +313,36 @@ class Cluster:
                 f"launched; launch exactly {n} processes or edit the cluster YAML to match"
             )
 
+    def validate_nodes(self, num_nodes: int, per_node: int) -> None:
+        """Check that launcher node ``i`` is server instance ``i`` of the file.
+
+        A launcher numbers ranks ``node * per_node + local rank``, and devices take ranks in
+        the file's order, so the mapping holds only if each of the first ``num_nodes - 1``
+        server instances has exactly ``per_node`` devices (and the last at least that many);
+        otherwise ranks of one node would be planned as devices of another server, with its
+        speed and links.
+
+        Raises:
+            ClusterError: naming the first instance that differs and both fixes.
+        """
+        if num_nodes <= 1:
+            return
+        nodes = self._instances[:num_nodes]  # the last node may leave devices unused
+        bad = [(i, s) for i, s in nodes[:-1] if s.gpus != per_node]
+        bad += [(i, s) for i, s in nodes[-1:] if s.gpus < per_node]
+        if not bad:
+            return
+        inst, spec = bad[0]
+        # where node 1's ranks land (the launcher numbers them right after node 0's)
+        lo, hi = self._devices[per_node].name, self._devices[2 * per_node - 1].name
+        raise ClusterError(
+            f"cluster {self.name!r}: server instance {inst!r} has {spec.gpus} devices but "
+            f"{per_node} processes run on each of {num_nodes} nodes, so launcher node i is not "
+            f"server instance i (node 1's ranks {per_node}..{2 * per_node - 1} would be planned "
+            f"as {lo}..{hi}); launch {spec.gpus} processes per node (trainer.devices) or "
+            f"describe {per_node} devices per server (gpus: {per_node})"
+        )
+
     # ------------------------------------------------------------------ links
     def _link(self, a: str, b: str) -> tuple[float, float, tuple]:
         """(gbps, latency_us, resources) of a transfer a -> b, cached."""

@@ -357,6 +357,7 @@ class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
             exact_cluster=self.exact_cluster,
             check_batch=self.check_batch,
             example_batch=example_batch,
+            num_nodes=self.num_nodes,
         )
         self._layout = self._pipe.layout
         self.plan, self.profile, self.cluster = (

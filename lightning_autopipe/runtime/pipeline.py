@@ -60,10 +60,12 @@ def resolve_cluster(
     device: torch.device,
     exact: bool = False,
     calibrate: bool = True,
+    num_nodes: int = 1,
 ) -> Any:
     """A ``Cluster`` from an instance, a YAML path, or None (the launched world, homogeneous).
 
-    ``exact`` requires the cluster to describe exactly the launched devices (not more). For
+    ``exact`` requires the cluster to describe exactly the launched devices (not more); with
+    ``num_nodes > 1`` launcher node ``i`` must be the file's server instance ``i``. For
     None, with ``calibrate``, more than one process and ``torch.distributed`` initialized, the
     link of ``Cluster.local`` and its all-reduce's reduction rate are measured
     (:func:`~lightning_autopipe.runtime.calibrate.measure_link` and ``measure_reduce``,
@@ -98,6 +100,7 @@ def resolve_cluster(
     if isinstance(cluster, str | Path):
         cluster = Cluster.load(cluster)
     cluster.validate_world_size(world_size, exact=exact)
+    cluster.validate_nodes(num_nodes, world_size // max(num_nodes, 1))
     return cluster
 
 
@@ -276,6 +279,7 @@ def build_local_pipeline(
     exact_cluster: bool = False,
     check_batch: bool = True,
     example_batch: Any = None,
+    num_nodes: int = 1,
 ) -> LocalPipeline:
     """Trace on every rank, profile on every rank, plan on rank 0, keep only the local stage.
 
@@ -304,7 +308,12 @@ def build_local_pipeline(
     # Every rank, before any other collective (the link is measured here when no cluster is
     # given); a given plan needs no link figures.
     cluster = resolve_cluster(
-        cluster_arg, world_size, device, exact=exact_cluster, calibrate=not plan_given
+        cluster_arg,
+        world_size,
+        device,
+        exact=exact_cluster,
+        calibrate=not plan_given,
+        num_nodes=num_nodes,
     )
     names = [d.name for d in cluster.devices[:world_size]]
     blocks = split_model(module, example, granularity=granularity)

@@ -219,6 +219,23 @@ def test_the_reduction_adds_its_own_time_to_the_ring() -> None:
         Cluster.from_dict(data)
 
 
+def test_launcher_nodes_must_be_the_files_servers() -> None:
+    c = Cluster.from_dict(RACK)  # nv (8 devices), pcie0 (8), pcie1 (8)
+    c.validate_nodes(3, 8)
+    c.validate_nodes(1, 5)  # one node: ranks are simply the first devices
+    # 4 processes per node: node 1's ranks 4..7 would be planned as nv:4..nv:7
+    with pytest.raises(ClusterError, match=r"'nv' has 8 devices but 4 processes.*nv:4\.\.nv:7"
+                       r".*launch 8 processes per node"):
+        c.validate_nodes(2, 4)
+    data = copy.deepcopy(RACK)
+    data["servers"][1]["gpus"] = 16  # pcie0/pcie1: 16 devices; only the last node may be bigger
+    data["servers"][1]["levels"][-1]["size"] = 16
+    bigger = Cluster.from_dict(data)
+    bigger.validate_nodes(2, 8)  # node 1 = pcie0, half of it used
+    with pytest.raises(ClusterError, match="'pcie0' has 16 devices"):
+        bigger.validate_nodes(3, 8)
+
+
 def test_validate_world_size() -> None:
     c = Cluster.from_dict(RACK)
     c.validate_world_size(24)

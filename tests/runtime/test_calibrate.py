@@ -73,6 +73,17 @@ def test_no_process_group_keeps_the_defaults():
     assert got.latency_us("local:0", "local:1") == default.latency_us("local:0", "local:1")
 
 
+def test_a_cluster_file_must_match_the_launched_nodes():
+    from pathlib import Path
+
+    from lightning_autopipe.errors import ClusterError
+
+    rack = Path(__file__).resolve().parents[2] / "conf" / "cluster" / "pcie_2x8.yaml"
+    assert resolve_cluster(str(rack), 16, CPU, num_nodes=2).num_devices == 16
+    with pytest.raises(ClusterError, match="launch 8 processes per node"):
+        resolve_cluster(str(rack), 8, CPU, num_nodes=2)  # 2 nodes x 4 processes
+
+
 # ---------------------------------------------------------------------------- multi-process
 def _free_port() -> int:
     with socket.socket() as s:

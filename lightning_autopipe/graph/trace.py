@@ -25,10 +25,12 @@ __all__ = ["Inputs", "Traced", "normalize_inputs", "trace"]
 Inputs = tuple[Any, ...] | dict[str, Any]
 TRACERS = ("auto", "fx", "export")
 _REMEDIES = (
-    "Remedies: (1) pass example_inputs and tracer='export' so torch.export can capture the "
-    "model (rewrite data-dependent Python branches with torch.where / torch.cond), or (2) pass "
-    "a pre-traced torch.fx.GraphModule (e.g. torch.fx.symbolic_trace(model, concrete_args=...)) "
-    "to split_model instead of the model."
+    "Remedies: (1) rewrite data-dependent Python branches with torch.where / torch.cond so that "
+    "torch.export can capture the model (AutoPipeStrategy and split_model's default "
+    "tracer='auto' already try torch.export after torch.fx; give the module an "
+    "example_input_array, or split_model example_inputs), or (2) with split_model, pass a "
+    "pre-traced torch.fx.GraphModule (e.g. torch.fx.symbolic_trace(model, concrete_args=...)) "
+    "instead of the model."
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from lightning_autopipe.errors import AutoPipeError
 from lightning_autopipe.planner.plan import Plan
@@ -69,6 +70,29 @@ def resolve_cluster_path(name: str) -> Path:
     return p
 
 
+def _cluster(name: str, world_size: int | None) -> Any:
+    """The ``--cluster`` argument as a Cluster; errors list what exists and how to fix."""
+    from lightning_autopipe.cluster import Cluster
+    from lightning_autopipe.errors import ClusterError
+
+    if name == "local":
+        if world_size is None or world_size < 1:
+            raise ClusterError(
+                "--cluster local describes the processes a run launches on this machine; pass "
+                "--world-size N to plan for N of them (default CPU link figures; a training run "
+                "measures the real ones), or name a cluster file"
+            )
+        return Cluster.local(world_size)
+    path = resolve_cluster_path(name)
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in _CONF.glob("*.yaml")))
+        raise ClusterError(
+            f"no cluster file {name!r}; pass a YAML path or one of the names under "
+            f"{_CONF}: {known}"
+        )
+    return Cluster.load(path)
+
+
 def _parser() -> argparse.ArgumentParser:
     from lightning_autopipe.planner.search import PLANNERS
 
@@ -79,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", required=True, help="Profile JSON (python -m ... profile)")
     p.add_argument("--cluster", required=True,
-                   help="cluster YAML, or a name under conf/cluster (e.g. mixed_rack)")
+                   help="cluster YAML, or a name under conf/cluster (e.g. mixed_rack); 'local' "
+                   "with --world-size N: N processes on this machine (default CPU link figures)")
+    p.add_argument("--world-size", type=int, help="processes of the 'local' cluster")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per step")
     p.add_argument("--planner", choices=PLANNERS, default="autopipe")
     p.add_argument("--stages", type=int, help="pin the pipeline depth")
@@ -104,7 +130,6 @@ def _parser() -> argparse.ArgumentParser:
 def plan_main(argv: list[str]) -> int:
     """Entry point of ``python -m lightning_autopipe plan``; returns the exit status."""
     args = _parser().parse_args(argv)
-    from lightning_autopipe.cluster import Cluster
     from lightning_autopipe.planner.search import make_plan
 
     try:
@@ -113,7 +138,7 @@ def plan_main(argv: list[str]) -> int:
         print(f"error: cannot read profile {args.profile}: {exc}", file=sys.stderr)
         return 2
     try:
-        cluster = Cluster.load(resolve_cluster_path(args.cluster))
+        cluster = _cluster(args.cluster, args.world_size)
         plan = make_plan(
             profile, cluster, args.global_batch_size, planner=args.planner,
             num_stages=args.stages, replicas=args.replicas,

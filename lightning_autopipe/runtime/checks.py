@@ -34,14 +34,22 @@ def check_loss_contract(module: Any) -> None:
         )
 
 
-def check_num_stages(num_stages: int | None, num_blocks: int, world_size: int) -> None:
+def check_num_stages(
+    num_stages: int | None, num_blocks: int, world_size: int, granularity: str = "sub-block"
+) -> None:
     """A pinned pipeline depth must divide the world and not exceed the model's blocks."""
     if num_stages is None:
         return
     if num_stages > num_blocks:
+        finer = (
+            "granularity='sub-block' for more cut points"
+            if granularity != "sub-block"
+            else "a model with more layers"
+        )
         raise PlanError(
-            f"num_stages={num_stages} but the model splits into only {num_blocks} blocks; use at "
-            f"most {num_blocks} stages, or granularity='sub-block' for more cut points"
+            f"num_stages={num_stages} but the model splits into only {num_blocks} blocks "
+            f"(granularity={granularity!r}); use at most {min(num_blocks, world_size)} stages, "
+            f"or {finer}"
         )
     if world_size % num_stages:
         raise PlanError(

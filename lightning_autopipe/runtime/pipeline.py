@@ -101,6 +101,15 @@ def resolve_cluster(
         cluster = Cluster.load(cluster)
     cluster.validate_world_size(world_size, exact=exact)
     cluster.validate_nodes(num_nodes, world_size // max(num_nodes, 1))
+    if cluster.num_devices > world_size and (not dist.is_initialized() or dist.get_rank() == 0):
+        from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+        used = cluster.devices[:world_size]
+        rank_zero_info(
+            f"cluster {cluster.name!r} describes {cluster.num_devices} devices; this run of "
+            f"{world_size} processes is planned on the first {world_size} in file order "
+            f"({used[0].name} .. {used[-1].name})"
+        )
     return cluster
 
 
@@ -317,7 +326,7 @@ def build_local_pipeline(
     )
     names = [d.name for d in cluster.devices[:world_size]]
     blocks = split_model(module, example, granularity=granularity)
-    check_num_stages(num_stages, len(blocks), world_size)
+    check_num_stages(num_stages, len(blocks), world_size, granularity)
 
     payload: Any = None
     failure: BaseException | None = None

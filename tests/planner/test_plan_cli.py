@@ -74,6 +74,19 @@ def test_errors_exit_2_with_the_message(profile_path, capsys):
     assert "cannot read profile" in capsys.readouterr().err
 
 
+def test_the_local_cluster_and_unknown_names(profile_path, capsys):
+    base = ["--profile", str(profile_path), "--global-batch-size", "8", "--json"]
+    assert plan_main([*base, "--cluster", "local", "--world-size", "2"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert {d for s in plan["stages"] for d in s["devices"]} <= {"local:0", "local:1"}
+    assert plan_main([*base, "--cluster", "local"]) == 2
+    assert "--world-size N" in capsys.readouterr().err
+    assert plan_main([*base, "--cluster", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "no cluster file 'nosuch'" in err
+    assert "mixed_rack" in err
+
+
 def test_trace_png_and_saved_plan(profile_path, tmp_path, capsys):
     trace, png, out = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "plan.json"
     assert plan_main(_args(profile_path, "--json", "--trace", str(trace), "--png", str(png),

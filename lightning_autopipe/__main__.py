@@ -16,8 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
         names = ", ".join(_COMMANDS)
-        print(f"usage: python -m lightning_autopipe {{{names}}} [--help] ...", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        usage = f"usage: python -m lightning_autopipe {{{names}}} [--help] ..."
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)  # asked for: standard output, exit 0
+            return 0
+        problem = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"{usage}\nerror: {problem}; choose one of {names}", file=sys.stderr)
+        return 2
     module_name, func_name = _COMMANDS[argv[0]]
     import importlib
 

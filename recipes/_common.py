@@ -200,7 +200,16 @@ def run_recipe(config_name: str, argv: list[str] | None = None) -> int:
     if flags["help"]:
         print(_USAGE.format(script=f"recipes/{config_name}.py"))
         return 0
-    cfg = compose(config_name, overrides)
+    try:
+        cfg = compose(config_name, overrides)
+    except Exception as exc:  # Hydra's override / composition errors: the message is the fix
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(exc, HydraException | OmegaConfBaseException):
+            raise
+        print(f"error: {exc}\n(see recipes/{config_name}.py --help and --cfg)", file=sys.stderr)
+        return 2
     if flags["cfg"]:
         print(OmegaConf.to_yaml(cfg))
         return 0

@@ -54,7 +54,8 @@ def check_num_stages(
     if world_size % num_stages:
         raise PlanError(
             f"num_stages={num_stages} does not divide the {world_size} launched processes; every "
-            "stage needs the same number of replicas: pick a divisor of the world size"
+            "stage needs the same number of replicas: pick a divisor of the world size, or "
+            "num_stages='auto' to let the planner choose (recipes: strategy=autopipe)"
         )
 
 

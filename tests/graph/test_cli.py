@@ -67,3 +67,10 @@ def test_unknown_model_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture
     err = capsys.readouterr().err
     assert "unknown model 'gpt5'" in err
     assert "module:factory" in err
+
+
+def test_module_entry_point_help_and_unknown_command(capsys):
+    assert main(["--help"]) == 0
+    assert "profile, plan" in capsys.readouterr().out
+    assert main(["plna"]) == 2
+    assert "unknown command 'plna'" in capsys.readouterr().err

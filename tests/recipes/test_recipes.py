@@ -141,3 +141,13 @@ def test_help_and_unknown_flags(monkeypatch, capsys):
     assert "--plan-only" in out
     with pytest.raises(SystemExit, match="--plan-onyl"):
         _run_in_process(monkeypatch, capsys, "train_resnet", ["--plan-onyl"])
+
+
+def test_a_misspelt_override_is_one_line_with_the_fix(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    from _common import run_recipe
+
+    assert run_recipe("train_gpt", ["trainer.max_stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert "Could not override 'trainer.max_stepz'" in err
+    assert "Traceback" not in err

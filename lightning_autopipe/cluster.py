@@ -223,6 +223,10 @@ class Cluster:
         """
         if world_size < 1:
             raise ClusterError(f"Cluster.local needs world_size >= 1, got {world_size}")
+        if not reduce_gbps > 0:
+            raise ClusterError(
+                f"Cluster.local needs reduce_gbps > 0 (inf: free), got {reduce_gbps}"
+            )
         spec = ServerSpec(
             name="local",
             count=1,
@@ -317,31 +321,35 @@ class Cluster:
         """Check that launcher node ``i`` is server instance ``i`` of the file.
 
         A launcher numbers ranks ``node * per_node + local rank``, and devices take ranks in
-        the file's order, so the mapping holds only if each of the first ``num_nodes - 1``
-        server instances has exactly ``per_node`` devices (and the last at least that many);
-        otherwise ranks of one node would be planned as devices of another server, with its
-        speed and links.
+        the file's order, so the mapping holds only if the file has at least ``num_nodes``
+        server instances, each of the first ``num_nodes - 1`` with exactly ``per_node`` devices
+        and the last with at least that many; otherwise ranks of one node would be planned as
+        devices of another server, with its speed and links.
 
         Raises:
             ClusterError: naming the first instance that differs and both fixes.
         """
         if num_nodes <= 1:
             return
+        if len(self._instances) < num_nodes:
+            raise ClusterError(
+                f"cluster {self.name!r} describes {len(self._instances)} server instances but the "
+                f"run has {num_nodes} nodes; launcher node i is planned as server instance i, so "
+                "describe one server per node (count: N for identical ones)"
+            )
         nodes = self._instances[:num_nodes]  # the last node may leave devices unused
-        bad = [(i, s) for i, s in nodes[:-1] if s.gpus != per_node]
-        bad += [(i, s) for i, s in nodes[-1:] if s.gpus < per_node]
-        if not bad:
-            return
-        inst, spec = bad[0]
-        # where node 1's ranks land (the launcher numbers them right after node 0's)
-        lo, hi = self._devices[per_node].name, self._devices[2 * per_node - 1].name
-        raise ClusterError(
-            f"cluster {self.name!r}: server instance {inst!r} has {spec.gpus} devices but "
-            f"{per_node} processes run on each of {num_nodes} nodes, so launcher node i is not "
-            f"server instance i (node 1's ranks {per_node}..{2 * per_node - 1} would be planned "
-            f"as {lo}..{hi}); launch {spec.gpus} processes per node (trainer.devices) or "
-            f"describe {per_node} devices per server (gpus: {per_node})"
-        )
+        for i, (inst, spec) in enumerate(nodes):
+            last = i == num_nodes - 1
+            if spec.gpus == per_node or (last and spec.gpus > per_node):
+                continue
+            raise ClusterError(
+                f"cluster {self.name!r}: server instance {inst!r} (launcher node {i}) has "
+                f"{spec.gpus} devices but {per_node} processes run on each of {num_nodes} nodes; "
+                "ranks are numbered node by node and devices server by server, so node i is "
+                f"server instance i only if every server but the last has exactly {per_node} "
+                f"devices (the last at least {per_node}); launch as many processes per node as "
+                "each server has GPUs (trainer.devices), or describe the servers as launched"
+            )
 
     # ------------------------------------------------------------------ links
     def _link(self, a: str, b: str) -> tuple[float, float, tuple]:

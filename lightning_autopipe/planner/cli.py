@@ -83,6 +83,9 @@ def _cluster(name: str, world_size: int | None) -> Any:
                 "measures the real ones), or name a cluster file"
             )
         return Cluster.local(world_size)
+    if world_size is not None:
+        raise ClusterError("--world-size only applies to --cluster local; a cluster file "
+                           "lists its devices itself")
     path = resolve_cluster_path(name)
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in _CONF.glob("*.yaml")))

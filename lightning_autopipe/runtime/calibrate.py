@@ -200,7 +200,7 @@ def measure_reduce(
             f"need nbytes >= 4, warmup >= 0 and repeats >= 1, got {nbytes}, {warmup}, {repeats}"
         )
     dev = link_device(group, device)
-    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
     times = []
     for r in range(warmup + repeats):
         dist.barrier(group=group)

@@ -82,7 +82,11 @@ def resolve_cluster(
             from lightning_autopipe.runtime.calibrate import measure_link, measure_reduce
 
             link = measure_link(device=device)
-            reduce = measure_reduce(link, device=device) if link is not None else None
+            # Across nodes the all-reduce would also time the network, which the one-server
+            # local cluster cannot describe: there the reduction stays free (a cluster file
+            # describes such a run properly).
+            if link is not None:
+                reduce = measure_reduce(link, device=device) if num_nodes == 1 else math.inf
         if link is None or reduce is None:
             return Cluster.local(world_size, device_name=name)
         latency_us, gbps = link

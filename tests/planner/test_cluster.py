@@ -224,15 +224,21 @@ def test_launcher_nodes_must_be_the_files_servers() -> None:
     c.validate_nodes(3, 8)
     c.validate_nodes(1, 5)  # one node: ranks are simply the first devices
     # 4 processes per node: node 1's ranks 4..7 would be planned as nv:4..nv:7
-    with pytest.raises(ClusterError, match=r"'nv' has 8 devices but 4 processes.*nv:4\.\.nv:7"
-                       r".*launch 8 processes per node"):
+    with pytest.raises(ClusterError, match=r"'nv' \(launcher node 0\) has 8 devices but 4 "
+                       r"processes.*as many processes per node as each server has GPUs"):
         c.validate_nodes(2, 4)
+    with pytest.raises(ClusterError, match="3 server instances but the run has 4 nodes"):
+        c.validate_nodes(4, 6)
+    one = copy.deepcopy(RACK)
+    one["servers"] = [{**RACK["servers"][0], "gpus": 16, "levels": [{"size": 16, "gbps": 100}]}]
+    with pytest.raises(ClusterError, match="1 server instances but the run has 2 nodes"):
+        Cluster.from_dict(one).validate_nodes(2, 8)  # node 1 is another machine
     data = copy.deepcopy(RACK)
     data["servers"][1]["gpus"] = 16  # pcie0/pcie1: 16 devices; only the last node may be bigger
     data["servers"][1]["levels"][-1]["size"] = 16
     bigger = Cluster.from_dict(data)
     bigger.validate_nodes(2, 8)  # node 1 = pcie0, half of it used
-    with pytest.raises(ClusterError, match="'pcie0' has 16 devices"):
+    with pytest.raises(ClusterError, match=r"'pcie0' \(launcher node 1\) has 16 devices"):
         bigger.validate_nodes(3, 8)
 
 

@@ -80,7 +80,7 @@ def test_a_cluster_file_must_match_the_launched_nodes():
 
     rack = Path(__file__).resolve().parents[2] / "conf" / "cluster" / "pcie_2x8.yaml"
     assert resolve_cluster(str(rack), 16, CPU, num_nodes=2).num_devices == 16
-    with pytest.raises(ClusterError, match="launch 8 processes per node"):
+    with pytest.raises(ClusterError, match="as many processes per node as each server has GPUs"):
         resolve_cluster(str(rack), 8, CPU, num_nodes=2)  # 2 nodes x 4 processes
 
 

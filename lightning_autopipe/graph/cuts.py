@@ -76,9 +76,27 @@ def _layer_paths(info: GraphInfo) -> set[str]:
     }
     used = {p for p in info.path.values() if p}
     layers = {lay for lay in layers if any(p == lay or p.startswith(lay + ".") for p in used)}
-    if not layers:  # no repeated structure: the root's children are the layers
-        layers = {p.split(".")[0] for p in used}
+    if not layers:  # no repeated structure: the children of the outermost real module
+        layers = _children("", used)
+        # a wrapper (a LightningModule's ``self.net``) holds the model as its only child:
+        # descend until there is a choice (the wrapper's own glue joins a neighbour block)
+        while len(layers) == 1:
+            inner = _children(next(iter(layers)), used)
+            if not inner:
+                break
+            layers = inner
     return layers
+
+
+def _children(prefix: str, used: set[str]) -> set[str]:
+    """The direct children of module ``prefix`` ("" = root) through which ``used`` paths run."""
+    out = set()
+    for p in used:
+        if prefix and not p.startswith(prefix + "."):
+            continue
+        rest = p[len(prefix) + 1 :] if prefix else p
+        out.add(_join(prefix, rest.split(".")[0]))
+    return out
 
 
 def _keys(info: GraphInfo, granularity: str) -> list[Any]:

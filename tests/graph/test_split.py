@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from lightning_autopipe import split_model
 from lightning_autopipe.models import build_model
@@ -219,3 +220,41 @@ def test_export_from_a_single_sample_still_has_a_dynamic_batch() -> None:
     ids = torch.randint(0, 256, (3, 16))
     out = blocks.run({"input_ids": ids}, [0, 2, len(blocks)])
     torch.testing.assert_close(out.logits, model(input_ids=ids).logits)
+
+
+class _Recurrent(nn.Module):
+    """No repeated layers: embedding, a 2-layer LSTM, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.emb(ids))
+        return self.head(out[:, -1])
+
+
+class _Wrapped(nn.Module):
+    """How a LightningModule holds a model (``self.net``), wrapped twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.ModuleDict({"inner": _Recurrent()})
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.net["inner"](ids) * 1.0
+
+
+@pytest.mark.parametrize("granularity", ["sub-block", "layer"])
+def test_a_wrapped_model_splits_like_the_model(granularity: str) -> None:
+    torch.manual_seed(0)
+    example = (torch.randint(0, 50, (4, 6)),)
+    plain = split_model(_Recurrent(), example, granularity=granularity)
+    model = _Wrapped()
+    wrapped = split_model(model, example, granularity=granularity)
+    assert plain.names == ["emb", "lstm", "head"]
+    assert wrapped.names == [f"net.inner.{n}" for n in plain.names]
+    for cuts in _cut_sets(len(wrapped)):
+        check_split(wrapped, model, example, cuts)

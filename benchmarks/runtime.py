@@ -499,6 +499,7 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
         )
 
     same_round_ratios: list[float] = []
+    same_round = {}  # name -> the simulated step on the profile of the row's best round
     for name, plan in rows:
         if name not in measured:  # the equal-layer split is the planner's own cut
             lines.append(f"| {name} | = the pinned row's cut ({_describe(plan)}) | | | | | | | |")
@@ -506,7 +507,8 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
         mb = plan.microbatch_size
         pred = simulate(plan, profiles[mb], cluster).iteration_ms
         same = measured["round profiles"][measured["best round"][name]][str(mb)]
-        again = simulate(plan, Profile.from_json(same), cluster).iteration_ms
+        same_round[name] = simulate(plan, Profile.from_json(same), cluster)
+        again = same_round[name].iteration_ms
         same_round_ratios.append(measured[name] * 1e3 / again)
         lines.append(row(name, _describe(plan), measured[name], pred, again))
     lines.append(row("DDP", "1x2", measured["DDP"]))
@@ -524,11 +526,8 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
         "| run | rank | F | pred. F | B | pred. B | RF wait | RB wait | sync | step |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, plan in rows:
-        if name not in measured:
-            continue
-        same = measured["round profiles"][measured["best round"][name]][str(plan.microbatch_size)]
-        events = simulate(plan, Profile.from_json(same), cluster).events
+    for name, sim in same_round.items():
+        events = sim.events
         for r, st in enumerate(measured.get(name + " stats", [])):
             dev = cluster.devices[r].name
             pf, pb = (

@@ -158,7 +158,7 @@ def choose_profile(cfg: Any, cluster: Any, local: bool) -> tuple[Any, str]:
         why = f"cluster {cluster.name!r} describes devices other than this machine"
     elif analytic is not None and params > _MEASURE_LIMIT:
         why = f"{params / 1e6:.0f}M parameters are too many to profile here"
-    task = None
+    task = example = None
     if why is None and analytic is not None:
         task, example = _task_and_example(cfg)
         estimate = _profile_seconds(task, example)
@@ -174,7 +174,9 @@ def choose_profile(cfg: Any, cluster: Any, local: bool) -> tuple[Any, str]:
             f"note: no FLOP model for {cfg.model.name!r}; measuring on this CPU, so cluster "
             f"speeds are taken relative to this machine"
         )
-    return _measured_profile(cfg, task), (
+    if task is None:
+        task, example = _task_and_example(cfg)
+    return _measured_profile(cfg, task, example), (
         f"measured on this machine's CPU ({params / 1e6:.2f}M params)"
     )
 
@@ -205,16 +207,11 @@ def _profile_seconds(task: Any, example: Any) -> float:
     return 50 * (time.perf_counter() - start)
 
 
-def _measured_profile(cfg: Any, task: Any = None) -> Any:
-    """Trace and profile the recipe's own LightningModule, as the strategy does."""
+def _measured_profile(cfg: Any, task: Any, example: Any) -> Any:
+    """Trace and profile the recipe's own LightningModule (``task``), as the strategy does."""
     from lightning_autopipe.graph import split_model
     from lightning_autopipe.profile import profile_blocks
-    from lightning_autopipe.runtime.local_stage import as_call_args
 
-    if task is None:
-        task, example = _task_and_example(cfg)
-    else:
-        example = as_call_args(task.example_input_array)
     print(f"measuring the blocks of {cfg.model.name} on this CPU ...", flush=True)
     granularity = cfg.strategy.get("granularity", "sub-block")
     blocks = split_model(task, example, granularity=granularity)

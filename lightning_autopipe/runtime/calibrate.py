@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_autopipe.profile import _sync
+
 __all__ = ["fit_link", "fit_reduce", "link_device", "measure_link", "measure_reduce"]
 
 #: No process-group message is cheaper than this (a floor for a noisy or negative fit).
@@ -74,8 +76,7 @@ def fit_link(small: tuple[int, float], large: tuple[int, float]) -> tuple[float,
 
 def _round_trip(me: int, peer: int, buf: torch.Tensor, device: torch.device) -> float:
     """Seconds for ``buf`` to go from group rank 0 to rank 1 and back (``me`` is 0 or 1)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     start = time.perf_counter()
     if me == 0:
         dist.send(buf, peer, tag=_TAG)
@@ -83,9 +84,30 @@ def _round_trip(me: int, peer: int, buf: torch.Tensor, device: torch.device) -> 
     else:
         dist.recv(buf, peer, tag=_TAG)
         dist.send(buf, peer, tag=_TAG)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     return time.perf_counter() - start
+
+
+def _member(group: dist.ProcessGroup | None) -> int | None:
+    """This process's rank in ``group`` when there is something to measure there: None when
+    ``torch.distributed`` is not initialized, the group has a single rank, or this process is
+    not a member."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    me = dist.get_rank(group)
+    if me < 0 or dist.get_world_size(group) < 2:
+        return None
+    return me
+
+
+def _from_first_rank(
+    values: list[float], group: dist.ProcessGroup | None, dev: torch.device
+) -> list[float]:
+    """The group's rank 0 ``values`` on every rank (so all plan from the same figures)."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    out = torch.tensor(values, dtype=torch.float64, device=dev)
+    dist.broadcast(out, ranks[0], group=group)
+    return [float(v) for v in out.tolist()]
 
 
 def measure_link(
@@ -114,10 +136,8 @@ def measure_link(
         None when ``torch.distributed`` is not initialized, the group has a single rank, or
         this process is not a member: there is no link to measure.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    me = dist.get_rank(group)
-    if me < 0 or dist.get_world_size(group) < 2:
+    me = _member(group)
+    if me is None:
         return None
     small, large = sorted(int(s) for s in sizes)
     if small < 4 or large // 4 <= small // 4:  # float32 buffers: whole 4-byte elements
@@ -126,7 +146,7 @@ def measure_link(
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     dev = link_device(group, device)
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    out = torch.zeros(2, dtype=torch.float64, device=dev)
+    fit = (0.0, 0.0)  # what ranks other than 0 offer: rank 0's figures replace them
     if me in (0, 1):
         peer = ranks[1 - me]
         bufs = [torch.zeros(n // 4, dtype=torch.float32, device=dev) for n in (small, large)]
@@ -140,10 +160,8 @@ def measure_link(
             extra = statistics.median(p[1] - p[0] for p in rounds) / 2
             nbytes = [buf.numel() * 4 for buf in bufs]
             fit = fit_link((nbytes[0], ts), (nbytes[1], ts + extra))
-            out = torch.tensor(fit, dtype=torch.float64, device=dev)
-    dist.broadcast(out, ranks[0], group=group)
-    latency_us, gbps = out.tolist()
-    return float(latency_us), float(gbps)
+    latency_us, gbps = _from_first_rank(list(fit), group, dev)
+    return latency_us, gbps
 
 
 def fit_reduce(
@@ -189,11 +207,7 @@ def measure_reduce(
         None when ``torch.distributed`` is not initialized, the group has a single rank, or
         this process is not a member.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    me = dist.get_rank(group)
-    world = dist.get_world_size(group)
-    if me < 0 or world < 2:
+    if _member(group) is None:
         return None
     if nbytes < 4 or warmup < 0 or repeats < 1:
         raise ValueError(
@@ -204,16 +218,12 @@ def measure_reduce(
     times = []
     for r in range(warmup + repeats):
         dist.barrier(group=group)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        _sync(dev)
         start = time.perf_counter()
         dist.all_reduce(buf, group=group)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        _sync(dev)
         if r >= warmup:
             times.append(time.perf_counter() - start)
-    rate = fit_reduce(world, buf.numel() * 4, min(times), *link)
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    out = torch.tensor([rate], dtype=torch.float64, device=dev)
-    dist.broadcast(out, ranks[0], group=group)
-    return float(out.item())
+    world = dist.get_world_size(group)
+    (rate,) = _from_first_rank([fit_reduce(world, buf.numel() * 4, min(times), *link)], group, dev)
+    return rate

@@ -133,25 +133,37 @@ def _allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) 
     pending = sorted(jobs, key=lambda s: jobs[s][0])
     active: dict[int, float] = {}
     t = jobs[pending[0]][0]
+    # Every pass admits the next ring or ends the ring(s) that finish first, chosen by the
+    # time they finish and not by what is left of their bytes: with near-free links a ring's
+    # remaining time can fall below the resolution of ``t`` (a step of 0), so a test on the
+    # leftover bytes would never succeed and the loop would spin. At most 2 x rings passes.
     while pending or active:
         while pending and jobs[pending[0]][0] <= t:
             s = pending.pop(0)
             active[s] = jobs[s][1]
+        if not active:
+            t = jobs[pending[0]][0]
+            continue
         load: dict[int, int] = {}
         for s in active:
             for e in layout.ar_rings[s]:
                 for r in e:
                     load[r] = load.get(r, 0) + 1
         rate = {s: min(caps[r] / load[r] for e in layout.ar_rings[s] for r in e) for s in active}
+        left = {s: active[s] / rate[s] for s in active}
+        first = min(left.values())
         nxt = jobs[pending[0]][0] if pending else float("inf")
-        done_at = min((t + active[s] / rate[s] for s in active), default=float("inf"))
-        step = min(nxt, done_at) - t
+        if nxt < t + first:  # a ring starts before any ends: advance to it
+            for s in active:
+                active[s] -= rate[s] * (nxt - t)
+            t = nxt
+            continue
+        ended = [s for s in active if left[s] <= first * (1 + 1e-9)]
+        t += first
         for s in list(active):
-            active[s] -= rate[s] * step
-            if active[s] <= 1e-9 * jobs[s][1] + 1e-12:
+            if s in ended:
                 del active[s]
-                out[s] = t + step + layout.ar_lat_ms[s] + jobs[s][2]
-        t += step
-        if not active and pending:
-            t = max(t, jobs[pending[0]][0])
+                out[s] = t + layout.ar_lat_ms[s] + jobs[s][2]
+            else:
+                active[s] = max(active[s] - rate[s] * first, 0.0)
     return out

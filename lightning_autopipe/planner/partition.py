@@ -43,6 +43,7 @@ __all__ = [
     "choose_drain_slices",
     "partition_and_slice",
     "PartitionResult",
+    "step_budget",
 ]
 
 _EPS = 1e-9
@@ -78,14 +79,35 @@ class PartitionResult:
     balanced_ms: float
     evaluations: int
     alternatives: list[tuple[list[int], Estimate]]  # the next best distinct cuts seen
+    steps: int = 0  # descent passes and nudge sweeps taken (see :func:`step_budget`)
+
+
+def step_budget(max_evaluations: int) -> int:
+    """Most descent passes and nudge sweeps one :func:`autopipe_partition` call may take.
+
+    Every pass either evaluates a cut list not seen before (at most ``max_evaluations`` plus the
+    four a pass may add past the limit) or moves to a strictly better one already seen (a
+    strictly decreasing walk over the seen lists, so at most as many moves as lists), or ends
+    its descent; three descents (balanced and two tilted starts) each end once in ``descend``
+    and once in ``_nudge``. The loops also stop when the count reaches this bound, so the
+    partitioner ends after a number of steps fixed by its budget whatever the inputs.
+    """
+    return 2 * (max_evaluations + 4) + 6
 
 
 class _Scorer:
     """Memoised fast-model evaluation of cut lists for one (layout, batch, m, k)."""
 
-    def __init__(self, fn: Callable[[list[int]], Estimate]) -> None:
+    def __init__(self, fn: Callable[[list[int]], Estimate], max_steps: int) -> None:
         self._fn = fn
         self.cache: dict[tuple[int, ...], Estimate] = {}
+        self.steps = 0
+        self.max_steps = max_steps
+
+    def step(self) -> bool:
+        """Count one descent pass; False once the step budget is spent."""
+        self.steps += 1
+        return self.steps <= self.max_steps
 
     def __call__(self, cuts: Sequence[int]) -> Estimate:
         key = tuple(cuts)
@@ -140,7 +162,8 @@ def autopipe_partition(
         lambda c: evaluate(
             costs, layout, c, batch, num_microbatches, startup_slices,
             optimizer_factor=optimizer_factor,
-        )
+        ),
+        step_budget(max_evaluations),
     )
 
     def rebalance(lo: int, hi: int, first: int, count: int) -> list[int] | None:
@@ -150,7 +173,7 @@ def autopipe_partition(
 
     def descend(cur: list[int], limit: int) -> tuple[list[int], Estimate]:
         best = score(cur)
-        while len(score.cache) < limit:
+        while len(score.cache) < limit and score.step():
             order = sorted(range(num), key=lambda s: -best.critical_share[s])
             moved = False
             for c in order[:2]:  # the critical stage, then the runner-up
@@ -189,7 +212,7 @@ def autopipe_partition(
                 cur, best = c2, b2
     seen = sorted(score.cache.items(), key=lambda kv: (not kv[1].fits, kv[1].iteration_ms))
     alts = [(list(c), e) for c, e in seen if list(c) != cur][:_ALTERNATIVES]
-    return PartitionResult(cur, best, list(base), base_ms, len(score.cache), alts)
+    return PartitionResult(cur, best, list(base), base_ms, len(score.cache), alts, score.steps)
 
 
 def _nudge(
@@ -202,7 +225,7 @@ def _nudge(
     prefix / suffix chain shifts; improvements are kept. Stops when a sweep improves nothing.
     """
     improved = True
-    while improved and len(score.cache) < budget:
+    while improved and len(score.cache) < budget and score.step():
         improved = False
         left = budget - len(score.cache)
         w = max(1, left // max(1, 2 * (len(cur) - 2)))

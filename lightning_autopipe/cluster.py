@@ -409,41 +409,6 @@ class Cluster:
         """Ring order of an all-reduce: global rank order, which keeps each server together."""
         return sorted(devices, key=lambda n: self.device(n).rank)
 
-    def allreduce_ms(self, devices: list[str], nbytes: int) -> float:
-        """Uncontended ring all-reduce of ``nbytes`` over ``devices``.
-
-        ``2 (n-1)/n * bytes`` cross every ring edge, so the slowest edge sets the pace; each of
-        the ``2 (n-1)`` steps pays the slowest edge's latency once; the reduction itself adds
-        :meth:`reduce_ms_per_byte`.
-        """
-        ring = self.ring_order(list(devices))
-        n = len(ring)
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        edges = [(ring[i], ring[(i + 1) % n]) for i in range(n)]
-        bw = min(self.bandwidth_gbps(a, b) for a, b in edges)
-        lat = max(self.latency_us(a, b) for a, b in edges)
-        volume = 2 * (n - 1) / n * nbytes
-        return (
-            volume / (bw * BYTES_PER_MS_PER_GBPS)
-            + 2 * (n - 1) * lat / 1e3
-            + nbytes * self.reduce_ms_per_byte(ring)
-        )
-
-    def reduce_ms_per_byte(self, devices: list[str]) -> float:
-        """The reduction's own time per gradient byte of a ring all-reduce over ``devices``.
-
-        Each member reduces ``(n-1)/n`` of the bytes (its share of the reduce-scatter), all at
-        once, so the slowest member's ``reduce_gbps`` sets the pace; it does not share links, so
-        it adds to the transfers rather than contending with them. 0 for one device or when
-        every device reduces for free.
-        """
-        n = len(devices)
-        if n <= 1:
-            return 0.0
-        rate = min(self.device(d).spec.reduce_gbps for d in devices)
-        return (n - 1) / n / (rate * BYTES_PER_MS_PER_GBPS)
-
 
 # ---------------------------------------------------------------------- validation helpers
 def _no_unknown(data: dict, allowed: set[str], where: str) -> None:

@@ -11,6 +11,8 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_autopipe.planner.pricing import peak_memory_bytes
+
 __all__ = ["StageLimits", "balanced_cuts"]
 
 _TOL = 1e-7  # relative precision of the bottleneck search (cut positions are discrete)
@@ -18,18 +20,17 @@ _TOL = 1e-7  # relative precision of the bottleneck search (cut positions are di
 
 @dataclass(frozen=True)
 class StageLimits:
-    """Memory limits of each stage: ``param_factor * params + act_factor[s] * mem <= capacity``."""
+    """Memory limits of each stage: its :func:`~.pricing.peak_memory_bytes` within capacity."""
 
     params: Sequence[int]  # prefix sums
     mem: Sequence[int]  # prefix sums
-    param_factor: float
+    optimizer_factor: float
     act_factor: Sequence[float]  # per stage: in-flight micro-batches x samples scale
     capacity: Sequence[float]
 
     def ok(self, s: int, i: int, j: int) -> bool:
-        need = (self.params[j] - self.params[i]) * self.param_factor + (
-            self.mem[j] - self.mem[i]
-        ) * self.act_factor[s]
+        need = peak_memory_bytes(self.params[j] - self.params[i], self.mem[j] - self.mem[i],
+                                 self.act_factor[s], self.optimizer_factor)
         return need <= self.capacity[s]
 
 

@@ -8,55 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_autopipe.errors import AutoPipeError
-from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.planner.report import format_plan
 from lightning_autopipe.profile import Profile
 
-__all__ = ["format_plan", "plan_main", "resolve_cluster_path"]
+__all__ = ["plan_main", "resolve_cluster_path"]
 
 _CONF = Path(__file__).resolve().parents[2] / "conf" / "cluster"
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
-def _short(names: list[str], width: int) -> str:
-    text = ",".join(names)
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def format_plan(plan: Plan, profile: Profile) -> str:
-    """A readable table of a plan: one row per stage, then the predicted step."""
-    reps = [s.replicas for s in plan.stages]
-    rep = str(reps[0]) if len(set(reps)) == 1 else "/".join(map(str, reps))
-    per = plan.global_batch_size / (plan.num_microbatches * max(reps))
-    lines = [
-        f"plan ({plan.planner}) for {plan.model or profile.model}: {plan.num_stages} stages x "
-        f"{rep} replicas, global batch {plan.global_batch_size} = {plan.num_microbatches} "
-        f"micro-batches of {per:g} samples per replica, {plan.startup_slices} startup "
-        f"slice{'s' if plan.startup_slices != 1 else ''}, {plan.drain_slices} drain "
-        f"slice{'s' if plan.drain_slices != 1 else ''}",
-    ]
-    head = (f"{'stage':>5}  {'blocks':<11} {'first .. last block':<44} {'devices':<28} "
-            f"{'stage ms':>9}  {'peak memory':>11}")
-    lines += [head, "-" * len(head)]
-    names = profile.names
-    for s, st in enumerate(plan.stages):
-        i, j = st.blocks
-        span = names[i] if j - i == 1 else f"{names[i]} .. {names[j - 1]}"
-        if len(span) > 44:
-            span = span[:41] + "..."
-        peak = max((plan.peak_memory_bytes.get(d, 0) for d in st.devices), default=0)
-        lines.append(
-            f"{s:>5}  {f'[{i}, {j})':<11} {span:<44} {_short(st.devices, 28):<28} "
-            f"{st.stage_ms:>9.2f}  {_gib(peak):>11}"
-        )
-    lines.append("-" * len(head))
-    lines.append(
-        f"predicted iteration {plan.iteration_ms:.1f} ms | bubble {plan.bubble_fraction:.1%} | "
-        f"balance {plan.balance:.3f} (max/mean stage ms) | search {plan.search_ms:.0f} ms"
-    )
-    return "\n".join(lines)
 
 
 def resolve_cluster_path(name: str) -> Path:

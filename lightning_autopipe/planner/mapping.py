@@ -39,7 +39,7 @@ from lightning_autopipe.errors import ClusterError, PlanError
 from lightning_autopipe.planner.costmodel import BlockCosts, Estimate, Layout, evaluate
 from lightning_autopipe.planner.partition import balanced_cuts, stage_limits
 
-__all__ = ["speed_order", "candidate_groupings", "map_stages", "rank_layouts", "MappingResult"]
+__all__ = ["speed_order", "candidate_groupings", "rank_layouts", "MappingResult"]
 
 
 def speed_order(cluster: Cluster, devices: Sequence[str] | None = None) -> list[str]:
@@ -143,6 +143,7 @@ def rank_layouts(
     startup_slices: int = 1,
     *,
     optimizer_factor: float = 2.0,
+    schedule: str = "1f1b",
 ) -> list[MappingResult]:
     """Every candidate layout with its balanced partition, fastest (fitting memory) first.
 
@@ -167,36 +168,15 @@ def rank_layouts(
             continue
         seen.add(sig)
         limits = stage_limits(
-            costs, layout, batch, num_microbatches, startup_slices, optimizer_factor
+            costs, layout, batch, num_microbatches, startup_slices, optimizer_factor, schedule
         )
         cuts = balanced_cuts(work, layout.speeds, limits=limits) or balanced_cuts(
             work, layout.speeds
         )
         assert cuts is not None
         est = evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
-                       optimizer_factor=optimizer_factor, critical_path=False)
+                       schedule=schedule, optimizer_factor=optimizer_factor, critical_path=False)
         scores[name] = est.iteration_ms
         out.append(MappingResult(name, layout, cuts, est, scores))
     out.sort(key=lambda r: (not r.estimate.fits, r.estimate.iteration_ms))
     return out
-
-
-def map_stages(
-    costs: BlockCosts,
-    cluster: Cluster,
-    devices: Sequence[str],
-    num_stages: int,
-    replicas: int,
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int = 1,
-    *,
-    optimizer_factor: float = 2.0,
-) -> MappingResult:
-    """The candidate layout whose balanced partition the cost model predicts fastest.
-
-    Raises:
-        PlanError: more stages than blocks, or too few devices.
-    """
-    return rank_layouts(costs, cluster, devices, num_stages, replicas, batch, num_microbatches,
-                        startup_slices, optimizer_factor=optimizer_factor)[0]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.balance import StageLimits, balanced_cuts
-from lightning_autopipe.planner.costmodel import BlockCosts, Estimate, Layout, _compiled, evaluate
+from lightning_autopipe.planner.costmodel import BlockCosts, Estimate, Layout, evaluate, inflight
 
 __all__ = [
     "balanced_cuts",
@@ -57,16 +57,17 @@ def stage_limits(
     num_microbatches: int,
     startup_slices: int = 1,
     optimizer_factor: float = 2.0,
+    schedule: str = "1f1b",
 ) -> StageLimits:
-    """The memory limits the cost model applies to ``layout`` under 1F1B."""
+    """The memory limits the cost model applies to ``layout`` under ``schedule``."""
     num = layout.num_stages
     mb = max(1, batch // (num_microbatches * max(layout.replicas)))
-    comp = _compiled(num, num_microbatches, startup_slices, mb)
+    held = inflight(schedule, num, num_microbatches, startup_slices, mb)
     act = [
-        comp.inflight[s] * batch / (num_microbatches * layout.replicas[s] * costs.micro_batch_size)
+        held[s] * batch / (num_microbatches * layout.replicas[s] * costs.micro_batch_size)
         for s in range(num)
     ]
-    return StageLimits(costs.params, costs.mem, 2.0 + optimizer_factor, act, layout.capacity)
+    return StageLimits(costs.params, costs.mem, optimizer_factor, act, layout.capacity)
 
 
 @dataclass
@@ -134,6 +135,7 @@ def autopipe_partition(
     startup_slices: int = 1,
     *,
     optimizer_factor: float = 2.0,
+    schedule: str = "1f1b",
     max_evaluations: int = 400,
     start: list[int] | None = None,
 ) -> PartitionResult:
@@ -150,7 +152,7 @@ def autopipe_partition(
         )
     work = costs.compute
     limits = stage_limits(
-        costs, layout, batch, num_microbatches, startup_slices, optimizer_factor
+        costs, layout, batch, num_microbatches, startup_slices, optimizer_factor, schedule
     )
     speeds = layout.speeds
     base = start or balanced_cuts(work, speeds, limits=limits)
@@ -161,7 +163,7 @@ def autopipe_partition(
     score = _Scorer(
         lambda c: evaluate(
             costs, layout, c, batch, num_microbatches, startup_slices,
-            optimizer_factor=optimizer_factor,
+            optimizer_factor=optimizer_factor, schedule=schedule,
         ),
         step_budget(max_evaluations),
     )
@@ -281,6 +283,7 @@ def choose_startup_slices(
     max_slices: int = 8,
     *,
     optimizer_factor: float = 2.0,
+    schedule: str = "1f1b",
 ) -> tuple[int, Estimate]:
     """The number of startup slices (1 = off) with the shortest predicted step that fits memory.
 
@@ -290,7 +293,8 @@ def choose_startup_slices(
     return _fewest_best(
         max(1, min(max_slices, mb)),
         lambda k: evaluate(costs, layout, cuts, batch, num_microbatches, k,
-                           optimizer_factor=optimizer_factor, critical_path=False),
+                           optimizer_factor=optimizer_factor, schedule=schedule,
+                           critical_path=False),
     )
 
 
@@ -304,6 +308,7 @@ def choose_drain_slices(
     max_slices: int = 8,
     *,
     optimizer_factor: float = 2.0,
+    schedule: str = "1f1b",
 ) -> tuple[int, Estimate]:
     """Slices ``j`` of the last micro-batch (1 = off) with the shortest predicted step.
 
@@ -314,7 +319,7 @@ def choose_drain_slices(
     return _fewest_best(
         max(1, min(max_slices, mb)) if num_microbatches >= 2 else 1,
         lambda j: evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
-                           drain_slices=j, optimizer_factor=optimizer_factor,
+                           drain_slices=j, optimizer_factor=optimizer_factor, schedule=schedule,
                            critical_path=False),
     )
 
@@ -338,6 +343,7 @@ def partition_and_slice(
     max_slices: int = 8,
     *,
     optimizer_factor: float = 2.0,
+    schedule: str = "1f1b",
     max_evaluations: int = 400,
 ) -> list[tuple[list[int], int, Estimate]]:
     """AutoPipe's partition and slice count together (``startup_slices`` pins ``k``).
@@ -355,7 +361,7 @@ def partition_and_slice(
     m = num_microbatches
     if startup_slices:
         part = autopipe_partition(costs, layout, batch, m, startup_slices,
-                                  optimizer_factor=optimizer_factor,
+                                  optimizer_factor=optimizer_factor, schedule=schedule,
                                   max_evaluations=max_evaluations)
         return [(part.cuts, startup_slices, part.estimate)] + [
             (c, startup_slices, e) for c, e in part.alternatives
@@ -367,16 +373,16 @@ def partition_and_slice(
     out: dict[tuple[tuple[int, ...], int], Estimate] = {}
     for k0 in ks:
         part = autopipe_partition(costs, layout, batch, m, k0, optimizer_factor=optimizer_factor,
-                                  max_evaluations=budget)
+                                  schedule=schedule, max_evaluations=budget)
         out[(tuple(part.cuts), k0)] = part.estimate
         for alt, est in part.alternatives:
             out.setdefault((tuple(alt), k0), est)
         k, est = choose_startup_slices(costs, layout, part.cuts, batch, m, max_slices,
-                                       optimizer_factor=optimizer_factor)
+                                       optimizer_factor=optimizer_factor, schedule=schedule)
         out[(tuple(part.cuts), k)] = est
         if k != k0:
             again = autopipe_partition(costs, layout, batch, m, k,
-                                       optimizer_factor=optimizer_factor,
+                                       optimizer_factor=optimizer_factor, schedule=schedule,
                                        max_evaluations=budget, start=part.cuts)
             out[(tuple(again.cuts), k)] = again.estimate
     ranked = sorted(out.items(), key=lambda kv: (not kv[1].fits, kv[1].iteration_ms))

@@ -1,4 +1,5 @@
-"""The Plan: stages, their devices, micro-batching and startup slices; round-trips to JSON."""
+"""The Plan (stages, their devices, micro-batching, slices; round-trips to JSON) and the
+Proposal a planner makes before it is scored."""
 
 from __future__ import annotations
 
@@ -8,8 +9,21 @@ from pathlib import Path
 from typing import Any
 
 from lightning_autopipe.errors import PlanError
+from lightning_autopipe.planner.schedule import schedule_generator
 
-__all__ = ["StagePlan", "Plan"]
+__all__ = ["StagePlan", "Plan", "Proposal"]
+
+
+@dataclass
+class Proposal:
+    """A planner's answer before scoring: device groups per stage, cuts, m, k and j."""
+
+    groups: list[list[str]]
+    cuts: list[int]
+    num_microbatches: int
+    startup_slices: int = 1
+    drain_slices: int = 1
+    schedule: str = "1f1b"
 
 
 @dataclass
@@ -79,6 +93,7 @@ class Plan:
         if len(used) != len(set(used)):
             dup = sorted({d for d in used if used.count(d) > 1})
             raise PlanError(f"devices {dup} are assigned to more than one stage")
+        schedule_generator(self.schedule)  # ScheduleError naming the known ones
         if min(self.num_microbatches, self.startup_slices, self.drain_slices) < 1:
             raise PlanError(
                 f"num_microbatches ({self.num_microbatches}), startup_slices "

@@ -14,16 +14,16 @@ An :class:`Action` prints and parses as short text, ``"<stage><kind><microbatch>
 Compute-only schedules (``F``/``B``) come from the generators (:func:`one_f_one_b` with split
 startup micro-batch, :func:`gpipe`, :func:`forward_only`; :func:`build_schedule` picks one for a
 Plan); :func:`lower_communication` inserts the send/receive actions the runtime executes and the
-simulator prices. :func:`validate`, :func:`format_grid` and :func:`ascii_timeline` live in
-``planner/replay.py`` and are re-exported here.
+simulator prices. The checker that replays a schedule (``validate``, ``format_grid``,
+``ascii_timeline``) lives in :mod:`~.replay`, above this module.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from lightning_autopipe.errors import ScheduleError
 
@@ -46,11 +46,9 @@ __all__ = [
     "gpipe",
     "forward_only",
     "build_schedule",
-    "validate",
-    "format_grid",
+    "schedule_generator",
     "format_schedule",
     "parse_schedule",
-    "ascii_timeline",
     "SCHEDULES",
 ]
 
@@ -71,9 +69,13 @@ class Kind(StrEnum):
 _ACTION_RE = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B)(\d+)\.(\d+)$")
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One step of one stage: compute or point-to-point transfer of one (micro-batch, slice)."""
+class Action(NamedTuple):
+    """One step of one stage: compute or point-to-point transfer of one (micro-batch, slice).
+
+    A named tuple rather than a dataclass: schedules of long steps hold tens of thousands of
+    actions and the fast model generates one per shape it prices, so creation cost counts;
+    immutability, ordering and hashing are the tuple's.
+    """
 
     stage: int
     kind: Kind
@@ -348,15 +350,20 @@ SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
 def build_schedule(plan: Plan) -> Schedule:
-    """The compute-only schedule a plan names (``plan.schedule``: ``"1f1b"`` or ``"gpipe"``)."""
-    try:
-        gen = SCHEDULES[plan.schedule]
-    except KeyError:
-        raise ScheduleError(
-            f"unknown schedule {plan.schedule!r}; use one of {sorted(SCHEDULES)}"
-        ) from None
+    """The compute-only schedule a plan names (``plan.schedule``)."""
+    gen = schedule_generator(plan.schedule)
     return gen(plan.num_stages, plan.num_microbatches, plan.startup_slices, plan.drain_slices)
 
 
-# The checker lives in its own module; re-exported here so callers need one import.
-from lightning_autopipe.planner.replay import ascii_timeline, format_grid, validate  # noqa: E402
+def schedule_generator(name: str) -> Callable[..., Schedule]:
+    """The generator of :data:`SCHEDULES` called ``name``.
+
+    Raises:
+        ScheduleError: an unknown name, listing the known ones.
+    """
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ScheduleError(
+            f"unknown schedule {name!r}; use one of {sorted(SCHEDULES)}"
+        ) from None

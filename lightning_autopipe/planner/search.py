@@ -1,82 +1,40 @@
-"""The joint search: pipeline depth x replicas x micro-batches x startup slices, then a Plan.
+"""The plan search's entry points: :func:`make_plan` for one shape space, :func:`search_plan`
+for a launched world; every planner's answer scored by the same simulator.
 
 :func:`make_plan` is the one entry point the strategy, the CLI and the benchmark call. For
-``planner="autopipe"`` it searches in four levels, each more exact and applied to fewer shapes:
-
-1. every (stages ``S``, replicas ``R``, micro-batches ``m``) allowed by the pins, the devices and
-   the batch is scored in O(S) by a closed form on the fastest ``S x R`` devices: ``m + S - 1``
-   stage times, a stage time being the larger of perfectly balanced compute (plus half a block
-   of rounding) and the slowest cut's transfer, plus the fill latency and the first stage's
-   all-reduce; a rough memory check marks shapes that cannot fit;
-2. the best eight (at most two micro-batch counts per ``S x R``) are placed: every candidate
-   layout of :func:`~.mapping.rank_layouts` is scored by the 1F1B replay with its balanced
-   partition;
-3. the best (shape, layout) pairs, three or more while the replay budget lasts, get the AutoPipe
-   partitioner and the startup slicer (:func:`~.partition.partition_and_slice`);
-4. when cheap enough, the simulator (:func:`~.simulate.simulate`, link contention included)
-   picks among the best eight proposals; otherwise the fast model's favourite stands.
+``planner="autopipe"`` the proposals come from :mod:`~.autopipe` (levels 1-3: closed-form
+shapes, placements, partitions and slices); the yardstick planners (:mod:`~.baselines`) answer
+with proposals of their own. Level 4: when cheap enough, the simulator
+(:func:`~.simulate.simulate`, link contention included) picks among the best proposals;
+otherwise the fast model's favourite stands.
 
 ``search_ms`` is the time to choose the plan; simulating the chosen plan to fill its predicted
 figures is not part of it (unless the simulator took part in choosing).
 
 AutoPipe gives every stage the same replica count (what the runtime executes); DAPPLE and Piper
-may replicate stages unevenly unless ``uniform_replicas``. The yardstick planners
-(``baselines``) are dispatched from here too, so every planner's result is scored by the same
-simulator and returned as the same :class:`Plan`.
+may replicate stages unevenly unless ``uniform_replicas``. Every planner's result is scored by
+the same simulator and returned as the same :class:`Plan`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
+from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
+from lightning_autopipe.planner.autopipe import autopipe_proposals
+from lightning_autopipe.planner.baselines import propose
 from lightning_autopipe.planner.costmodel import BlockCosts
-from lightning_autopipe.planner.mapping import rank_layouts, speed_order
-from lightning_autopipe.planner.partition import choose_drain_slices, partition_and_slice
-from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
 from lightning_autopipe.planner.simulate import simulate
-from lightning_autopipe.profile import Profile, affine_ms
+from lightning_autopipe.profile import Profile
 
-__all__ = ["make_plan", "PLANNERS", "Proposal", "finish_plan", "microbatch_choices"]
+__all__ = ["make_plan", "search_plan", "PLANNERS", "finish_plan"]
 
 PLANNERS = ("autopipe", "dapple", "piper", "time", "parameters", "uniform", "optimal")
 GiB = 2**30
 _SIM_BUDGET = 3000  # devices x units: simulate finalists only while their sum stays below
-_REPLAY_BUDGET = 100_000  # replayed actions per shape the AutoPipe partitioner may spend
-_LEVEL2, _LEVEL3 = 8, 3  # shapes placed by the mapper / refined by the partitioner
-_LEVEL3_BUDGET = 400_000  # replayed actions (upper bound) for refining more than three
-_FINALISTS = 8  # proposals the simulator may choose among (within _SIM_BUDGET)
-
-
-def _replay_cost(stages: int, m: int, k: int) -> int:
-    """Actions one fast-model evaluation replays (long steps are extrapolated, two replays)."""
-    m0 = 2 * stages + 6
-    return 2 * stages * (m + k) if m <= m0 else 4 * stages * (m0 + stages + k)
-
-
-@dataclass
-class Proposal:
-    """A planner's answer before scoring: device groups per stage, cuts, m, k and j."""
-
-    groups: list[list[str]]
-    cuts: list[int]
-    num_microbatches: int
-    startup_slices: int = 1
-    drain_slices: int = 1
-
-
-def microbatch_choices(batch: int, replicas: int, num_stages: int) -> list[int]:
-    """Micro-batch counts that divide the per-replica batch.
-
-    All divisors: the largest ones (micro-batches of one or two samples) are often the only
-    way a big model fits memory, and the replay of long steps is extrapolated, so many
-    micro-batches cost the search little.
-    """
-    per = batch // replicas
-    return [m for m in range(1, per + 1) if per % m == 0]
 
 
 def make_plan(
@@ -129,12 +87,10 @@ def make_plan(
                 startup_slices=startup_slices, drain_slices=drain_slices)
     excluded = 0.0
     if planner == "autopipe":
-        props = _autopipe(costs, cluster, devs, global_batch_size, pins, use_all_devices,
-                          max_startup_slices, optimizer_factor)
+        props = autopipe_proposals(costs, cluster, devs, global_batch_size, pins, use_all_devices,
+                                   max_startup_slices, optimizer_factor)
     else:
-        from lightning_autopipe.planner import baselines
-
-        props, excluded = baselines.propose(
+        props, excluded = propose(
             planner, profile, costs, cluster, devs, global_batch_size, pins=pins,
             uniform_replicas=uniform_replicas, use_all_devices=use_all_devices,
             optimizer_factor=optimizer_factor, max_startup_slices=max_startup_slices,
@@ -196,6 +152,65 @@ def finish_plan(
     mean = sum(res.stage_ms) / len(res.stage_ms)
     plan.balance = max(res.stage_ms) / mean if mean > 0 else 1.0
     return plan
+
+
+def search_plan(
+    profile: Profile,
+    cluster: Cluster,
+    devices: Sequence[str],
+    replica_batch: int,
+    *,
+    planner: str = "autopipe",
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+    startup_slices: int | None = None,
+    drain_slices: int | None = None,
+) -> Plan:
+    """The plan with the most samples/s that uses every launched device.
+
+    The dataloader's batch is one replica's (as with DDP), so a layout with ``R`` replicas
+    trains a global batch of ``replica_batch * R``; each pipeline depth dividing the world size
+    (or the pinned one) is planned and the fastest per sample wins.
+    """
+    world = len(devices)
+    if num_stages is not None and world % num_stages:
+        raise PlanError(
+            f"num_stages={num_stages} does not divide the {world} launched processes; every "
+            "stage needs the same number of replicas: pick a divisor of the world size"
+        )
+    depths = [num_stages] if num_stages else [s for s in range(1, world + 1) if world % s == 0]
+    best: tuple[float, Plan] | None = None
+    failures: list[str] = []
+    kinds: set[type] = set()
+    for depth in depths:
+        replicas = world // depth
+        try:
+            plan = make_plan(
+                profile,
+                cluster,
+                replica_batch * replicas,
+                planner=planner,
+                num_stages=depth,
+                replicas=replicas,
+                num_microbatches=num_microbatches,
+                startup_slices=startup_slices,
+                drain_slices=drain_slices,
+                devices=list(devices),
+                uniform_replicas=True,
+                use_all_devices=True,
+            )
+        except PlanError as exc:
+            failures.append(f"{depth} stages x {replicas} replicas: {exc}")
+            kinds.add(type(exc))
+            continue
+        rate = replica_batch * replicas / max(plan.iteration_ms, 1e-9)
+        if best is None or rate > best[0]:
+            best = (rate, plan)
+    if best is None:
+        cls = kinds.pop() if len(kinds) == 1 else PlanError  # e.g. MemoryPlanError everywhere
+        raise cls("no plan fits the launched devices: " + " | ".join(failures))
+    return best[1]
+
 
 
 # ---------------------------------------------------------------------------- checks
@@ -285,181 +300,3 @@ def _memory_error(plan: Plan, cluster: Cluster, batch: int) -> MemoryPlanError:
     )
 
 
-# ---------------------------------------------------------------------------- AutoPipe
-@dataclass
-class _Shape:
-    stages: int
-    replicas: int
-    microbatches: int
-    score: float
-    fits: bool
-
-
-def _slice_term(
-    fill: float, size: int, tau: Callable[[float], float], pin: int | None, max_slices: int
-) -> float:
-    """Closed-form cost of a micro-batch of ``size`` samples cut into its best q slices.
-
-    Each stage runs the q slices (``q * tau(size / q)``), and the pipeline waits ``fill`` slice
-    times for them: ``stages - 1`` when the micro-batch is the only one (its slices both fill
-    and drain the pipeline), half of that for one end of several micro-batches (with q = 1 the
-    two ends of a plain 1F1B together give its ``(stages - 1) * tau`` bubble). A pinned count
-    is taken as is.
-    """
-    qs = [pin] if pin else range(1, min(max_slices, size) + 1)
-    return min((q + fill) * tau(size / q) for q in qs)
-
-
-def _shapes(
-    costs: BlockCosts,
-    cluster: Cluster,
-    devs: list[str],
-    batch: int,
-    pins: dict,
-    use_all: bool,
-    optimizer_factor: float,
-    max_slices: int = 1,
-) -> list[_Shape]:
-    """Level 1: every allowed (S, R, m) with its closed-form estimate.
-
-    The estimate already counts startup and drain slices (``_slice_term``): with per-call
-    costs, the best micro-batch count with slices is often smaller than without them (fewer,
-    larger micro-batches; the ends cut finer), and a shape ranked on plain 1F1B alone would
-    never reach the partitioner.
-    """
-    order = speed_order(cluster, devs)
-    specs = [cluster.device(d).spec for d in order]
-    nd, n = len(order), costs.num_blocks
-    work = costs.compute[-1]
-    big = max(costs.compute[i + 1] - costs.compute[i] for i in range(n))
-    params, mem = costs.params[-1], costs.mem[-1]
-    act = sum(costs.act[:-1]) / max(1, n - 1)
-    mbs = costs.micro_batch_size
-    out = []
-    s_list = [pins["num_stages"]] if pins["num_stages"] else range(1, min(n, nd) + 1)
-    for s in s_list:
-        if pins["replicas"]:
-            r_list = [pins["replicas"]]
-        elif use_all:
-            r_list = [nd // s] if nd % s == 0 else []
-        else:
-            r_list = sorted({r for r in range(1, nd // s + 1) if batch % r == 0})
-        for r in r_list:
-            if s * r > nd or batch % r:
-                continue
-            chunks = [specs[i * r : (i + 1) * r] for i in range(s)]
-            speeds = [min(x.speed for x in c) for c in chunks]
-            cap = min(min(x.memory_bytes for x in c) for c in chunks)
-            ovh = max(x.overhead_ms for c in chunks for x in c)
-            sum_sp = sum(speeds)
-            g0 = order[:r]
-            ar = cluster.allreduce_ms(g0, int(params / s)) if r > 1 else 0.0
-            hop = xfer = 0.0  # fill latency of one hop; slowest cut's transfer per sample
-            for c in range(s - 1):
-                a, b = order[c * r], order[(c + 1) * r]
-                ms = act / mbs / (cluster.bandwidth_gbps(a, b) * BYTES_PER_MS_PER_GBPS)
-                if cluster.device(a).server != cluster.device(b).server:
-                    ms *= r  # the replicas' transfers share the NIC
-                hop = max(hop, cluster.latency_us(a, b) / 1e3 + ms * mbs)
-                xfer = max(xfer, ms)
-            # perfectly balanced stages, plus half a block of rounding on the slowest stage
-            base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
-            fixed = min(sum(costs.fixed(0, n)) / sum_sp, base)  # per-call part of base
-            m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else (
-                microbatch_choices(batch, r, s)
-            )
-
-            def tau(samples: float, base=base, fixed=fixed, ovh=ovh, xfer=xfer) -> float:
-                """One stage's forward + backward of ``samples``: compute- or link-bound."""
-                return max(affine_ms(base, fixed, samples / mbs) + 2 * ovh, xfer * samples)
-
-            k_pin, j_pin = pins["startup_slices"], pins["drain_slices"]
-            limit = max_slices if s > 1 else 1  # one stage has no fill or drain to shorten
-            for m in m_list:
-                if (batch // r) % m or batch // (r * m) < max(k_pin or 1, j_pin or 1):
-                    continue  # a pinned m, k or j this shape's replica batch cannot hold
-                size = batch // (m * r)
-                scale = size / mbs
-                if m == 1:  # one micro-batch: startup slices only
-                    est = _slice_term(s - 1, size, tau, k_pin, limit)
-                else:
-                    est = (m - 2) * tau(size) + sum(
-                        _slice_term((s - 1) / 2, size, tau, pin, limit) for pin in (k_pin, j_pin)
-                    )
-                est += 2 * (s - 1) * hop * scale + ar
-                need = params / s * (2 + optimizer_factor) + mem / s * scale * min(s, m)
-                out.append(_Shape(s, r, m, est, need <= cap))
-    return out
-
-
-def _autopipe(
-    costs: BlockCosts,
-    cluster: Cluster,
-    devs: list[str],
-    batch: int,
-    pins: dict,
-    use_all: bool,
-    max_slices: int,
-    optimizer_factor: float,
-) -> list[Proposal]:
-    shapes = _shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor, max_slices)
-    if not shapes:
-        raise PlanError(
-            f"no (stages x replicas) shape uses all {len(devs)} devices with global batch "
-            f"{batch}; pick a device count with more divisors or drop use_all_devices"
-        )
-    shapes.sort(key=lambda x: (not x.fits, x.score))
-    k_pin = pins["startup_slices"]
-    picked: list[_Shape] = []
-    per_shape: dict[tuple[int, int], int] = {}
-    for sh in shapes:  # the best few, at most two micro-batch counts per (stages, replicas)
-        key = (sh.stages, sh.replicas)
-        if per_shape.get(key, 0) < 2:
-            per_shape[key] = per_shape.get(key, 0) + 1
-            picked.append(sh)
-            if len(picked) == _LEVEL2:
-                break
-    level2 = []
-    for sh in picked:
-        ranked = rank_layouts(costs, cluster, devs, sh.stages, sh.replicas, batch,
-                              sh.microbatches, k_pin or 1, optimizer_factor=optimizer_factor)
-        level2 += [(mr, sh) for mr in ranked]
-    level2.sort(key=lambda x: (not x[0].estimate.fits, x[0].estimate.iteration_ms))
-    level3 = []
-    spent = 0
-    for n, (mr, sh) in enumerate(level2):
-        m = sh.microbatches
-        cost = _replay_cost(sh.stages, m, max_slices)
-        budget = max(20, min(400, _REPLAY_BUDGET // cost))
-        if n >= _LEVEL3 and spent + budget * cost > _LEVEL3_BUDGET:
-            break  # beyond the best three, refine more layouts only while it is cheap
-        spent += budget * cost
-        groups = [list(g) for g in mr.layout.groups]
-        for cuts, k, est in partition_and_slice(
-            costs, mr.layout, batch, m, k_pin, max_slices, optimizer_factor=optimizer_factor,
-            max_evaluations=budget,
-        ):
-            level3.append((est, Proposal(groups, cuts, m, k), mr.layout))
-    level3.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
-    # Drain slices for the finalists only: the tail they shorten is the same for close
-    # candidates, so choosing j earlier would multiply the partitioner's work for no change.
-    # Each finalist also goes to the simulator without them (right after it), since link
-    # contention the fast model ignores can make the extra messages cost more than they save.
-    j_pin = pins.get("drain_slices")
-    scored = []
-    for est, prop, layout in level3[:_FINALISTS]:
-        j, est_j = j_pin or 1, est
-        if not j_pin:
-            j, est_j = choose_drain_slices(
-                costs, layout, prop.cuts, batch, prop.num_microbatches, prop.startup_slices,
-                max_slices, optimizer_factor=optimizer_factor,
-            )
-        first = Proposal(prop.groups, prop.cuts, prop.num_microbatches, prop.startup_slices, j)
-        scored.append((est_j, [first] + ([prop] if j != 1 and not j_pin else [])))
-    scored.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
-    finalists = [p for _, props in scored for p in props]
-    top = finalists[0]
-    plain = (k_pin or 1, j_pin or 1)  # plain 1F1B of the favourite, for the same reason
-    if (top.startup_slices, top.drain_slices) != plain:
-        finalists.append(Proposal(top.groups, top.cuts, top.num_microbatches, *plain))
-    return finalists

@@ -4,9 +4,10 @@ Cost model (the one every planner here is judged by):
 
 * **Compute.** Block costs in the :class:`~lightning_autopipe.profile.Profile` are for
   ``profile.micro_batch_size`` samples on the profiled device. A unit of ``n`` samples on a
-  stage costs ``affine_ms(sum(block ms), sum(block fixed ms), n / profile.micro_batch_size) /
-  device.speed`` (``fixed + (ms - fixed) * n / micro_batch_size``: linear in samples when the
-  profile has no fixed parts), plus the device's fixed ``overhead_ms`` per compute action.
+  stage costs :func:`~.pricing.unit_ms` of the stage's summed block times at
+  ``n / profile.micro_batch_size`` on the device (``(fixed + (ms - fixed) * n /
+  micro_batch_size) / speed + overhead_ms``: linear in samples when the profile has no fixed
+  parts).
 * **Replicas.** Stage ``s`` has ``r_s`` replicas (its ``devices``). Each unit of the global step
   (global micro-batch = ``B / m`` samples; micro-batch 0 split into ``k`` slices) is split evenly
   over a stage's replicas, so with the same ``R`` on every stage this is ``R`` independent
@@ -24,12 +25,12 @@ Cost model (the one every planner here is judged by):
   (``param_bytes``) are all-reduced in a ring (rank order): every replica sends
   ``2 (r-1)/r * bytes`` to its ring neighbour as one flow (contending like any transfer), and
   the ring finishes when its slowest flow does plus ``2 (r-1)`` times the slowest hop's latency
-  plus the reduction's own work (:meth:`Cluster.reduce_ms_per_byte`, which shares no link);
-  uncontended, that is exactly :meth:`Cluster.allreduce_ms`.
+  plus the reduction's own work (:func:`~.pricing.reduce_ms_per_byte`, which shares no link);
+  uncontended, that is exactly :func:`~.pricing.allreduce_ms`.
 * **Results.** Iteration time = when the last device finishes (all-reduce included); bubble
-  fraction = ``1 - mean(busy compute) / iteration``; peak memory per device = parameters x
-  (1 weights + 1 gradients + ``optimizer_bytes_per_param_byte``) + the largest sum of
-  ``memory_bytes`` (scaled by samples) of units forwarded but not yet backwarded. Optimizer
+  fraction = ``1 - mean(busy compute) / iteration``; peak memory per device is
+  :func:`~.pricing.peak_memory_bytes` with the largest sum of ``memory_bytes`` (scaled by
+  samples) of units forwarded but not yet backwarded. Optimizer
   step time and intra-server links crossed by network traffic are not modelled.
 """
 
@@ -45,6 +46,13 @@ from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import PlanError, ScheduleError
 from lightning_autopipe.planner.fluid import FluidLinks
 from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.planner.pricing import (
+    peak_memory_bytes,
+    reduce_ms_per_byte,
+    ring_latency_ms,
+    ring_volume,
+    unit_ms,
+)
 from lightning_autopipe.planner.schedule import (
     Kind,
     Schedule,
@@ -54,7 +62,7 @@ from lightning_autopipe.planner.schedule import (
     unit_sizes,
     units,
 )
-from lightning_autopipe.profile import Profile, affine_ms
+from lightning_autopipe.profile import Profile
 
 __all__ = ["Event", "SimResult", "StageCost", "simulate", "stage_costs"]
 
@@ -142,7 +150,7 @@ class StageCost:
     memory_bytes: int
     activation_bytes: int  # output of the stage's last block: what it sends to the next stage
     forward_fixed_ms: float = 0.0  # the parts of forward_ms / backward_ms that do not scale
-    backward_fixed_ms: float = 0.0  # with samples (see profile.affine_ms)
+    backward_fixed_ms: float = 0.0  # with samples (see pricing.unit_parts)
 
 
 def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
@@ -257,10 +265,10 @@ def simulate(
         s, spec = stage_of[d], specs[d]
         c = costs[s]
         per = reps[s] * mbs
-        fdur.append([affine_ms(c.forward_ms, c.forward_fixed_ms, g / per) / spec.speed
-                     + spec.overhead_ms for g in gsamples])
-        bdur.append([affine_ms(c.backward_ms, c.backward_fixed_ms, g / per) / spec.speed
-                     + spec.overhead_ms for g in gsamples])
+        fdur.append([unit_ms(c.forward_ms, c.forward_fixed_ms, g / per, spec.speed,
+                             spec.overhead_ms) for g in gsamples])
+        bdur.append([unit_ms(c.backward_ms, c.backward_fixed_ms, g / per, spec.speed,
+                             spec.overhead_ms) for g in gsamples])
     acts_of = [[(_CODE[a.kind], uidx[a.unit]) for a in lowered[s]] for s in range(num_stages)]
 
     # transfer peers: out_f[d] = [(dst, fraction)], out_b[d] likewise; in-degree per direction
@@ -313,10 +321,10 @@ def simulate(
     def start_allreduce(s: int, now: float) -> None:
         ring = cluster.ring_order([names[d] for d in stage_devs[s]])
         n = len(ring)
-        nbytes = 2 * (n - 1) / n * costs[s].param_bytes
+        nbytes = ring_volume(n, costs[s].param_bytes)
         lat = max(cluster.latency_us(ring[i], ring[(i + 1) % n]) for i in range(n)) / 1e3
-        reduce = costs[s].param_bytes * cluster.reduce_ms_per_byte(ring)  # local work, no link
-        ar_state[s] = [n, now, 2 * (n - 1) * lat + reduce]
+        reduce = costs[s].param_bytes * reduce_ms_per_byte(cluster, ring)  # local, no link
+        ar_state[s] = [n, now, ring_latency_ms(n, lat) + reduce]
         for i in range(n):
             gbps, _, res = link(ring[i], ring[(i + 1) % n])
             start_flow(now, nbytes, gbps, 0.0, res, ("ar", s))  # latency: per ring step, above
@@ -401,17 +409,16 @@ def simulate(
 
     iteration = max(finish) if finish else 0.0
     bubble = 1.0 - (sum(busy) / nd) / iteration if iteration > 0 else 0.0
-    full = [g for (mb, _), g in zip(ulist, gsamples) if mb > 0]
-    whole = full[0] if full else sum(gsamples)
+    whole = sum(gsamples) / m  # one whole micro-batch (a slice of the first or last is not)
     stage_ms = []
     for s, c in enumerate(costs):  # one whole micro-batch, priced as the timeline prices units
         per = whole / reps[s] / mbs
-        ms = affine_ms(c.forward_ms, c.forward_fixed_ms, per) + affine_ms(
-            c.backward_ms, c.backward_fixed_ms, per
-        )
-        stage_ms.append(
-            max(ms / specs[d].speed + 2 * specs[d].overhead_ms for d in stage_devs[s])
-        )
+        stage_ms.append(max(
+            unit_ms(c.forward_ms, c.forward_fixed_ms, per, specs[d].speed, specs[d].overhead_ms)
+            + unit_ms(c.backward_ms, c.backward_fixed_ms, per, specs[d].speed,
+                      specs[d].overhead_ms)
+            for d in stage_devs[s]
+        ))
     peak = _peak_memory(schedule, costs, gsamples, reps, uidx, mbs, optimizer_bytes_per_param_byte)
     return SimResult(
         iteration_ms=iteration,
@@ -447,5 +454,5 @@ def _peak_memory(
                 peak = max(peak, held)
             elif a.kind is Kind.BACKWARD:
                 held -= per_sample * gsamples[uidx[a.unit]]
-        out.append(int(round(c.param_bytes * (2.0 + opt) + peak)))
+        out.append(int(round(peak_memory_bytes(c.param_bytes, peak, 1.0, opt))))
     return out

@@ -10,6 +10,7 @@ import yaml
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import ClusterError
+from lightning_autopipe.planner.pricing import allreduce_ms, reduce_ms_per_byte
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "cluster"
 SHIPPED = sorted(p for p in CONF.glob("*.yaml") if p.stem != "local")
@@ -185,14 +186,14 @@ def test_allreduce_is_the_ring_formula() -> None:
     nbytes = 100_000_000
     # ring pcie0:0 -> 1 -> 2 -> 3 -> 0: slowest edge is the 64 Gb/s socket level, latency 2 us
     want = 2 * 3 / 4 * nbytes / (64 * BYTES_PER_MS_PER_GBPS) + 2 * 3 * 2.0 / 1e3
-    assert c.allreduce_ms(["pcie0:3", "pcie0:0", "pcie0:2", "pcie0:1"], nbytes) == pytest.approx(
+    assert allreduce_ms(c, ["pcie0:3", "pcie0:0", "pcie0:2", "pcie0:1"], nbytes) == pytest.approx(
         want, rel=1e-12
     )
     # across two servers: the 25 Gb/s NIC and its 20 us latency set the pace
     devs = [f"pcie{i}:{j}" for i in range(2) for j in range(8)]
     want = 2 * 15 / 16 * nbytes / (25 * BYTES_PER_MS_PER_GBPS) + 2 * 15 * 20.0 / 1e3
-    assert c.allreduce_ms(devs, nbytes) == pytest.approx(want, rel=1e-12)
-    assert c.allreduce_ms(["nv:0"], nbytes) == 0.0
+    assert allreduce_ms(c, devs, nbytes) == pytest.approx(want, rel=1e-12)
+    assert allreduce_ms(c, ["nv:0"], nbytes) == 0.0
 
 
 def test_the_reduction_adds_its_own_time_to_the_ring() -> None:
@@ -203,12 +204,12 @@ def test_the_reduction_adds_its_own_time_to_the_ring() -> None:
     devs = ["pcie0:0", "pcie0:1", "pcie0:2", "pcie0:3"]
     ring = 2 * 3 / 4 * nbytes / (64 * BYTES_PER_MS_PER_GBPS) + 2 * 3 * 2.0 / 1e3
     reduce = 3 / 4 * nbytes / (8 * BYTES_PER_MS_PER_GBPS)  # each rank reduces (n-1)/n of it
-    assert c.allreduce_ms(devs, nbytes) == pytest.approx(ring + reduce, rel=1e-12)
+    assert allreduce_ms(c, devs, nbytes) == pytest.approx(ring + reduce, rel=1e-12)
     # one slow reducer in the ring sets the pace; the A100s alone reduce for free
     mixed = ["nv:0", "pcie0:0"]
-    assert c.reduce_ms_per_byte(mixed) == pytest.approx(1 / 2 / (8 * BYTES_PER_MS_PER_GBPS))
-    assert c.reduce_ms_per_byte(["nv:0", "nv:1"]) == 0.0
-    assert c.reduce_ms_per_byte(["pcie0:0"]) == 0.0
+    assert reduce_ms_per_byte(c, mixed) == pytest.approx(1 / 2 / (8 * BYTES_PER_MS_PER_GBPS))
+    assert reduce_ms_per_byte(c, ["nv:0", "nv:1"]) == 0.0
+    assert reduce_ms_per_byte(c, ["pcie0:0"]) == 0.0
     assert Cluster.from_dict(yaml.safe_load(c.to_yaml())) == c
     assert "reduce_gbps" not in yaml.safe_load(c.to_yaml())["servers"][0]["device"]
     local = Cluster.local(2, gbps=30, latency_us=100, reduce_gbps=10)

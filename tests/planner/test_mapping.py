@@ -8,11 +8,13 @@ import pytest
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner import make_plan
 from lightning_autopipe.planner.analytic import analytic_profile
-from lightning_autopipe.planner.baselines import DAPPLE_POLICIES, dapple_placement
+from lightning_autopipe.planner.baselines import dapple_placement
+from lightning_autopipe.planner.baselines.dapple import POLICIES as DAPPLE_POLICIES
 from lightning_autopipe.planner.costmodel import BlockCosts, Layout
 from lightning_autopipe.planner.mapping import candidate_groupings, rank_layouts, speed_order
 from lightning_autopipe.planner.partition import partition_and_slice
-from lightning_autopipe.planner.search import Proposal, finish_plan
+from lightning_autopipe.planner.plan import Proposal
+from lightning_autopipe.planner.search import finish_plan
 
 MIXED = Cluster.load("conf/cluster/mixed_rack.yaml")  # 8 x speed 1.0, 16 x speed 0.45
 TWO_BY_FOUR = Cluster.from_dict({

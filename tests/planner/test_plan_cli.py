@@ -11,7 +11,8 @@ import pytest
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner import Plan, make_plan
-from lightning_autopipe.planner.cli import format_plan, plan_main
+from lightning_autopipe.planner.cli import plan_main
+from lightning_autopipe.planner.report import format_plan
 from lightning_autopipe.profile import BlockProfile, Profile
 
 ROOT = Path(__file__).resolve().parents[2]

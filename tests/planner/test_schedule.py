@@ -10,12 +10,11 @@ import pytest
 from lightning_autopipe.errors import ScheduleError
 from lightning_autopipe.planner import schedule as sched_mod
 from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.planner.replay import ascii_timeline, format_grid, validate
 from lightning_autopipe.planner.schedule import (
     Action,
     Kind,
-    ascii_timeline,
     build_schedule,
-    format_grid,
     format_schedule,
     forward_only,
     gpipe,
@@ -25,7 +24,6 @@ from lightning_autopipe.planner.schedule import (
     parse_schedule,
     unit_sizes,
     units,
-    validate,
 )
 
 SHAPES = list(itertools.product(range(1, 9), range(1, 13), range(1, 5)))

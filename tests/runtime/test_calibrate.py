@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.planner.pricing import allreduce_ms
 from lightning_autopipe.runtime import calibrate
 from lightning_autopipe.runtime.calibrate import (
     MIN_LATENCY_US,
@@ -52,13 +53,13 @@ def test_fit_link_floors_noisy_fits():
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fit_reduce_recovers_the_rate_the_cluster_prices(world):
-    # The reference: what Cluster.allreduce_ms predicts for a known reduction rate.
+    # The reference: what pricing.allreduce_ms predicts for a known reduction rate.
     devs = [f"local:{i}" for i in range(world)]
     slow = Cluster.local(world, gbps=30, latency_us=100, reduce_gbps=9)
-    ms = slow.allreduce_ms(devs, 16 * MB)
+    ms = allreduce_ms(slow, devs, 16 * MB)
     assert fit_reduce(world, 16 * MB, ms / 1e3, 100, 30) == pytest.approx(9)
     # An all-reduce the link explains (to within noise) reduces for free.
-    free = Cluster.local(world, gbps=30, latency_us=100).allreduce_ms(devs, 16 * MB)
+    free = allreduce_ms(Cluster.local(world, gbps=30, latency_us=100), devs, 16 * MB)
     assert fit_reduce(world, 16 * MB, free / 1e3, 100, 30) == math.inf
     assert fit_reduce(world, 16 * MB, 1.02 * free / 1e3, 100, 30) == math.inf
     assert fit_reduce(1, 16 * MB, 1.0, 100, 30) == math.inf

@@ -25,8 +25,10 @@ import numpy as np
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import PlanError
+from lightning_autopipe.planner.balance import balanced_cuts
 from lightning_autopipe.planner.costmodel import BlockCosts
-from lightning_autopipe.planner.partition import balanced_cuts
+from lightning_autopipe.planner.plan import Proposal
+from lightning_autopipe.planner.pricing import peak_memory_bytes, ring_latency_ms, ring_volume
 
 __all__ = ["piper_proposals", "coarse_boundaries"]
 
@@ -56,8 +58,6 @@ def piper_proposals(
     optimizer_factor: float = 2.0,
 ):
     """Piper's plan for ``m`` micro-batches (pinned stages / replicas restrict the DP)."""
-    from lightning_autopipe.planner.search import Proposal
-
     nd = len(devs)
     bnd = coarse_boundaries(costs, _MAX_UNITS)
     L = len(bnd) - 1
@@ -94,17 +94,18 @@ def piper_proposals(
         raise PlanError(f"Piper plans at most {L} stages here (super-blocks); got {num_stages}")
     loads, mems = {}, {}
     for d in d_opts:
-        ar = (2 * (d - 1) / d) * dP * per_byte + 2 * (d - 1) * lat if d > 1 else 0.0 * dP
+        ar = ring_volume(d, dP) * per_byte + ring_latency_ms(d, lat) if d > 1 else 0.0 * dP
         loads[d] = np.where(valid, dW * batch / (mbs * d * speed) + ar
                             + io * 2 * batch / (mbs * d) * per_byte, inf)
-        mems[d] = (dP * (2.0 + optimizer_factor), dM * batch / (m * d * mbs))
+        mems[d] = (dP, dM * batch / (m * d * mbs))
     s_range = [num_stages] if num_stages else range(1, s_max + 1)
     k_range = [nd] if use_all else range(1, nd + 1)
     runs = [[d] for d in d_opts] if uniform and not replicas else [d_opts]
     best = None
     for check_memory in (True, False):  # nothing fits: plan on time alone, make_plan reports
         for opts in runs:
-            got = _dp(loads, mems, opts, L, nd + 1, s_max, m, cap, check_memory)
+            got = _dp(loads, mems, opts, L, nd + 1, s_max, m, cap, check_memory,
+                      optimizer_factor)
             for s in s_range:
                 if got[0][s] is None:
                     continue
@@ -134,7 +135,7 @@ def piper_proposals(
     return [Proposal(groups, cuts, m, 1)]
 
 
-def _dp(loads, mems, d_opts, L, K, s_max, m, cap, check_memory):
+def _dp(loads, mems, d_opts, L, K, s_max, m, cap, check_memory, opt):
     """``dp[s][i, k]`` (best bottleneck) and ``choice[s][i, k] = (d, j)`` for s = 1..s_max."""
     inf = np.inf
     dp: list = [None] * (s_max + 1)
@@ -149,8 +150,9 @@ def _dp(loads, mems, d_opts, L, K, s_max, m, cap, check_memory):
                 continue
             load = loads[d]
             if check_memory:
-                stat, act = mems[d]
-                load = np.where(stat + act * min(s, m) <= cap, load, inf)  # (i, j)
+                params, act = mems[d]
+                need = peak_memory_bytes(params, act, min(s, m), opt)
+                load = np.where(need <= cap, load, inf)  # (i, j)
             shifted = np.full((L + 1, K), inf)
             shifted[:, d:] = prev[:, : K - d]  # shifted[j, k] = prev[j, k - d]
             cand = np.maximum(load[:, :, None], shifted[None, :, :])  # (i, j, k)

@@ -34,8 +34,10 @@ from collections.abc import Sequence
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import PlanError
-from lightning_autopipe.planner._piper import coarse_boundaries
+from lightning_autopipe.planner.baselines.piper import coarse_boundaries
 from lightning_autopipe.planner.costmodel import BlockCosts
+from lightning_autopipe.planner.plan import Proposal
+from lightning_autopipe.planner.pricing import allreduce_ms, peak_memory_bytes
 
 __all__ = ["dapple_placement", "dapple_proposals", "allocate", "POLICIES"]
 
@@ -160,8 +162,6 @@ def dapple_proposals(
     ``m`` is the micro-batch count, or candidates DAPPLE picks from with its own latency
     estimate (the plan that fits memory with the lowest estimate wins).
     """
-    from lightning_autopipe.planner.search import Proposal
-
     best = None
     for mm in [m] if isinstance(m, int) else m:
         if replicas:
@@ -285,8 +285,8 @@ class _LinkCache:
         key = tuple(group)
         hit = self._a.get(key)
         if hit is None:
-            one = self.cluster.allreduce_ms(list(group), 1)
-            big = self.cluster.allreduce_ms(list(group), 1 << 30)
+            one = allreduce_ms(self.cluster, list(group), 1)
+            big = allreduce_ms(self.cluster, list(group), 1 << 30)
             slope = (big - one) / ((1 << 30) - 1)
             hit = self._a[key] = (max(one - slope, 0.0), slope)
         return hit
@@ -295,9 +295,9 @@ class _LinkCache:
 def _fits(costs, stages, batch, m, mbs, opt, cap) -> bool:
     n = len(stages)
     for s, (a, b, g) in enumerate(stages):
-        need = (costs.params[b] - costs.params[a]) * (2 + opt) + (
-            costs.mem[b] - costs.mem[a]
-        ) * batch / (m * len(g) * mbs) * min(n - s, m)
+        need = peak_memory_bytes(costs.params[b] - costs.params[a],
+                                 (costs.mem[b] - costs.mem[a]) * batch / (m * len(g) * mbs),
+                                 min(n - s, m), opt)
         if need > min(cap[d] for d in g):
             return False
     return True

@@ -1,0 +1,286 @@
+"""Every cost formula of the planner, written once: compute units, all-reduce rings, memory.
+
+The simulator, the fast model, the partitioner, the shape search and the yardsticks all price
+through these functions, so a change to how something costs is a change in one place:
+
+* **A compute action** (forward or backward of one unit on one device): the profiled blocks'
+  time at ``ratio`` = samples / ``Profile.micro_batch_size``, its fixed part paid once per
+  call (:func:`~lightning_autopipe.profile.affine_ms`), over the device's relative speed, plus
+  the device's ``overhead_ms`` per action (:func:`unit_parts`, :func:`unit_ms`).
+* **A ring all-reduce** of ``nbytes`` over ``n`` devices: ``2 (n-1)/n * nbytes`` cross every
+  ring edge (:func:`ring_volume`), each of the ``2 (n-1)`` steps pays one hop's latency
+  (:func:`ring_latency_ms`), and the reduction itself adds :func:`reduce_ms_per_byte` per
+  gradient byte, sharing no link (:func:`allreduce_ms` puts them together on a cluster).
+  Under contention (rings and transfers that share a NIC or a PCIe level), the fast model's
+  :func:`allreduce_finish` and the simulator's fluid flows split bandwidth; the volume, the
+  latency and the reduction term still come from here.
+* **Peak memory of a stage**: parameter bytes x (weights + gradients + ``optimizer_factor``)
+  plus the activation memory of the micro-batches it holds in flight
+  (:func:`peak_memory_bytes`).
+
+Pure functions over numbers and a :class:`~lightning_autopipe.cluster.Cluster`; no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
+
+__all__ = [
+    "allreduce_finish",
+    "allreduce_ms",
+    "contended_gbps",
+    "param_state_factor",
+    "peak_memory_bytes",
+    "reduce_ms_per_byte",
+    "replica_pairs",
+    "ring_costs",
+    "ring_latency_ms",
+    "ring_resources",
+    "ring_volume",
+    "unit_ms",
+    "unit_parts",
+]
+
+
+# ---------------------------------------------------------------------------- compute
+def unit_parts(
+    ms: float, fixed_ms: float, ratio: float, speed: float, overhead_ms: float = 0.0
+) -> tuple[float, float]:
+    """A compute action as (the part that scales with its samples, the part paid per call).
+
+    ``ms`` / ``fixed_ms`` are the blocks' profiled time and its fixed part at the profile's
+    micro-batch size, ``ratio`` the action's samples over that size. The action costs the sum
+    (:func:`unit_ms`); a unit that is a fraction ``f`` of a ``ratio``-sized micro-batch costs
+    ``f`` times the first part plus the second, which is how the fast model prices slices.
+    """
+    return (ms - fixed_ms) * ratio / speed, fixed_ms / speed + overhead_ms
+
+
+def unit_ms(
+    ms: float, fixed_ms: float, ratio: float, speed: float, overhead_ms: float = 0.0
+) -> float:
+    """Time of one compute action (see :func:`unit_parts`)."""
+    scaled, per_call = unit_parts(ms, fixed_ms, ratio, speed, overhead_ms)
+    return scaled + per_call
+
+
+# ---------------------------------------------------------------------------- all-reduce
+def ring_volume(n: int, nbytes: float) -> float:
+    """Bytes a ring all-reduce of ``nbytes`` over ``n`` members moves across each edge."""
+    return 2 * (n - 1) / n * nbytes
+
+
+def ring_latency_ms(n: int, hop_latency_ms: float) -> float:
+    """Latency of a ring all-reduce over ``n`` members: ``2 (n - 1)`` steps of one hop each."""
+    return 2 * (n - 1) * hop_latency_ms
+
+
+def reduce_ms_per_byte(cluster: Cluster, devices: list[str]) -> float:
+    """The reduction's own time per gradient byte of a ring all-reduce over ``devices``.
+
+    Each member reduces ``(n-1)/n`` of the bytes (its share of the reduce-scatter), all at
+    once, so the slowest member's ``reduce_gbps`` sets the pace; it does not share links, so it
+    adds to the transfers rather than contending with them. 0 for one device or when every
+    device reduces for free.
+    """
+    n = len(devices)
+    if n <= 1:
+        return 0.0
+    rate = min(cluster.device(d).spec.reduce_gbps for d in devices)
+    return (n - 1) / n / (rate * BYTES_PER_MS_PER_GBPS)
+
+
+def _ring_edges(cluster: Cluster, devices: list[str]) -> list[tuple[str, str]]:
+    ring = cluster.ring_order(list(devices))
+    n = len(ring)
+    return [(ring[i], ring[(i + 1) % n]) for i in range(n)] if n > 1 else []
+
+
+def allreduce_ms(cluster: Cluster, devices: list[str], nbytes: float) -> float:
+    """Uncontended ring all-reduce of ``nbytes`` over ``devices`` (ring in rank order).
+
+    The slowest edge sets the pace of the volume and its latency is paid at every step.
+    """
+    edges = _ring_edges(cluster, devices)
+    n = len(edges)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw = min(cluster.bandwidth_gbps(a, b) for a, b in edges)
+    lat = max(cluster.latency_us(a, b) for a, b in edges)
+    return (
+        ring_volume(n, nbytes) / (bw * BYTES_PER_MS_PER_GBPS)
+        + ring_latency_ms(n, lat / 1e3)
+        + nbytes * reduce_ms_per_byte(cluster, [a for a, _ in edges])
+    )
+
+
+# ---------------------------------------------------------------------------- memory
+def param_state_factor(optimizer_factor: float) -> float:
+    """Bytes held per parameter byte: the weights, their gradients and the optimizer state."""
+    return 2.0 + optimizer_factor
+
+
+def peak_memory_bytes(
+    param_bytes: Any, activation_bytes: Any, inflight: Any, optimizer_factor: float
+) -> Any:
+    """A stage's peak: parameter state plus ``inflight`` micro-batches of activation memory.
+
+    ``activation_bytes`` is the memory one micro-batch holds for its backward on the stage;
+    ``inflight`` the most micro-batches (fractions for slices) held at once under the
+    schedule. Works on numbers and on numpy arrays alike.
+    """
+    return param_bytes * param_state_factor(optimizer_factor) + activation_bytes * inflight
+
+
+# ---------------------------------------------------------------------------- links (fast model)
+def replica_pairs(a: list[str], b: list[str]) -> list[tuple[str, str]]:
+    """Which replica of stage ``s`` talks to which of ``s + 1``: by index, wrapping around."""
+    n = max(len(a), len(b))
+    return [(a[i * len(a) // n], b[i * len(b) // n]) for i in range(n)]
+
+
+def contended_gbps(cluster: Cluster, pairs: list[tuple[str, str]]) -> float:
+    """Bandwidth of the slowest of ``pairs`` when all transfer at once over shared links."""
+    use: dict[tuple, int] = {}
+    res = [cluster.link_resources(x, y) for x, y in pairs]
+    for rs in res:
+        for r in rs:
+            use[r] = use.get(r, 0) + 1
+    worst = float("inf")
+    for (x, y), rs in zip(pairs, res):
+        bw = cluster.bandwidth_gbps(x, y)
+        for r in rs:
+            bw = min(bw, cluster.resource_gbps(r) / use[r])
+        worst = min(worst, bw)
+    return worst
+
+
+def ring_costs(
+    cluster: Cluster, groups: list[list[str]], contended: bool = True
+) -> tuple[list[float], list[float]]:
+    """Per group: ring all-reduce (latency ms, ms per parameter byte on the links).
+
+    The stages' all-reduces run at the end of the step, close together; rings whose edges
+    share a NIC or a PCIe level split its bandwidth, which decides between keeping a stage's
+    replicas in one server and spreading them.
+    """
+    rings = []
+    use: dict[tuple, int] = {}
+    for g in groups:
+        edges = _ring_edges(cluster, g)
+        res = [cluster.link_resources(a, b) for a, b in edges]
+        for rs in res:
+            for r in rs:
+                use[r] = use.get(r, 0) + 1
+        rings.append((edges, res))
+    lat, per_byte = [], []
+    for edges, res in rings:
+        n = len(edges)
+        if n < 2:
+            lat.append(0.0)
+            per_byte.append(0.0)
+            continue
+        bw = float("inf")
+        for (a, b), rs in zip(edges, res):
+            e = cluster.bandwidth_gbps(a, b)
+            for r in rs if contended else ():
+                e = min(e, cluster.resource_gbps(r) / use[r])
+            bw = min(bw, e)
+        lat.append(ring_latency_ms(n, max(cluster.latency_us(a, b) for a, b in edges) / 1e3))
+        per_byte.append(ring_volume(n, 1.0) / (bw * BYTES_PER_MS_PER_GBPS))
+    return lat, per_byte
+
+
+def ring_resources(
+    cluster: Cluster, groups: list[list[str]]
+) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[float, ...]]:
+    """Per group, the shared-link resources (as indices) each edge of its all-reduce ring uses."""
+    index: dict[tuple, int] = {}
+    caps: list[float] = []
+    rings = []
+    for g in groups:
+        edges = []
+        for a, b in _ring_edges(cluster, g):
+            ids = []
+            for r in cluster.link_resources(a, b):
+                if r not in index:
+                    index[r] = len(caps)
+                    caps.append(cluster.resource_gbps(r) * BYTES_PER_MS_PER_GBPS)
+                ids.append(index[r])
+            if not ids:  # a link without shared resources: its own bandwidth
+                index[("edge", a, b)] = len(caps)
+                caps.append(cluster.bandwidth_gbps(a, b) * BYTES_PER_MS_PER_GBPS)
+                ids.append(len(caps) - 1)
+            edges.append(tuple(ids))
+        rings.append(tuple(edges))
+    return tuple(rings), tuple(caps)
+
+
+def _reduce_of(layout: Any, s: int) -> float:
+    """Stage ``s``'s reduction time per gradient byte (0 for layouts built without it)."""
+    return layout.ar_reduce_ms_per_byte[s] if layout.ar_reduce_ms_per_byte else 0.0
+
+
+def allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) -> list[float]:
+    """When each stage's gradient all-reduce ends, rings sharing links splitting their bandwidth.
+
+    A small fluid model: each ring starts when its stage's last action ends and moves
+    :func:`ring_volume` bytes over every edge; an edge gets an equal share of each resource it
+    crosses, a ring advances at its slowest edge's rate, and rates are recomputed whenever a
+    ring starts or ends; the ring's latency and the reduction's own work (no link) add to its
+    end. The optimistic layout (a lower bound) uses uncontended rings instead.
+    """
+    num = len(stage_end)
+    out = list(stage_end)
+    jobs = {}
+    for s in range(num):
+        edges = layout.ar_rings[s] if layout.ar_rings else ()
+        if len(edges) > 1 and nbytes[s] > 0:
+            if layout.optimistic:
+                per_byte = layout.ar_ms_per_byte[s] + _reduce_of(layout, s)
+                out[s] = stage_end[s] + layout.ar_lat_ms[s] + nbytes[s] * per_byte
+            else:
+                reduce = nbytes[s] * _reduce_of(layout, s)
+                jobs[s] = [stage_end[s], ring_volume(len(edges), nbytes[s]), reduce]
+    if not jobs:
+        return out
+    caps = layout.ar_caps
+    pending = sorted(jobs, key=lambda s: jobs[s][0])
+    active: dict[int, float] = {}
+    t = jobs[pending[0]][0]
+    # Every pass admits the next ring or ends the ring(s) that finish first, chosen by the
+    # time they finish and not by what is left of their bytes: with near-free links a ring's
+    # remaining time can fall below the resolution of ``t`` (a step of 0), so a test on the
+    # leftover bytes would never succeed and the loop would spin. At most 2 x rings passes.
+    while pending or active:
+        while pending and jobs[pending[0]][0] <= t:
+            s = pending.pop(0)
+            active[s] = jobs[s][1]
+        if not active:
+            t = jobs[pending[0]][0]
+            continue
+        load: dict[int, int] = {}
+        for s in active:
+            for e in layout.ar_rings[s]:
+                for r in e:
+                    load[r] = load.get(r, 0) + 1
+        rate = {s: min(caps[r] / load[r] for e in layout.ar_rings[s] for r in e) for s in active}
+        left = {s: active[s] / rate[s] for s in active}
+        first = min(left.values())
+        nxt = jobs[pending[0]][0] if pending else float("inf")
+        if nxt < t + first:  # a ring starts before any ends: advance to it
+            for s in active:
+                active[s] -= rate[s] * (nxt - t)
+            t = nxt
+            continue
+        ended = [s for s in active if left[s] <= first * (1 + 1e-9)]
+        t += first
+        for s in list(active):
+            if s in ended:
+                del active[s]
+                out[s] = t + layout.ar_lat_ms[s] + jobs[s][2]
+            else:
+                active[s] = max(active[s] - rate[s] * first, 0.0)
+    return out

@@ -1,0 +1,71 @@
+"""Planning reports: the plan table printed by the CLI, the recipes and every training run."""
+
+from __future__ import annotations
+
+from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.profile import Profile
+
+__all__ = ["format_plan", "plan_table"]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _short(names: list[str], width: int) -> str:
+    text = ",".join(names)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_plan(plan: Plan, profile: Profile) -> str:
+    """A readable table of a plan: one row per stage, then the predicted step."""
+    reps = [s.replicas for s in plan.stages]
+    rep = str(reps[0]) if len(set(reps)) == 1 else "/".join(map(str, reps))
+    per = plan.global_batch_size / (plan.num_microbatches * max(reps))
+    lines = [
+        f"plan ({plan.planner}) for {plan.model or profile.model}: {plan.num_stages} stages x "
+        f"{rep} replicas, global batch {plan.global_batch_size} = {plan.num_microbatches} "
+        f"micro-batches of {per:g} samples per replica, {plan.startup_slices} startup "
+        f"slice{'s' if plan.startup_slices != 1 else ''}, {plan.drain_slices} drain "
+        f"slice{'s' if plan.drain_slices != 1 else ''}",
+    ]
+    head = (f"{'stage':>5}  {'blocks':<11} {'first .. last block':<44} {'devices':<28} "
+            f"{'stage ms':>9}  {'peak memory':>11}")
+    lines += [head, "-" * len(head)]
+    names = profile.names
+    for s, st in enumerate(plan.stages):
+        i, j = st.blocks
+        span = names[i] if j - i == 1 else f"{names[i]} .. {names[j - 1]}"
+        if len(span) > 44:
+            span = span[:41] + "..."
+        peak = max((plan.peak_memory_bytes.get(d, 0) for d in st.devices), default=0)
+        lines.append(
+            f"{s:>5}  {f'[{i}, {j})':<11} {span:<44} {_short(st.devices, 28):<28} "
+            f"{st.stage_ms:>9.2f}  {_gib(peak):>11}"
+        )
+    lines.append("-" * len(head))
+    lines.append(
+        f"predicted iteration {plan.iteration_ms:.1f} ms | bubble {plan.bubble_fraction:.1%} | "
+        f"balance {plan.balance:.3f} (max/mean stage ms) | search {plan.search_ms:.0f} ms"
+    )
+    return "\n".join(lines)
+
+
+def plan_table(plan: Plan, profile: Profile | None) -> str:
+    """:func:`format_plan` when the profile is known, else the stages and the prediction only.
+
+    A run given a saved plan has no profile (nothing was measured), so the block names and
+    per-stage figures are unknown; the layout and the plan's own prediction still are.
+    """
+    if profile is not None:
+        return format_plan(plan, profile)
+    rows = [
+        f"  stage {s}: blocks [{st.blocks[0]}, {st.blocks[1]}) on {', '.join(st.devices)}"
+        for s, st in enumerate(plan.stages)
+    ]
+    head = (
+        f"AutoPipe plan ({plan.planner}): {plan.num_stages} stages x {plan.replicas} replicas, "
+        f"{plan.num_microbatches} micro-batches, {plan.startup_slices} startup / "
+        f"{plan.drain_slices} drain slices, predicted {plan.iteration_ms:.1f} ms/step"
+    )
+    return "\n".join([head, *rows])

@@ -1,0 +1,134 @@
+"""The package's import graph: the planner stays pure and no module imports its way in a circle.
+
+Read from the import statements themselves (module level and inside functions alike, so a lazy
+import that hides a cycle counts too; ``if TYPE_CHECKING:`` blocks, which never run, do not),
+not from an interpreter: importing any submodule runs the package's ``__init__`` first, whose
+fixed order would mask a cycle between two modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "lightning_autopipe"
+PACKAGE = "lightning_autopipe"
+#: What a planning module may not import: planning runs without processes, devices or Lightning.
+FORBIDDEN = ("torch", "lightning", "lightning_utilities", f"{PACKAGE}.runtime",
+             f"{PACKAGE}.graph", f"{PACKAGE}.strategy", f"{PACKAGE}.profiler")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES.get(name, Path()).name == "__init__.py"
+
+
+def _imports(name: str) -> set[str]:
+    """Every module ``name`` imports (``from a import b`` counts as ``a.b`` when that is one)."""
+    tree = ast.parse(MODULES[name].read_text())
+    for node in ast.walk(tree):  # drop the typing-only blocks
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if _is_package(name) else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                out.add(sub if sub in MODULES else mod)
+    return out
+
+
+def test_planner_imports_no_torch_lightning_runtime_graph_or_strategy():
+    bad = {}
+    for name in MODULES:
+        if not name.startswith(f"{PACKAGE}.planner"):
+            continue
+        hits = sorted(m for m in _imports(name)
+                      if any(m == f or m.startswith(f + ".") for f in FORBIDDEN))
+        if hits:
+            bad[name] = hits
+    assert not bad, f"planner modules import what planning must not need: {bad}"
+
+
+def test_the_profile_data_type_the_planner_reads_needs_no_torch():
+    hits = sorted(m for m in _imports(f"{PACKAGE}.profile")
+                  if m.split(".")[0] in ("torch", "lightning"))
+    assert not hits
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_no_import_cycles_inside_the_package():
+    graph = {n: {m for m in _imports(n) if m in MODULES and m != n} for n in MODULES}
+    # A package's __init__ re-exporting its children is not a cycle with them: a child is
+    # imported after its parent package by the import system itself.
+    for n in graph:
+        graph[n] = {m for m in graph[n] if not (_is_package(n) and m.startswith(n + "."))}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

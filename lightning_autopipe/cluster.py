@@ -11,19 +11,24 @@ A cluster is read from YAML (``conf/cluster/*.yaml``) and validated on load::
         gpus: 8
         nic_gbps: 25            # optional: this server's NIC, default network_gbps
         device: {name: V100-32GB, speed: 0.45, memory_gb: 32}  # optional: overhead_ms, reduce_gbps
+        devices:                # optional: device index -> a device that differs from `device`
+          7: {name: V100-32GB-throttled, speed: 0.3, memory_gb: 32}
         levels:                 # innermost first: group size -> bandwidth between its members
           - {size: 2, gbps: 100}          # optional latency_us per level (default 2)
           - {size: 4, gbps: 64}
           - {size: 8, gbps: 32}
 
 Level rules (so that every pair of GPUs in a server shares exactly one innermost level): sizes
-strictly increase, each divides the next, and the last equals ``gpus``. GPU ``i`` belongs to
-group ``i // size`` of a level. ``speed`` is throughput relative to the device the profile was
-measured on; ``memory_gb`` is GiB (2**30 bytes). ``overhead_ms`` is a fixed cost per compute
-action (default 0). ``reduce_gbps`` is how fast the device's collective backend does its own
-part of a gradient all-reduce (summing and copying the bytes it reduces), in Gb/s of reduced
-bytes; absent (the default), that work is free next to the links, as NCCL's is on a GPU. gloo on
-a CPU is not: two local processes reduce at about 10 Gb/s while their link moves 30 Gb/s, so
+strictly increase, each divides the next, and the last equals ``gpus``. GPU ``i`` belongs to group
+``i // size`` of a level. ``speed`` is throughput relative to the device the profile was measured
+on; ``memory_gb`` is GiB (2**30 bytes). A device may name its own measured block profile (``profile:
+<path of a profile JSON>``, relative to the YAML file): blocks on that device type are then priced
+from it rather than from the reference profile over ``speed`` (a training run that discovers its
+cluster writes such a file, one profile per device type). ``overhead_ms`` is a fixed cost per
+compute action (default 0). ``reduce_gbps`` is how fast the device's collective backend does its own
+part of a gradient all-reduce (summing and copying the bytes it reduces), in Gb/s of reduced bytes;
+absent (the default), that work is free next to the links, as NCCL's is on a GPU. gloo on a CPU is
+not: two local processes reduce at about 10 Gb/s while their link moves 30 Gb/s, so
 :meth:`Cluster.local` takes the measured figure.
 
 Contention resources (:meth:`Cluster.link_resources`) are directional: a transfer whose innermost
@@ -43,72 +48,26 @@ from typing import Any
 import yaml
 
 from lightning_autopipe.errors import ClusterError
+from lightning_autopipe.hardware import (
+    Device,
+    DeviceSpec,
+    Level,
+    ServerSpec,
+    check_device_types,
+    no_unknown,
+    non_negative,
+    parse_server,
+    positive,
+    require,
+)
 
 __all__ = ["DeviceSpec", "Level", "ServerSpec", "Device", "Cluster", "BYTES_PER_MS_PER_GBPS"]
 
 #: gigabits per second -> bytes per millisecond.
 BYTES_PER_MS_PER_GBPS = 1e9 / 8 / 1e3
 
-_DEFAULT_LEVEL_LATENCY_US = 2.0
 _DEFAULT_NETWORK_LATENCY_US = 20.0
-
 _TOP_KEYS = {"name", "network_gbps", "network_latency_us", "servers", "description"}
-_SERVER_KEYS = {"name", "count", "gpus", "device", "levels", "nic_gbps"}
-_DEVICE_KEYS = {"name", "speed", "memory_gb", "overhead_ms", "reduce_gbps"}
-_LEVEL_KEYS = {"size", "gbps", "latency_us"}
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """A kind of accelerator: relative speed, memory, a fixed cost per compute action and the
-    rate at which its collective backend reduces gradient bytes (``inf``: free)."""
-
-    name: str
-    speed: float
-    memory_gb: float
-    overhead_ms: float = 0.0
-    reduce_gbps: float = math.inf
-
-    @property
-    def memory_bytes(self) -> int:
-        return int(self.memory_gb * 2**30)
-
-
-@dataclass(frozen=True)
-class Level:
-    """Inside a server, GPUs ``i`` and ``j`` with ``i // size == j // size`` talk at ``gbps``."""
-
-    size: int
-    gbps: float
-    latency_us: float = _DEFAULT_LEVEL_LATENCY_US
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    """``count`` identical servers of ``gpus`` devices each."""
-
-    name: str
-    count: int
-    gpus: int
-    device: DeviceSpec
-    levels: tuple[Level, ...]
-    nic_gbps: float | None = None
-
-    def instance_names(self) -> list[str]:
-        if self.count == 1:
-            return [self.name]
-        return [f"{self.name}{i}" for i in range(self.count)]
-
-
-@dataclass(frozen=True)
-class Device:
-    """One accelerator: ``name`` is ``"<instance>:<gpu index>"``, ``rank`` its global order."""
-
-    name: str
-    server: str
-    index: int
-    spec: DeviceSpec
-    rank: int
 
 
 @dataclass
@@ -147,19 +106,23 @@ class Cluster:
         for inst, spec in self._instances:
             for i in range(spec.gpus):
                 name = f"{inst}:{i}"
-                self._devices.append(Device(name, inst, i, spec.device, len(self._devices)))
+                self._devices.append(Device(name, inst, i, spec.device_at(i), len(self._devices)))
         self._by_name = {d.name: d for d in self._devices}
+        check_device_types([d.spec for d in self._devices], f"cluster {self.name!r}")
         self._link_cache = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, data: Any) -> Cluster:
-        """Build and validate a cluster from its YAML/JSON mapping (see the module docstring)."""
+    def from_dict(cls, data: Any, base: Path | None = None) -> Cluster:
+        """Build and validate a cluster from its YAML/JSON mapping (see the module docstring).
+
+        Device ``profile`` paths are read relative to ``base`` (the file's folder).
+        """
         if not isinstance(data, dict):
             kind = type(data).__name__
             raise ClusterError(f"a cluster description must be a mapping, got {kind}")
-        _no_unknown(data, _TOP_KEYS, "cluster")
-        name = _require(data, "name", "cluster")
+        no_unknown(data, _TOP_KEYS, "cluster")
+        name = require(data, "name", "cluster")
         if "servers" not in data:
             raise ClusterError(f"cluster {name!r} lacks key 'servers' (a list of server entries)")
         servers_raw = data["servers"]
@@ -172,10 +135,10 @@ class Cluster:
                 f"cluster {name!r}: 'servers' is empty; list at least one server (a cluster "
                 "named 'local' with no servers is resolved by the strategy via Cluster.local)"
             )
-        servers = [_parse_server(s, i) for i, s in enumerate(servers_raw)]
+        servers = [parse_server(s, i, base) for i, s in enumerate(servers_raw)]
         instances = sum(s.count for s in servers)
         if "network_gbps" in data:
-            net = _positive(data["network_gbps"], "network_gbps", f"cluster {name!r}")
+            net = positive(data["network_gbps"], "network_gbps", f"cluster {name!r}")
         elif instances > 1 and any(s.nic_gbps is None for s in servers):
             raise ClusterError(
                 f"cluster {name!r} has {instances} server instances but lacks key "
@@ -183,7 +146,7 @@ class Cluster:
             )
         else:
             net = math.inf
-        lat = _non_negative(
+        lat = non_negative(
             data.get("network_latency_us", _DEFAULT_NETWORK_LATENCY_US),
             "network_latency_us",
             f"cluster {name!r}",
@@ -199,7 +162,7 @@ class Cluster:
         except (OSError, yaml.YAMLError) as exc:
             raise ClusterError(f"cannot read cluster file {path}: {exc}") from exc
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(data, base=path.parent)
         except ClusterError as exc:
             raise ClusterError(f"{path}: {exc}") from None
 
@@ -239,35 +202,9 @@ class Cluster:
         return cls(name="local", network_gbps=math.inf, network_latency_us=0.0, servers=[spec])
 
     def to_dict(self) -> dict[str, Any]:
-        servers = []
-        for s in self.servers:
-            dev: dict[str, Any] = {
-                "name": s.device.name,
-                "speed": s.device.speed,
-                "memory_gb": s.device.memory_gb,
-            }
-            if s.device.overhead_ms:
-                dev["overhead_ms"] = s.device.overhead_ms
-            if math.isfinite(s.device.reduce_gbps):
-                dev["reduce_gbps"] = s.device.reduce_gbps
-            entry: dict[str, Any] = {
-                "name": s.name,
-                "count": s.count,
-                "gpus": s.gpus,
-                "device": dev,
-                "levels": [
-                    {"size": lv.size, "gbps": lv.gbps, "latency_us": lv.latency_us}
-                    for lv in s.levels
-                ],
-            }
-            if s.nic_gbps is not None:
-                entry["nic_gbps"] = s.nic_gbps
-            servers.append(entry)
-        out: dict[str, Any] = {"name": self.name}
-        if math.isfinite(self.network_gbps):
-            out["network_gbps"] = self.network_gbps
+        out: dict[str, Any] = {"name": self.name, "network_gbps": self.network_gbps}
         out["network_latency_us"] = self.network_latency_us
-        out["servers"] = servers
+        out["servers"] = [s.to_dict() for s in self.servers]
         return out
 
     def to_yaml(self) -> str:
@@ -408,114 +345,3 @@ class Cluster:
     def ring_order(self, devices: list[str]) -> list[str]:
         """Ring order of an all-reduce: global rank order, which keeps each server together."""
         return sorted(devices, key=lambda n: self.device(n).rank)
-
-
-# ---------------------------------------------------------------------- validation helpers
-def _no_unknown(data: dict, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise ClusterError(f"{where}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
-
-
-def _require(data: dict, key: str, where: str) -> Any:
-    if key not in data:
-        raise ClusterError(f"{where} lacks key {key!r}")
-    return data[key]
-
-
-def _number(value: Any, key: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ClusterError(f"{where}: {key} must be a number, got {value!r}")
-    return float(value)
-
-
-def _positive(value: Any, key: str, where: str) -> float:
-    v = _number(value, key, where)
-    if not v > 0:
-        raise ClusterError(f"{where}: {key} must be > 0, got {value!r}")
-    return v
-
-
-def _non_negative(value: Any, key: str, where: str) -> float:
-    v = _number(value, key, where)
-    if not v >= 0:
-        raise ClusterError(f"{where}: {key} must be >= 0, got {value!r}")
-    return v
-
-
-def _positive_int(value: Any, key: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ClusterError(f"{where}: {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _parse_server(raw: Any, i: int) -> ServerSpec:
-    where = f"servers[{i}]"
-    if not isinstance(raw, dict):
-        raise ClusterError(f"{where} must be a mapping, got {raw!r}")
-    _no_unknown(raw, _SERVER_KEYS, where)
-    name = _require(raw, "name", where)
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ClusterError(f"{where}: name must be a non-empty string without ':', got {name!r}")
-    where = f"server {name!r}"
-    count = _positive_int(raw.get("count", 1), "count", where)
-    gpus = _positive_int(_require(raw, "gpus", where), "gpus", where)
-    dev = _require(raw, "device", where)
-    if not isinstance(dev, dict):
-        raise ClusterError(f"{where}: device must be a mapping, got {dev!r}")
-    _no_unknown(dev, _DEVICE_KEYS, f"{where} device")
-    device = DeviceSpec(
-        name=str(_require(dev, "name", f"{where} device")),
-        speed=_positive(_require(dev, "speed", f"{where} device"), "speed", f"{where} device"),
-        memory_gb=_positive(
-            _require(dev, "memory_gb", f"{where} device"), "memory_gb", f"{where} device"
-        ),
-        overhead_ms=_non_negative(dev.get("overhead_ms", 0.0), "overhead_ms", f"{where} device"),
-        reduce_gbps=_positive(
-            dev.get("reduce_gbps", math.inf), "reduce_gbps", f"{where} device"
-        ),
-    )
-    levels_raw = _require(raw, "levels", where)
-    if not isinstance(levels_raw, list) or not levels_raw:
-        raise ClusterError(
-            f"{where}: levels must be a non-empty list, innermost first, the last of size "
-            f"{gpus} (e.g. [{{size: {gpus}, gbps: 100}}]); got {levels_raw!r}"
-        )
-    levels = []
-    prev = 1
-    for j, lv in enumerate(levels_raw):
-        lw = f"{where} levels[{j}]"
-        if not isinstance(lv, dict):
-            raise ClusterError(f"{lw} must be a mapping {{size, gbps}}, got {lv!r}")
-        _no_unknown(lv, _LEVEL_KEYS, lw)
-        size = _positive_int(_require(lv, "size", lw), "size", lw)
-        if size <= prev and j > 0:
-            raise ClusterError(
-                f"{lw}: size {size} must be larger than the previous level's {prev} "
-                "(levels go innermost first)"
-            )
-        if size % prev:
-            raise ClusterError(
-                f"{lw}: size {size} is not a multiple of the previous level's {prev}; "
-                "groups must nest"
-            )
-        if gpus % size:
-            raise ClusterError(f"{lw}: size {size} does not divide gpus={gpus}")
-        levels.append(
-            Level(
-                size=size,
-                gbps=_positive(_require(lv, "gbps", lw), "gbps", lw),
-                latency_us=_non_negative(
-                    lv.get("latency_us", _DEFAULT_LEVEL_LATENCY_US), "latency_us", lw
-                ),
-            )
-        )
-        prev = size
-    if levels[-1].size != gpus:
-        raise ClusterError(
-            f"{where}: the last (outermost) level has size {levels[-1].size} but the server has "
-            f"gpus={gpus}; add a level {{size: {gpus}, gbps: ...}} that spans the whole server"
-        )
-    nic = raw.get("nic_gbps")
-    nic_gbps = None if nic is None else _positive(nic, "nic_gbps", where)
-    return ServerSpec(str(name), count, gpus, device, tuple(levels), nic_gbps)

@@ -42,6 +42,7 @@ def balanced_cuts(
     *,
     limits: StageLimits | None = None,
     first_stage: int = 0,
+    stage_work: Sequence[Sequence[float]] | None = None,
 ) -> list[int] | None:
     """Min-max partition of blocks ``[lo, hi)`` into ``len(speeds)`` non-empty contiguous stages.
 
@@ -55,6 +56,10 @@ def balanced_cuts(
         work: prefix sums of per-block cost (``work[j] - work[i]`` is the cost of ``[i, j)``).
         speeds: relative speed of each stage (its cost is divided by it).
         limits: optional memory limits; ``first_stage`` is the index of ``speeds[0]`` in them.
+        stage_work: per stage, its own prefix sums instead of ``work`` (a stage on a device
+            type with its own profile, whose blocks are not all slower by one factor); the
+            greedy and the exact check work unchanged on any per-stage costs that grow with
+            the blocks, the bounds of the search are then the general ones.
 
     Returns:
         Cuts ``[lo, c1, ..., hi]`` (every stage non-empty), or None if no partition fits memory
@@ -64,11 +69,20 @@ def balanced_cuts(
     num = len(speeds)
     if hi - lo < num:
         return None
-    total = work[hi] - work[lo]
-    big = max(work[i + 1] - work[i] for i in range(lo, hi))
-    lower = max(total / sum(speeds), big / max(speeds)) * (1 - 1e-12)
-    upper = total / min(speeds) * (1 + 1e-9) + 1e-12
-    args = (work, speeds, lo, hi)
+    if stage_work is None:
+        ws: Sequence[Sequence[float]] = [work] * num
+        total = work[hi] - work[lo]
+        big = max(work[i + 1] - work[i] for i in range(lo, hi))
+        lower = max(total / sum(speeds), big / max(speeds)) * (1 - 1e-12)
+        upper = total / min(speeds) * (1 + 1e-9) + 1e-12
+    else:
+        ws = stage_work
+        # every block goes to some stage at no less than its cheapest cost; a stage can hold all
+        cheapest = [min((w[i + 1] - w[i]) / sp for w, sp in zip(ws, speeds))
+                    for i in range(lo, hi)]
+        lower = max(sum(cheapest) / num, max(cheapest)) * (1 - 1e-12)
+        upper = max((w[hi] - w[lo]) / sp for w, sp in zip(ws, speeds)) * (1 + 1e-9) + 1e-12
+    args = (ws, speeds, lo, hi)
     best = _greedy(*args, upper, limits, first_stage, True)
     if best is None:
         best = _exact(*args, upper, limits, first_stage)
@@ -89,7 +103,7 @@ def balanced_cuts(
     )
     if got is not None:
         return got  # the relaxed optimum is reachable with non-empty stages: optimal
-    hi_v = _cost(work, speeds, best)
+    hi_v = _cost(ws, speeds, best)
     lo_v = relaxed_hi
     for _ in range(60):
         if hi_v - lo_v <= _TOL * hi_v:
@@ -103,8 +117,8 @@ def balanced_cuts(
     return best
 
 
-def _cost(work: Sequence[float], speeds: Sequence[float], cuts: list[int]) -> float:
-    return max((work[cuts[s + 1]] - work[cuts[s]]) / speeds[s] for s in range(len(speeds)))
+def _cost(ws: Sequence[Sequence[float]], speeds: Sequence[float], cuts: list[int]) -> float:
+    return max((ws[s][cuts[s + 1]] - ws[s][cuts[s]]) / speeds[s] for s in range(len(speeds)))
 
 
 def _reach(
@@ -131,7 +145,7 @@ def _reach(
 
 
 def _greedy(
-    work: Sequence[float],
+    ws: Sequence[Sequence[float]],
     speeds: Sequence[float],
     lo: int,
     hi: int,
@@ -149,7 +163,7 @@ def _greedy(
     i = lo
     num = len(speeds)
     for s in range(num):
-        j = _reach(work, speeds[s], i, hi, cap, limits, first + s)
+        j = _reach(ws[s], speeds[s], i, hi, cap, limits, first + s)
         if nonempty:
             j = min(j, hi - (num - s - 1))
             if j <= i:
@@ -160,7 +174,7 @@ def _greedy(
 
 
 def _exact(
-    work: Sequence[float],
+    ws: Sequence[Sequence[float]],
     speeds: Sequence[float],
     lo: int,
     hi: int,
@@ -181,7 +195,7 @@ def _exact(
                 k += 1
             i = reach[k - 1]
             if i not in far:
-                far[i] = _reach(work, speeds[s], i, hi, cap, limits, first + s)
+                far[i] = _reach(ws[s], speeds[s], i, hi, cap, limits, first + s)
             if j <= far[i]:
                 nxt[j] = i
         if not nxt:

@@ -24,8 +24,8 @@ therefore priced by the fast model and the simulator alike.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
@@ -38,6 +38,7 @@ from lightning_autopipe.planner.pricing import (
     replica_pairs,
     ring_costs,
     ring_resources,
+    type_profiles,
     unit_parts,
 )
 from lightning_autopipe.planner.schedule import SCHEDULES, Kind, unit_sizes, units
@@ -48,7 +49,13 @@ __all__ = ["BlockCosts", "Layout", "Estimate", "evaluate", "inflight", "stage_ti
 
 @dataclass(frozen=True)
 class BlockCosts:
-    """Prefix sums of a Profile's per-block costs: any stage's cost is two lookups."""
+    """Prefix sums of a Profile's per-block costs: any stage's cost is two lookups.
+
+    ``types`` holds the same sums for every device type of the cluster that has its own
+    profile (:func:`~.pricing.type_profiles`): a stage on such a device is priced from them at
+    speed 1 (:meth:`typed`), any other from these over the device's speed. Bytes (parameters,
+    activations, memory) are the reference profile's: the model is the same on every device.
+    """
 
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
@@ -58,9 +65,21 @@ class BlockCosts:
     micro_batch_size: int
     ffix: tuple[float, ...] = ()  # prefix sums of forward_fixed_ms (empty: all zero)
     bfix: tuple[float, ...] = ()  # prefix sums of backward_fixed_ms
+    types: Mapping[str, BlockCosts] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_profile(cls, profile: Profile) -> BlockCosts:
+    def from_profile(cls, profile: Profile, cluster: Cluster | None = None) -> BlockCosts:
+        """The reference ``profile``'s sums, with those of ``cluster``'s profiled device types.
+
+        Raises:
+            ClusterError: a device type's profile does not describe the same blocks.
+        """
+        types = type_profiles(profile, cluster) if cluster is not None else {}
+        own = {name: cls._sums(p) for name, p in types.items()}
+        return replace(cls._sums(profile), types=own)
+
+    @classmethod
+    def _sums(cls, profile: Profile) -> BlockCosts:
         b = profile.blocks
         return cls(
             fwd=tuple(accumulate((x.forward_ms for x in b), initial=0.0)),
@@ -83,10 +102,21 @@ class BlockCosts:
     def num_blocks(self) -> int:
         return len(self.act)
 
-    @property
+    @functools.cached_property
     def compute(self) -> list[float]:
         """Prefix sums of forward + backward time."""
         return [f + b for f, b in zip(self.fwd, self.bwd)]
+
+    def typed(self, key: str | None) -> BlockCosts:
+        """The sums that price a stage whose layout key is ``key`` (None: the reference)."""
+        return self if key is None else self.types[key]
+
+    def stage_work(self, layout: Layout) -> list[list[float]] | None:
+        """Per-stage compute prefix sums for the partitioner, or None when every stage is
+        priced from the reference profile (the partitioner then divides by the speeds)."""
+        if all(k is None for k in layout.keys):
+            return None
+        return [self.typed(k).compute for k in layout.keys]
 
 
 @dataclass(frozen=True)
@@ -105,6 +135,11 @@ class Layout:
     ar_rings: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per stage: resources of each edge
     ar_caps: tuple[float, ...] = ()  # bytes per ms of each resource
     ar_reduce_ms_per_byte: tuple[float, ...] = ()  # per stage: the reduction's own work
+    keys: tuple[str | None, ...] = ()  # per stage: the device type whose profile prices it
+
+    def __post_init__(self) -> None:
+        if not self.keys:
+            object.__setattr__(self, "keys", (None,) * len(self.groups))
 
     @property
     def num_stages(self) -> int:
@@ -116,8 +151,8 @@ class Layout:
 
     def signature(self) -> tuple:
         """Everything but the device names: layouts with equal signatures cost the same."""
-        return (self.replicas, self.speeds, self.capacity, self.overhead_ms, self.link_lat_ms,
-                self.link_ms_per_byte, self.ar_lat_ms, self.ar_ms_per_byte,
+        return (self.replicas, self.speeds, self.keys, self.capacity, self.overhead_ms,
+                self.link_lat_ms, self.link_ms_per_byte, self.ar_lat_ms, self.ar_ms_per_byte,
                 self.ar_reduce_ms_per_byte)
 
     @classmethod
@@ -126,9 +161,11 @@ class Layout:
     ) -> Layout:
         """Reduce ``groups`` (devices of each stage, in pipeline order) to cost-model numbers.
 
-        With ``optimistic=True`` every stage runs at its fastest replica's speed over its fastest
-        links without contention: the result is a lower bound of :func:`simulate` (all event
-        times of a replay are monotone in the durations), which the exact search prunes with.
+        A stage is priced on its slowest replica (by ``speed``): from that device type's own
+        profile when it has one (``keys``, speed 1), else from the reference over its speed.
+        With ``optimistic=True`` every stage runs on its fastest replica over its fastest links
+        without contention: the result is a lower bound of :func:`simulate` (all event times of
+        a replay are monotone in the durations), which the exact search prunes with.
         """
         devs = [[cluster.device(n) for n in g] for g in groups]
         lat, per_byte = [], []
@@ -145,9 +182,11 @@ class Layout:
         ar_lat, ar_pb = ring_costs(cluster, lists, contended=False)
         rings, caps = ring_resources(cluster, lists)
         pick = max if optimistic else min
+        reps = [pick((d.spec for d in g), key=lambda spec: spec.speed) for g in devs]
         return cls(
             groups=tuple(tuple(g) for g in groups),
-            speeds=tuple(pick(d.spec.speed for d in g) for g in devs),
+            speeds=tuple(1.0 if r.profile is not None else r.speed for r in reps),
+            keys=tuple(r.name if r.profile is not None else None for r in reps),
             capacity=tuple(min(d.spec.memory_bytes for d in g) for g in devs),
             overhead_ms=tuple(
                 (min if optimistic else max)(d.spec.overhead_ms for d in g) for g in devs
@@ -298,12 +337,14 @@ def stage_times(
     fw, bw, scale = [], [], []
     for s in range(layout.num_stages):
         i, j = cuts[s], cuts[s + 1]
-        sc = batch / (num_microbatches * len(layout.groups[s]) * costs.micro_batch_size)
+        c = costs.typed(layout.keys[s])
+        per = num_microbatches * len(layout.groups[s])
+        sc = batch / (per * c.micro_batch_size)
         sp = layout.speeds[s]
-        ff, bf = costs.fixed(i, j)
-        fw.append(unit_parts(costs.fwd[j] - costs.fwd[i], ff, sc, sp))
-        bw.append(unit_parts(costs.bwd[j] - costs.bwd[i], bf, sc, sp))
-        scale.append(sc)
+        ff, bf = c.fixed(i, j)
+        fw.append(unit_parts(c.fwd[j] - c.fwd[i], ff, sc, sp))
+        bw.append(unit_parts(c.bwd[j] - c.bwd[i], bf, sc, sp))
+        scale.append(batch / (per * costs.micro_batch_size))
     return fw, bw, scale
 
 

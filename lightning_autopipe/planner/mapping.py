@@ -170,9 +170,9 @@ def rank_layouts(
         limits = stage_limits(
             costs, layout, batch, num_microbatches, startup_slices, optimizer_factor, schedule
         )
-        cuts = balanced_cuts(work, layout.speeds, limits=limits) or balanced_cuts(
-            work, layout.speeds
-        )
+        typed = costs.stage_work(layout)
+        cuts = balanced_cuts(work, layout.speeds, limits=limits, stage_work=typed) or (
+            balanced_cuts(work, layout.speeds, stage_work=typed))
         assert cuts is not None
         est = evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
                        schedule=schedule, optimizer_factor=optimizer_factor, critical_path=False)

@@ -155,9 +155,10 @@ def autopipe_partition(
         costs, layout, batch, num_microbatches, startup_slices, optimizer_factor, schedule
     )
     speeds = layout.speeds
-    base = start or balanced_cuts(work, speeds, limits=limits)
+    typed = costs.stage_work(layout)  # None unless some stage has its own device profile
+    base = start or balanced_cuts(work, speeds, limits=limits, stage_work=typed)
     if base is None:  # nothing fits memory: balance time alone and let the caller report it
-        base = balanced_cuts(work, speeds)
+        base = balanced_cuts(work, speeds, stage_work=typed)
     assert base is not None
 
     score = _Scorer(
@@ -170,8 +171,9 @@ def autopipe_partition(
 
     def rebalance(lo: int, hi: int, first: int, count: int) -> list[int] | None:
         sp = speeds[first : first + count]
-        got = balanced_cuts(work, sp, lo, hi, limits=limits, first_stage=first)
-        return got if got is not None else balanced_cuts(work, sp, lo, hi)
+        sw = typed[first : first + count] if typed is not None else None
+        got = balanced_cuts(work, sp, lo, hi, limits=limits, first_stage=first, stage_work=sw)
+        return got if got is not None else balanced_cuts(work, sp, lo, hi, stage_work=sw)
 
     def descend(cur: list[int], limit: int) -> tuple[list[int], Estimate]:
         best = score(cur)
@@ -205,7 +207,8 @@ def autopipe_partition(
         # with few micro-batches fill and drain favour uneven stages, far from the balanced cuts
         for tilt in (0.25, -0.25):
             sp = [v * (1 + tilt * (1 - 2 * s / (num - 1))) for s, v in enumerate(speeds)]
-            alt = balanced_cuts(work, sp, limits=limits) or balanced_cuts(work, sp)
+            alt = balanced_cuts(work, sp, limits=limits, stage_work=typed) or balanced_cuts(
+                work, sp, stage_work=typed)
             if alt is None or tuple(alt) in score.cache:
                 continue
             limit = len(score.cache) + max(10, max_evaluations // 4)

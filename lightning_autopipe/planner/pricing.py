@@ -6,7 +6,9 @@ through these functions, so a change to how something costs is a change in one p
 * **A compute action** (forward or backward of one unit on one device): the profiled blocks'
   time at ``ratio`` = samples / ``Profile.micro_batch_size``, its fixed part paid once per
   call (:func:`~lightning_autopipe.profile.affine_ms`), over the device's relative speed, plus
-  the device's ``overhead_ms`` per action (:func:`unit_parts`, :func:`unit_ms`).
+  the device's ``overhead_ms`` per action (:func:`unit_parts`, :func:`unit_ms`). The profile is
+  the device type's own when the cluster gives it one (speed 1), else the reference profile
+  (:func:`device_profile`).
 * **A ring all-reduce** of ``nbytes`` over ``n`` devices: ``2 (n-1)/n * nbytes`` cross every
   ring edge (:func:`ring_volume`), each of the ``2 (n-1)`` steps pays one hop's latency
   (:func:`ring_latency_ms`), and the reduction itself adds :func:`reduce_ms_per_byte` per
@@ -25,12 +27,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
+from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster, DeviceSpec
+from lightning_autopipe.errors import ClusterError
+from lightning_autopipe.profile import Profile
 
 __all__ = [
     "allreduce_finish",
     "allreduce_ms",
     "contended_gbps",
+    "device_profile",
     "param_state_factor",
     "peak_memory_bytes",
     "reduce_ms_per_byte",
@@ -39,6 +44,7 @@ __all__ = [
     "ring_latency_ms",
     "ring_resources",
     "ring_volume",
+    "type_profiles",
     "unit_ms",
     "unit_parts",
 ]
@@ -64,6 +70,40 @@ def unit_ms(
     """Time of one compute action (see :func:`unit_parts`)."""
     scaled, per_call = unit_parts(ms, fixed_ms, ratio, speed, overhead_ms)
     return scaled + per_call
+
+
+def device_profile(spec: DeviceSpec, profile: Profile) -> tuple[Profile, float]:
+    """The profile that prices blocks on a device of ``spec`` and the speed to divide by."""
+    if spec.profile is not None:
+        return spec.profile, 1.0
+    return profile, spec.speed
+
+
+def type_profiles(profile: Profile, cluster: Cluster) -> dict[str, Profile]:
+    """The device types of ``cluster`` with their own profile, checked against ``profile``.
+
+    Raises:
+        ClusterError: a type's profile describes other blocks (another model or granularity).
+    """
+    out: dict[str, Profile] = {}
+    for d in cluster.devices:
+        own = d.spec.profile
+        if own is None or d.spec.name in out:
+            continue
+        if own.names != profile.names:
+            raise ClusterError(
+                f"device type {d.spec.name!r} of cluster {cluster.name!r} has a profile of "
+                f"{len(own.names)} blocks ({own.model!r}) but the model being planned has "
+                f"{len(profile.names)} ({profile.model!r}); profile the device type again for "
+                "this model and granularity, or drop its profile to price it by its speed"
+            )
+        if own.fingerprint and profile.fingerprint and own.fingerprint != profile.fingerprint:
+            raise ClusterError(
+                f"device type {d.spec.name!r} was profiled on a model with fingerprint "
+                f"{own.fingerprint}, not {profile.fingerprint}; profile it again for this model"
+            )
+        out[d.spec.name] = own
+    return out
 
 
 # ---------------------------------------------------------------------------- all-reduce

@@ -82,7 +82,7 @@ def make_plan(
         raise PlanError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
     devs = _check_inputs(profile, cluster, global_batch_size, devices, num_stages, replicas,
                          num_microbatches, startup_slices, use_all_devices, drain_slices)
-    costs = BlockCosts.from_profile(profile)
+    costs = BlockCosts.from_profile(profile, cluster)
     pins = dict(num_stages=num_stages, replicas=replicas, num_microbatches=num_microbatches,
                 startup_slices=startup_slices, drain_slices=drain_slices)
     excluded = 0.0

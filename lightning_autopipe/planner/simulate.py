@@ -47,10 +47,12 @@ from lightning_autopipe.errors import PlanError, ScheduleError
 from lightning_autopipe.planner.fluid import FluidLinks
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.pricing import (
+    device_profile,
     peak_memory_bytes,
     reduce_ms_per_byte,
     ring_latency_ms,
     ring_volume,
+    type_profiles,
     unit_ms,
 )
 from lightning_autopipe.planner.schedule import (
@@ -258,16 +260,22 @@ def simulate(
             stage_of[dev_index[n]] = s
     stage_devs = [[dev_index[n] for n in st.devices] for st in plan.stages]
 
-    # per-device compute durations per unit, and per-stage action codes
+    # per-device compute durations per unit (each device type priced from its own profile when
+    # it has one: :func:`~.pricing.device_profile`), and per-stage action codes
+    type_profiles(profile, cluster)  # ClusterError when a type's profile is of other blocks
+    own: dict[str, list[StageCost]] = {}  # per profiled device type
     fdur: list[list[float]] = []
     bdur: list[list[float]] = []
     for d in range(nd):
         s, spec = stage_of[d], specs[d]
-        c = costs[s]
-        per = reps[s] * mbs
-        fdur.append([unit_ms(c.forward_ms, c.forward_fixed_ms, g / per, spec.speed,
+        prof, speed = device_profile(spec, profile)
+        if prof is not profile and spec.name not in own:
+            own[spec.name] = stage_costs(plan, prof)
+        c = costs[s] if prof is profile else own[spec.name][s]
+        per = reps[s] * float(prof.micro_batch_size)
+        fdur.append([unit_ms(c.forward_ms, c.forward_fixed_ms, g / per, speed,
                              spec.overhead_ms) for g in gsamples])
-        bdur.append([unit_ms(c.backward_ms, c.backward_fixed_ms, g / per, spec.speed,
+        bdur.append([unit_ms(c.backward_ms, c.backward_fixed_ms, g / per, speed,
                              spec.overhead_ms) for g in gsamples])
     acts_of = [[(_CODE[a.kind], uidx[a.unit]) for a in lowered[s]] for s in range(num_stages)]
 
@@ -411,14 +419,16 @@ def simulate(
     bubble = 1.0 - (sum(busy) / nd) / iteration if iteration > 0 else 0.0
     whole = sum(gsamples) / m  # one whole micro-batch (a slice of the first or last is not)
     stage_ms = []
-    for s, c in enumerate(costs):  # one whole micro-batch, priced as the timeline prices units
-        per = whole / reps[s] / mbs
-        stage_ms.append(max(
-            unit_ms(c.forward_ms, c.forward_fixed_ms, per, specs[d].speed, specs[d].overhead_ms)
-            + unit_ms(c.backward_ms, c.backward_fixed_ms, per, specs[d].speed,
-                      specs[d].overhead_ms)
-            for d in stage_devs[s]
-        ))
+    for s, ref in enumerate(costs):  # one whole micro-batch, priced as the timeline prices units
+        ms = []
+        for d in stage_devs[s]:
+            prof, speed = device_profile(specs[d], profile)
+            c = ref if prof is profile else own[specs[d].name][s]
+            per = whole / reps[s] / prof.micro_batch_size
+            ovh = specs[d].overhead_ms
+            ms.append(unit_ms(c.forward_ms, c.forward_fixed_ms, per, speed, ovh)
+                      + unit_ms(c.backward_ms, c.backward_fixed_ms, per, speed, ovh))
+        stage_ms.append(max(ms))
     peak = _peak_memory(schedule, costs, gsamples, reps, uidx, mbs, optimizer_bytes_per_param_byte)
     return SimResult(
         iteration_ms=iteration,

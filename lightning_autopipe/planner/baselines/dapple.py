@@ -222,7 +222,8 @@ def _dp(costs, cluster, devs, batch, m, num_stages, r_opts, use_all, opt, check_
                     if tuple(taken) in seen:
                         continue
                     seen.add(tuple(taken))
-                    scale = batch / (m * r * mbs)
+                    own = _own_costs(costs, cluster, taken)
+                    scale = batch / (m * r * own.micro_batch_size)
                     a = bnd[j]
                     ar_lat, ar_pb = link.allreduce(taken)
                     head = list(st)
@@ -235,8 +236,8 @@ def _dp(costs, cluster, devs, batch, m, num_stages, r_opts, use_all, opt, check_
                     servers = recent + [cluster.device(x).server for x in taken]
                     for j2 in range(j + 1, L + 1):
                         b = bnd[j2]
-                        fw = (costs.fwd[b] - costs.fwd[a]) * scale
-                        bw = (costs.bwd[b] - costs.bwd[a]) * scale
+                        fw = (own.fwd[b] - own.fwd[a]) * scale
+                        bw = (own.bwd[b] - own.bwd[a]) * scale
                         pb = costs.params[b] - costs.params[a]
                         ar = ar_lat + pb * ar_pb if r > 1 else 0.0
                         new_st = [*head, (fw, bw, ar, 0.0)]
@@ -258,6 +259,15 @@ def _dp(costs, cluster, devs, batch, m, num_stages, r_opts, use_all, opt, check_
             continue
         ok.append((lat, stages))
     return min(ok, key=lambda x: x[0]) if ok else None
+
+
+def _own_costs(costs: BlockCosts, cluster: Cluster, devices: Sequence[str]) -> BlockCosts:
+    """The profile DAPPLE prices a stage on ``devices`` with: the slowest profiled device type
+    among them (DAPPLE profiles the hardware it plans for), else the reference profile (speed
+    figures without a profile are invisible to it, as in the paper's one-device-type model)."""
+    specs = [cluster.device(d).spec for d in devices]
+    own = [x for x in specs if x.profile is not None]
+    return costs.typed(min(own, key=lambda x: x.speed).name) if own else costs
 
 
 class _LinkCache:

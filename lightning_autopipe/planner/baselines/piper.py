@@ -10,7 +10,8 @@ data-parallel degree ``d`` has load (per training step of ``B`` samples)::
 
 and must fit memory: ``params * (weights + grads + optimizer) + activations * micro-batch * s``.
 Piper's model knows one device type and one bandwidth (no topology): we give it the median
-device speed and the median bandwidth from device 0 to the others. Bubbles are not modelled
+device speed (with measured per-type profiles, the blockwise median of the devices' block
+times) and the median bandwidth from device 0 to the others. Bubbles are not modelled
 (Piper optimises steady-state throughput). Devices are assigned in rank order afterwards.
 
 Chains longer than 64 blocks are merged into 64 time-balanced super-blocks first (Piper plans at
@@ -70,6 +71,14 @@ def piper_proposals(
     lat = statistics.median([cluster.latency_us(devs[0], d) for d in devs[1:]] or [0.0]) / 1e3
 
     W = np.array([costs.compute[b] for b in bnd])
+    if costs.types:  # measured device types: Piper's one device is the blockwise median one
+        per_dev = []
+        for x in specs:
+            own = costs.types.get(x.name) if x.profile is not None else None
+            ref, sp = (own, 1.0) if own is not None else (costs, x.speed)
+            per_dev.append([ref.compute[b] / ref.micro_batch_size / sp for b in bnd])
+        W = np.median(np.array(per_dev), axis=0) * mbs
+        speed = 1.0
     P = np.array([float(costs.params[b]) for b in bnd])
     M = np.array([float(costs.mem[b]) for b in bnd])
     cut_act = np.array([float(costs.act[b - 1]) if 0 < b < costs.num_blocks else 0.0

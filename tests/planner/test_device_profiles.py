@@ -1,0 +1,150 @@
+"""Device types with their own measured profiles: every planner prices a block on the device
+that holds it from that type's profile; the scalar speed is only the fallback."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import ClusterError
+from lightning_autopipe.planner import make_plan
+from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
+from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.profile import BlockProfile, Profile
+
+KINDS = ("attn", "mlp")
+
+
+def _profile(times: dict[str, tuple[float, float]], n: int, device: str) -> Profile:
+    """``n / 2`` attention blocks, then as many MLP blocks, with the given (forward, backward) ms.
+
+    (Grouped so that a stage's mix of the two, and with it the old device's slowdown, depends on
+    where the cut falls.)
+    """
+    kinds = [KINDS[0]] * (n // 2) + [KINDS[1]] * (n - n // 2)
+    blocks = [BlockProfile(f"b{i}.{k}", *times[k], 10**6, 10**5, 10**6)
+              for i, k in enumerate(kinds)]
+    return Profile("gpt", 4, device, blocks)
+
+
+REF = _profile({"attn": (1.0, 2.0), "mlp": (1.0, 2.0)}, 8, "new")
+# an older device: 4x slower on attention, only 1.5x on the MLP (2.75x on the whole model)
+OLD = _profile({"attn": (4.0, 8.0), "mlp": (1.5, 3.0)}, 8, "old")
+OLD_SPEED = 2.0 / 5.5
+
+
+def _cluster(old_profile: Profile | None, gbps: float = math.inf) -> Cluster:
+    old = {"name": "old", "speed": OLD_SPEED, "memory_gb": 16}
+    cl = Cluster.from_dict({
+        "name": "two-types", "network_gbps": gbps, "network_latency_us": 0,
+        "servers": [
+            {"name": "a", "gpus": 2, "device": {"name": "new", "speed": 1.0, "memory_gb": 16},
+             "levels": [{"size": 2, "gbps": gbps, "latency_us": 0}]},
+            {"name": "b", "gpus": 2, "device": old,
+             "levels": [{"size": 2, "gbps": gbps, "latency_us": 0}]},
+        ],
+    })
+    if old_profile is None:
+        return cl
+    b = cl.servers[1]
+    typed = replace(b.device, profile=old_profile, profile_path="old.json")
+    return Cluster(cl.name, cl.network_gbps, cl.network_latency_us,
+                   [cl.servers[0], replace(b, device=typed)])
+
+
+def test_a_stage_is_priced_on_its_own_devices_profile():
+    """Hand-computed: one micro-batch through [0, 3) on the new device, [3, 8) on the old one."""
+    cl = _cluster(OLD)
+    plan = Plan("t", 4, 1, 1, [StagePlan((0, 3), ["a:0"]), StagePlan((3, 8), ["b:0"])])
+    # new: blocks 0-2 (attention) at 1 ms forward, 2 ms backward each;
+    # old: blocks 3-7 = one attention, four MLP: forward 4 + 4 x 1.5 = 10, backward 20
+    want = 3 * 1.0 + 10.0 + 20.0 + 3 * 2.0
+    res = simulate(plan, REF, cl)
+    assert res.iteration_ms == pytest.approx(want, rel=1e-12)
+    assert res.stage_ms == pytest.approx([9.0, 30.0])
+    costs = BlockCosts.from_profile(REF, cl)
+    est = evaluate(costs, Layout.from_cluster(cl, [["a:0"], ["b:0"]]), [0, 3, 8], 4, 1)
+    assert est.iteration_ms == pytest.approx(want, rel=1e-12)
+    # the same device without its profile: the reference over the speed (5 blocks x 3 / 0.3636)
+    scalar = simulate(plan, REF, _cluster(None))
+    assert scalar.stage_ms[1] == pytest.approx(5 * 3.0 / OLD_SPEED)
+
+
+def test_the_per_type_plan_beats_the_scalar_speed_plan_on_the_real_devices():
+    truth = _cluster(OLD, gbps=100)
+    blind = _cluster(None, gbps=100)
+    pins = dict(num_stages=2, replicas=1, num_microbatches=8, startup_slices=1, drain_slices=1,
+                devices=["a:0", "b:0"])
+    typed = make_plan(REF, truth, 32, **pins)
+    scalar = make_plan(REF, blind, 32, **pins)
+    assert typed.cuts != scalar.cuts
+    on_truth = simulate(scalar, REF, truth).iteration_ms
+    assert typed.iteration_ms < on_truth * 0.97, (typed.cuts, scalar.cuts)
+
+
+def test_exact_optimum_with_device_profiles_equals_brute_force():
+    cl = _cluster(OLD, gbps=50)
+    devs = [d.name for d in cl.devices]
+    batch, m = 16, 4
+    best = float("inf")
+    for cuts in ([0, *c, 8] for c in itertools.combinations(range(1, 8), 1)):
+        for order in itertools.permutations(devs, 2):
+            for k, j in itertools.product((1, 2, 4), repeat=2):
+                plan = Plan("bf", batch, m, k, [StagePlan((cuts[i], cuts[i + 1]), [order[i]])
+                                                for i in range(2)], drain_slices=j)
+                best = min(best, simulate(plan, REF, cl).iteration_ms)
+    got = make_plan(REF, cl, batch, planner="optimal", num_stages=2, replicas=1,
+                    num_microbatches=m, max_startup_slices=4, memory_check=False)
+    assert got.iteration_ms == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("planner", ["autopipe", "dapple", "piper", "time"])
+def test_every_planner_accepts_device_profiles_and_the_simulator_confirms(planner):
+    cl = _cluster(OLD, gbps=50)
+    plan = make_plan(REF, cl, 32, planner=planner, memory_check=False)
+    assert plan.iteration_ms == pytest.approx(simulate(plan, REF, cl).iteration_ms)
+
+
+def test_dapple_prices_the_old_device_from_its_profile():
+    truth = _cluster(OLD, gbps=100)
+    pins = dict(num_stages=2, replicas=1, num_microbatches=8, devices=["a:0", "b:0"])
+    typed = make_plan(REF, truth, 32, planner="dapple", **pins)
+    blind = make_plan(REF, _cluster(None, gbps=100), 32, planner="dapple", **pins)
+    assert blind.cuts == [0, 4, 8]  # one device type to DAPPLE: an even split
+    assert typed.cuts != blind.cuts
+    assert typed.iteration_ms < simulate(blind, REF, truth).iteration_ms
+
+
+def test_cluster_file_with_profiles_round_trips(tmp_path):
+    OLD.save(tmp_path / "old.json")
+    data = _cluster(None).to_dict()
+    data["servers"][1]["devices"] = {1: {"name": "old-measured", "speed": OLD_SPEED,
+                                         "memory_gb": 16, "profile": "old.json"}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    cl = Cluster.load(tmp_path / "c.yaml")
+    assert cl.device("b:1").spec.profile.names == OLD.names
+    assert cl.device("b:1").spec.name == "old-measured"
+    assert cl.device("b:0").spec.profile is None
+    again = Cluster.from_dict(yaml.safe_load(cl.to_yaml()), base=tmp_path)
+    assert again.device("b:1").spec.profile.names == OLD.names
+    assert again.to_dict() == cl.to_dict()
+
+
+def test_a_profile_of_other_blocks_is_refused_with_the_fix():
+    other = Profile("resnet", 4, "old", REF.blocks[:5])
+    with pytest.raises(ClusterError, match=r"old.*5 blocks.*8.*profile the device type again"):
+        make_plan(REF, _cluster(other), 32)
+
+
+def test_a_missing_profile_file_names_the_file_and_the_fix(tmp_path):
+    data = _cluster(None).to_dict()
+    data["servers"][1]["device"]["profile"] = "missing.json"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ClusterError, match=r"missing.json.*drop the profile key"):
+        Cluster.load(tmp_path / "c.yaml")

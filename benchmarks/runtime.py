@@ -38,7 +38,8 @@ from lightning_autopipe.models import TinyGPT  # noqa: E402
 from lightning_autopipe.planner import make_plan  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from lightning_autopipe.planner.simulate import simulate  # noqa: E402
-from lightning_autopipe.profile import Profile, median_profile, profile_blocks  # noqa: E402
+from lightning_autopipe.profile import Profile, median_profile  # noqa: E402
+from lightning_autopipe.profiler import profile_blocks  # noqa: E402
 
 VOCAB, SEQ, LAYERS, D, HEADS = 512, 128, 8, 256, 4
 BATCH, WORLD, PROFILE_MB = 32, 2, 4

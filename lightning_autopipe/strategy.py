@@ -543,19 +543,3 @@ class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
         if self._watch is not None:
             self._watch.disarm()
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="AutoPipe-H: heterogeneity-aware data-parallel pipeline",
-            override=True,
-        )
-
-
-def _register() -> None:
-    """Put ``"autopipe"`` in Lightning's registry (idempotent; run on package import)."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    AutoPipeStrategy.register_strategies(StrategyRegistry)

@@ -68,7 +68,7 @@ def show_plan(
     model_name: str | None = None,
 ) -> list[Path]:
     """Print the plan table; write ``plan.json`` and (with a profile) ``timeline.png``."""
-    from lightning_autopipe.runtime.pipeline import plan_table
+    from lightning_autopipe.planner.report import plan_table
 
     print(
         f"{PLAN_BANNER} {plan.num_stages} stages x {plan.replicas} replicas, "
@@ -210,7 +210,7 @@ def _profile_seconds(task: Any, example: Any) -> float:
 def _measured_profile(cfg: Any, task: Any, example: Any) -> Any:
     """Trace and profile the recipe's own LightningModule (``task``), as the strategy does."""
     from lightning_autopipe.graph import split_model
-    from lightning_autopipe.profile import profile_blocks
+    from lightning_autopipe.profiler import profile_blocks
 
     print(f"measuring the blocks of {cfg.model.name} on this CPU ...", flush=True)
     granularity = cfg.strategy.get("granularity", "sub-block")
@@ -225,7 +225,7 @@ def _measured_profile(cfg: Any, task: Any, example: Any) -> Any:
 def plan_only(cfg: Any, run_dir: Path) -> int:
     """Print the plan ``cfg`` would get on ``cfg.cluster`` and draw it; launch nothing."""
     from lightning_autopipe.config import build_cluster
-    from lightning_autopipe.runtime.pipeline import search_plan
+    from lightning_autopipe.planner.search import search_plan
 
     world = _world(cfg)
     cluster = build_cluster(cfg.cluster, world_size=world)

@@ -79,7 +79,7 @@ def profile_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from lightning_autopipe.graph.blocks import split_model
     from lightning_autopipe.models import build_model
-    from lightning_autopipe.profile import profile_blocks
+    from lightning_autopipe.profiler import profile_blocks
 
     try:
         start = time.perf_counter()

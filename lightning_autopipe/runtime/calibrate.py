@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_autopipe.profile import _sync
+from lightning_autopipe.profiler import _sync
 
 __all__ = ["fit_link", "fit_reduce", "link_device", "measure_link", "measure_reduce"]
 

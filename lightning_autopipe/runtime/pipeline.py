@@ -238,7 +238,7 @@ def _profile(
     ``pipeline_loss`` fail here (e.g. it logs, which Lightning refuses before the loop runs),
     the blocks are profiled without the loss, as before it was profiled, with a warning.
     """
-    from lightning_autopipe.profile import profile_blocks
+    from lightning_autopipe.profiler import profile_blocks
 
     if example_batch is None:
         return profile_blocks(blocks, example, device=str(device), repeats=repeats)

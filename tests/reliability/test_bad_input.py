@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_autopipe.profile as profile_mod
+import lightning_autopipe.profiler as profile_mod
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, InputError, MemoryPlanError, PlanError
 from lightning_autopipe.planner import make_plan

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_autopipe.profile as profile_mod
+import lightning_autopipe.profiler as profile_mod
 import lightning_autopipe.runtime.pipeline as pipeline_mod
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.runtime.example import _batch_like

@@ -1,0 +1,384 @@
+"""Discover the cluster from the launched ranks: hosts, devices, their own profiles, links.
+
+Without a cluster file the strategy does not assume the launched ranks are alike. Every rank
+reports (:class:`RankReport`) its host (``$AUTOPIPE_HOST`` or the hostname, so that two launcher
+nodes on one machine can act as two servers), its device (the CUDA name and memory; on the CPU
+the processor model, the cores it may run on and its share of the available memory) and the
+block profile it measured while every rank profiled at once. :func:`assemble` turns the reports
+and the measured links into a :class:`~lightning_autopipe.cluster.Cluster`:
+
+* ranks on one host form a server (launchers number ranks host by host);
+* ranks of one device name whose profiles agree form one device type; a rank measurably slower
+  than the fastest of its name (``total time > SLOWER x`` theirs: a throttled or shared device,
+  another job on its cores) is a type of its own. Each type gets the median profile of its
+  ranks and its speed relative to the fastest type, whose profile is the reference the plan is
+  made from; with more than one type every type keeps its own profile, so blocks are priced on
+  the device that runs them (an older device is not slower on every block by one factor);
+* links: inside each server the pairs ``(first, first + d)`` for each level size ``2d`` that
+  divides the server (on a GPU server these separate NVLink pairs from PCIe-switch and socket
+  pairs; levels that measure alike are merged), and between servers each consecutive pair of
+  server leaders: ``log2(n)`` pairs per server plus one per server boundary, not an all-pairs
+  sweep, so discovery stays cheap on big jobs. The gradient all-reduce's own reduction is
+  measured on the first server (a CPU's gloo sums on the cores that compute).
+
+:func:`discover` runs the collective part; :func:`write_cluster` writes the result as a cluster
+YAML with one profile JSON per device type, which a later run can take as ``cluster=<file>``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import socket
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_autopipe.cluster import Cluster, DeviceSpec, Level, ServerSpec
+from lightning_autopipe.errors import ClusterError
+from lightning_autopipe.profile import Profile, median_profile
+
+__all__ = [
+    "HOST_ENV",
+    "SLOWER",
+    "LinkFigures",
+    "RankReport",
+    "assemble",
+    "compare_with_declared",
+    "discover",
+    "link_pairs",
+    "local_report",
+    "write_cluster",
+]
+
+#: Environment variable naming this process's host (default: the hostname).
+HOST_ENV = "AUTOPIPE_HOST"
+#: A rank slower than the fastest of its device name by more than this factor is its own type.
+SLOWER = 1.2
+#: Measured levels within this factor of each other are one level.
+_SAME_LINK = 1.25
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank says about itself (``profile`` is its own measured block profile)."""
+
+    rank: int
+    host: str
+    device: str
+    memory_bytes: int
+    cores: int
+    profile: Profile | None = None
+
+
+@dataclass(frozen=True)
+class LinkFigures:
+    """A measured link: one message costs ``latency_us`` plus its bytes at ``gbps``."""
+
+    latency_us: float
+    gbps: float
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def local_report(
+    rank: int, device: torch.device, profile: Profile | None, ranks_on_host: int = 1
+) -> RankReport:
+    """This rank's :class:`RankReport` (host from :data:`HOST_ENV` or the hostname)."""
+    host = os.environ.get(HOST_ENV) or socket.gethostname()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return RankReport(rank, host, props.name, int(props.total_memory), 0, profile)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    import psutil
+
+    share = psutil.virtual_memory().available // max(1, ranks_on_host)
+    return RankReport(rank, host, f"cpu {_cpu_model()}", int(share), cores, profile)
+
+
+# ---------------------------------------------------------------------------- links
+def _level_sizes(n: int) -> list[int]:
+    """Nested group sizes for a server of ``n`` devices: powers of two dividing it, then ``n``."""
+    sizes, s = [], 2
+    while s < n and n % s == 0:
+        sizes.append(s)
+        s *= 2
+    return [*sizes, n] if n > 1 else [1]
+
+
+def _servers(hosts: Sequence[str]) -> list[tuple[str, list[int]]]:
+    """``(host, ranks)`` per server in rank order.
+
+    Raises:
+        ClusterError: a host's ranks are not consecutive (devices take ranks server by server).
+    """
+    out: list[tuple[str, list[int]]] = []
+    for rank, host in enumerate(hosts):
+        if out and out[-1][0] == host:
+            out[-1][1].append(rank)
+            continue
+        if any(h == host for h, _ in out):
+            raise ClusterError(
+                f"host {host!r} holds ranks that are not consecutive ({[h for h in hosts]}); "
+                "launchers number ranks node by node, so a host's ranks follow each other: "
+                f"launch one node per host, or set ${HOST_ENV} per node"
+            )
+        out.append((host, [rank]))
+    return out
+
+
+def link_pairs(hosts: Sequence[str]) -> list[tuple[int, int]]:
+    """The rank pairs :func:`discover` measures (module docstring), in a fixed order."""
+    pairs = []
+    servers = _servers(hosts)
+    for _, ranks in servers:
+        prev = 1
+        for size in _level_sizes(len(ranks)):
+            if size > 1:
+                pairs.append((ranks[0], ranks[prev]))
+            prev = size
+    pairs += [(a[1][0], b[1][0]) for a, b in zip(servers, servers[1:])]
+    return pairs
+
+
+# ---------------------------------------------------------------------------- assembly
+def _total(p: Profile) -> float:
+    return sum(b.forward_ms + b.backward_ms for b in p.blocks)
+
+
+def _types(reports: Sequence[RankReport]) -> dict[int, tuple[str, Profile | None]]:
+    """Rank -> (device type name, the type's median profile), fastest type of a name first."""
+    by_name: dict[tuple[str, int], list[RankReport]] = {}
+    for r in reports:
+        by_name.setdefault((r.device, r.memory_bytes // 2**30), []).append(r)
+    out: dict[int, tuple[str, Profile | None]] = {}
+    for (name, _), group in by_name.items():
+        if any(r.profile is None for r in group):
+            for r in group:
+                out[r.rank] = (name, None)
+            continue
+        group = sorted(group, key=lambda r: _total(r.profile))  # type: ignore[arg-type]
+        clusters: list[list[RankReport]] = []
+        for r in group:  # a new type whenever a rank is clearly slower than the type's fastest
+            if clusters and _total(r.profile) <= SLOWER * _total(clusters[-1][0].profile):
+                clusters[-1].append(r)
+            else:
+                clusters.append([r])
+        for i, members in enumerate(clusters):
+            prof = median_profile([m.profile for m in members])  # type: ignore[misc]
+            label = name if i == 0 else f"{name} (slower {i})"
+            for m in members:
+                out[m.rank] = (label, prof)
+    return out
+
+
+def _levels(n: int, first: int, links: dict[tuple[int, int], LinkFigures],
+            ranks: list[int]) -> tuple[Level, ...]:
+    sizes = _level_sizes(n)
+    if n == 1:
+        return (Level(1, math.inf, 0.0),)
+    out: list[Level] = []
+    prev = 1
+    for size in sizes:
+        fig = links[(first, ranks[prev])]
+        if out and _alike(out[-1], fig):  # no faster inner level: one level spans both
+            out[-1] = Level(size, min(out[-1].gbps, fig.gbps),
+                            max(out[-1].latency_us, fig.latency_us))
+        else:
+            out.append(Level(size, fig.gbps, fig.latency_us))
+        prev = size
+    return tuple(out)
+
+
+def _alike(level: Level, fig: LinkFigures) -> bool:
+    lo, hi = sorted((level.gbps, fig.gbps))
+    return hi <= _SAME_LINK * lo
+
+
+def assemble(
+    reports: Sequence[RankReport],
+    links: dict[tuple[int, int], LinkFigures],
+    reduce_gbps: float = math.inf,
+    name: str = "discovered",
+) -> tuple[Cluster, Profile | None]:
+    """The cluster the reports and measured links describe, and the reference profile.
+
+    Args:
+        reports: one per rank, in rank order.
+        links: figures of every pair of :func:`link_pairs`.
+        reduce_gbps: the all-reduce's own reduction rate (``inf``: free).
+
+    Returns:
+        The cluster (devices in rank order; with several device types each type carries its
+        own profile) and the profile of the fastest type, against which speeds are given
+        (None when the reports carry no profiles).
+
+    Raises:
+        ClusterError: a host's ranks are not consecutive.
+    """
+    reports = sorted(reports, key=lambda r: r.rank)
+    types = _types(reports)
+    profiled = {label: prof for label, prof in types.values() if prof is not None}
+    ref = min(profiled.values(), key=_total) if profiled else None
+    several = len({label for label, _ in types.values()}) > 1
+    specs: dict[str, DeviceSpec] = {}
+    for r in reports:
+        label, prof = types[r.rank]
+        if label in specs:
+            continue
+        speed = _total(ref) / _total(prof) if prof is not None and ref is not None else 1.0
+        own = prof if several and prof is not None else None
+        specs[label] = DeviceSpec(
+            name=label, speed=round(speed, 4), memory_gb=round(r.memory_bytes / 2**30, 2),
+            reduce_gbps=reduce_gbps, profile=own,
+            profile_path=_profile_file(label) if own is not None else None,
+        )
+    servers = []
+    used: dict[str, int] = {}
+    for host, ranks in _servers([r.host for r in reports]):
+        base = "".join(c if c.isalnum() or c in "-_" else "-" for c in host) or "host"
+        used[base] = used.get(base, 0) + 1
+        sname = base if used[base] == 1 else f"{base}-{used[base]}"
+        dev = [specs[types[k][0]] for k in ranks]
+        common = statistics.mode(s.name for s in dev)
+        main = next(s for s in dev if s.name == common)
+        servers.append(ServerSpec(
+            name=sname, count=1, gpus=len(ranks), device=main,
+            levels=_levels(len(ranks), ranks[0], links, ranks),
+            devices=tuple((i, s) for i, s in enumerate(dev) if s.name != common),
+        ))
+    net = [links[(a, b)] for a, b in link_pairs([r.host for r in reports])
+           if _host(reports, a) != _host(reports, b)]
+    cluster = Cluster(
+        name=name,
+        network_gbps=min((f.gbps for f in net), default=math.inf),
+        network_latency_us=max((f.latency_us for f in net), default=0.0),
+        servers=servers,
+    )
+    return cluster, ref
+
+
+def _host(reports: Sequence[RankReport], rank: int) -> str:
+    return reports[rank].host
+
+
+def _profile_file(label: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in label).strip("-")
+    return f"profiles/{safe or 'device'}.json"
+
+
+def write_cluster(cluster: Cluster, folder: str | Path) -> Path:
+    """Write ``cluster.yaml`` and each device type's profile under ``folder``; the file loads
+    back with :meth:`Cluster.load` (profile paths are relative to it)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for d in cluster.devices:
+        spec = d.spec
+        if spec.profile is not None and spec.profile_path is not None:
+            path = folder / spec.profile_path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            spec.profile.save(path)
+    out = folder / "cluster.yaml"
+    head = ("# Discovered from the launched ranks: servers by host, device types by measured\n"
+            "# profile, links measured. Edit and pass back as cluster=<this file>.\n")
+    out.write_text(head + cluster.to_yaml())
+    return out
+
+
+# ---------------------------------------------------------------------------- comparison
+def compare_with_declared(
+    declared: Cluster, reports: Sequence[RankReport]
+) -> list[str]:
+    """Where a user's cluster file contradicts what the ranks measured, one line each.
+
+    Speeds are compared relative to the fastest rank (declared speed 1.0 where a rank measured
+    half the speed of its peers); with several hosts, each host's ranks against its server's
+    devices (host ``i`` is planned as the file's server instance ``i``).
+    """
+    out = []
+    reports = sorted(reports, key=lambda r: r.rank)
+    devices = declared.devices[: len(reports)]
+    totals = [_total(r.profile) if r.profile is not None else None for r in reports]
+    known = [(d, t) for d, t in zip(devices, totals) if t is not None]
+    if known:
+        fastest = min(t for _, t in known)
+        top = max(d.spec.speed for d, _ in known)
+        for (d, t), r in zip(known, [r for r in reports if r.profile is not None]):
+            measured, said = fastest / t, d.spec.speed / top
+            if abs(measured - said) > (SLOWER - 1) * max(measured, said):
+                out.append(
+                    f"rank {r.rank} ({d.name}): declared relative speed {said:.2f}, measured "
+                    f"{measured:.2f} of the fastest rank"
+                )
+    hosts = _servers([r.host for r in reports])
+    instances = declared.instances
+    for i, (host, ranks) in enumerate(hosts):
+        if i >= len(instances):
+            out.append(f"host {host!r} runs {len(ranks)} ranks but the file describes only "
+                       f"{len(instances)} servers")
+        elif len(hosts) > 1 and instances[i][1].gpus != len(ranks):
+            out.append(f"host {host!r} runs {len(ranks)} ranks, its server "
+                       f"{instances[i][0]!r} declares {instances[i][1].gpus} devices")
+    return out
+
+
+# ---------------------------------------------------------------------------- collective
+def discover(
+    profile: Profile | None,
+    device: torch.device,
+    *,
+    ranks_on_host: int = 1,
+    measure_reduce_rate: bool = True,
+) -> tuple[Cluster, Profile | None, list[RankReport]]:
+    """Gather every rank's report, measure the sampled links; collective on the default group.
+
+    Every rank must call it at the same point, with the profile it just measured. Returns the
+    same cluster and reference profile on every rank (built from the same gathered figures).
+    """
+    from lightning_autopipe.runtime.calibrate import link_device, measure_link, measure_reduce
+
+    me = dist.get_rank()
+    dev = link_device(None, device)  # what the default group's backend moves
+    mine = local_report(me, device, profile, ranks_on_host)
+    reports: list[RankReport | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, mine)
+    got = [r for r in reports if r is not None]
+    hosts = [r.host for r in sorted(got, key=lambda r: r.rank)]
+    links: dict[tuple[int, int], LinkFigures] = {}
+    for a, b in link_pairs(hosts):
+        group = dist.new_group([a, b])  # collective: every rank creates every pair's group
+        fig = measure_link(group, device=device) if me in (a, b) else None
+        vals = torch.tensor(list(fig) if fig else [0.0, 0.0], dtype=torch.float64, device=dev)
+        dist.broadcast(vals, a)
+        links[(a, b)] = LinkFigures(float(vals[0]), float(vals[1]))
+        dist.destroy_process_group(group)
+    reduce = math.inf
+    first = _servers(hosts)[0][1]
+    if measure_reduce_rate and len(first) > 1:
+        group = dist.new_group(first)
+        pair = links[(first[0], first[1])]
+        rate = measure_reduce((pair.latency_us, pair.gbps), group, device=device) \
+            if me in first else None
+        vals = torch.tensor([rate if rate is not None else 0.0], dtype=torch.float64,
+                            device=dev)
+        dist.broadcast(vals, first[0])
+        reduce = float(vals[0]) if float(vals[0]) > 0 else math.inf
+        dist.destroy_process_group(group)
+    cluster, ref = assemble(got, links, reduce_gbps=reduce)
+    return cluster, ref, got

@@ -52,8 +52,8 @@ def _example(trainer: Any, module: Any) -> tuple[Any, int, Any]:
 def _batch_like(module: Any, batch: Any, example: Any) -> Any:
     """``batch`` cut to the example's sample count if its inputs then match the example's
     shapes (so the loss's targets fit the outputs of the example), else None."""
-    from lightning_autopipe.runtime.executor import slice_batch
     from lightning_autopipe.runtime.local_stage import as_call_args, model_inputs
+    from lightning_autopipe.runtime.units import slice_batch
 
     if batch is None:
         return None

@@ -25,16 +25,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_autopipe.errors import PipelineRuntimeError
-from lightning_autopipe.planner.schedule import Action, Kind, slice_count, slice_sizes
+from lightning_autopipe.planner.schedule import Action, Kind
 from lightning_autopipe.runtime.checks import check_batch_sizes
 from lightning_autopipe.runtime.comm import recv_tensors, send_tensors
 from lightning_autopipe.runtime.failure import FailureBoard, pipeline_failure
 from lightning_autopipe.runtime.gradsync import GradientSync
 from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout
+from lightning_autopipe.runtime.units import Unit, fit_units, slice_batch, unit_bounds
 
-__all__ = ["PipelineExecutor", "TiedParameter", "fit_units", "unit_bounds", "slice_batch"]
+__all__ = ["PipelineExecutor", "TiedParameter"]
 
-Unit = tuple[int, int]
 _BACKWARD_KINDS = (Kind.SEND_B, Kind.RECV_B, Kind.BACKWARD)
 _COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD)
 
@@ -50,61 +50,6 @@ class TiedParameter:
     tie: int
     param: nn.Parameter
     counted: bool
-
-
-def fit_units(
-    batch_size: int, num_microbatches: int, startup_slices: int, drain_slices: int = 1
-) -> tuple[int, int, int]:
-    """The (micro-batches, startup slices, drain slices) actually used for ``batch_size``.
-
-    The plan's values unless the batch is too small to give every unit a sample (a short last
-    batch); then they shrink so that every unit is non-empty.
-    """
-    if batch_size < 1:
-        raise PipelineRuntimeError("cannot run a pipeline step on an empty batch")
-    m = min(num_microbatches, batch_size)
-    first, last = -(-batch_size // m), batch_size // m  # sizes of micro-batch 0 and m - 1
-    return m, min(startup_slices, first), min(drain_slices, last)
-
-
-def unit_bounds(
-    batch_size: int, num_microbatches: int, startup_slices: int, drain_slices: int = 1
-) -> dict[Unit, tuple[int, int]]:
-    """Sample range ``[start, stop)`` of every (micro-batch, slice) unit of one replica's batch.
-
-    Micro-batches are contiguous and even (sizes differ by at most one, larger first); micro-batch
-    0 is cut into ``startup_slices`` slices and, with two or more, the last into ``drain_slices``
-    (:func:`~lightning_autopipe.planner.schedule.units`, :func:`slice_sizes`).
-    """
-    m, k, j = num_microbatches, startup_slices, drain_slices
-    base, extra = divmod(batch_size, m)
-    sizes = [base + (1 if i < extra else 0) for i in range(m)]
-    out: dict[Unit, tuple[int, int]] = {}
-    start = 0
-    for mb, size in enumerate(sizes):
-        for sl, part in enumerate(slice_sizes(size, slice_count(mb, m, k, j))):
-            out[(mb, sl)] = (start, start + part)
-            start += part
-    return out
-
-
-def slice_batch(batch: Any, start: int, stop: int, batch_size: int) -> Any:
-    """Cut every tensor whose first dimension is ``batch_size`` to ``[start, stop)``.
-
-    Containers (tuple, list, dict) are walked; other values (and tensors of another leading
-    size, e.g. class weights) pass unchanged, so the loss sees the batch sliced consistently.
-    """
-    if isinstance(batch, Tensor):
-        if batch.dim() > 0 and batch.shape[0] == batch_size:
-            return batch[start:stop]
-        return batch
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(slice_batch(v, start, stop, batch_size) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(slice_batch(v, start, stop, batch_size) for v in batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, slice_batch(v, start, stop, batch_size)) for k, v in batch.items())
-    return batch
 
 
 class PipelineExecutor:

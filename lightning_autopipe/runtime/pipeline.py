@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_autopipe import errors
@@ -27,7 +28,7 @@ from lightning_autopipe.runtime.checks import (
     check_num_stages,
     check_plan_for_run,
 )
-from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter, slice_batch
+from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
 from lightning_autopipe.runtime.failure import FailureBoard
 from lightning_autopipe.runtime.groups import (
     ProcessGroups,
@@ -36,6 +37,7 @@ from lightning_autopipe.runtime.groups import (
     layout_for_rank,
 )
 from lightning_autopipe.runtime.local_stage import as_call_args, bind_local_stage, model_inputs
+from lightning_autopipe.runtime.units import slice_batch
 
 __all__ = ["LocalPipeline", "build_local_pipeline", "resolve_cluster", "search_plan", "plan_table"]
 
@@ -211,18 +213,6 @@ class _LossProfileError(Exception):
     """``pipeline_loss`` failed on the example batch while profiling (not a user-facing error)."""
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_to_device(v, device) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(_to_device(v, device) for v in batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, _to_device(v, device)) for k, v in batch.items())
-    return batch
-
-
 def _profile(
     blocks: Any,
     example: Any,
@@ -244,7 +234,7 @@ def _profile(
         return profile_blocks(blocks, example, device=str(device), repeats=repeats)
     flat = blocks.flatten_inputs(example)
     size = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
-    batch = _to_device(example_batch, device)
+    batch = move_data_to_device(example_batch, device)
 
     def loss(outputs: tuple[Any, ...], n: int) -> torch.Tensor:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import OrderedDict, namedtuple
 from datetime import timedelta
 
 import pytest
@@ -15,14 +16,9 @@ from lightning_autopipe.errors import ClusterError, PipelineRuntimeError, PlanEr
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.schedule import Action, Kind, lower_communication, units
 from lightning_autopipe.runtime.comm import decode_header, encode_header
-from lightning_autopipe.runtime.executor import (
-    PipelineExecutor,
-    TiedParameter,
-    fit_units,
-    slice_batch,
-    unit_bounds,
-)
+from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
 from lightning_autopipe.runtime.groups import build_groups, destroy_groups, layout_for_rank
+from lightning_autopipe.runtime.units import fit_units, slice_batch, unit_bounds
 from tests.runtime._toy import ToyChain, ToyStage, toy_loss
 
 
@@ -85,6 +81,17 @@ def test_slice_batch_cuts_only_batch_tensors():
     assert torch.equal(got["pair"][0], y[2:4])
     assert got["pair"][1] is w
     assert got["name"] == "a"
+
+
+def test_slice_batch_keeps_namedtuples_and_mapping_types():
+    Pair = namedtuple("Pair", ["x", "y"])
+    x, y, w = torch.arange(6).view(6, 1), torch.arange(6), torch.ones(3)
+    got = slice_batch(Pair(x, OrderedDict(y=y, w=w)), 1, 3, 6)
+    assert type(got) is Pair
+    assert type(got.y) is OrderedDict
+    assert torch.equal(got.x, x[1:3])
+    assert torch.equal(got.y["y"], y[1:3])
+    assert got.y["w"] is w
 
 
 def test_header_round_trip():

@@ -64,7 +64,6 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.strategies.launchers import (
     _MultiProcessingLauncher,
     _SubprocessScriptLauncher,
@@ -74,15 +73,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_autopipe import checkpoint as ckpt
-from lightning_autopipe.checkpointing import PipelineCheckpointing
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.checks import check_microbatches
 from lightning_autopipe.runtime.example import _example
 from lightning_autopipe.runtime.failure import describe, watch_launcher
-from lightning_autopipe.runtime.groups import RankLayout, destroy_groups
+from lightning_autopipe.runtime.groups import destroy_groups
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline, search_plan
 
 __all__ = ["AutoPipeStrategy"]
@@ -101,7 +100,7 @@ def _auto_or_positive(name: str, value: Any) -> int | None:
     return value
 
 
-class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
+class AutoPipeStrategy(ParallelStrategy):
     """Data-parallel 1F1B pipeline with split startup micro-batches (AutoPipe-H).
 
     Registered as ``"autopipe"`` when ``lightning_autopipe`` is imported. See the module
@@ -204,10 +203,8 @@ class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
         self.nonfinite_loss = nonfinite_loss
         self.exact_cluster = bool(exact_cluster)
         self.check_batch = bool(check_batch)
-        # The layout outlives teardown so trainer.save_checkpoint after fit still gathers.
-        self._layout: RankLayout | None = None
-        self._param_order: list[str] = []
-        self._state_order: list[str] = []
+        # Outlives teardown so trainer.save_checkpoint after fit still gathers the stages.
+        self._checkpoint: ckpt.PipelineCheckpoint | None = None
         self._watch: Any = None
         self._num_nodes = 1
         self._pipe: LocalPipeline | None = None
@@ -222,10 +219,7 @@ class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
     @property
     def checkpoint_io(self) -> CheckpointIO:
         """Lightning's torch checkpoint IO with atomic (temp file + fsync + replace) writes."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = ckpt.AtomicCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):  # e.g. AsyncCheckpointIO
-            self._checkpoint_io.checkpoint_io = ckpt.AtomicCheckpointIO()  # only fills a gap
+        self._checkpoint_io = ckpt.with_atomic_writes(self._checkpoint_io)
         return self._checkpoint_io
 
     @checkpoint_io.setter
@@ -335,8 +329,8 @@ class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
         check_microbatches(
             batch_size, self.num_microbatches, self.startup_slices, drain_slices=self.drain_slices
         )
-        self._param_order = [name for name, _ in module.named_parameters()]
-        self._state_order = list(module.state_dict().keys())
+        param_order = [name for name, _ in module.named_parameters()]
+        state_order = list(module.state_dict().keys())
         self._pipe = build_local_pipeline(
             module,
             example,
@@ -359,7 +353,9 @@ class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
             example_batch=example_batch,
             num_nodes=self.num_nodes,
         )
-        self._layout = self._pipe.layout
+        self._checkpoint = ckpt.PipelineCheckpoint(
+            self._pipe.layout, param_order, state_order, self.checkpoint_format
+        )
         self.plan, self.profile, self.cluster = (
             self._pipe.plan,
             self._pipe.profile,
@@ -520,7 +516,63 @@ class AutoPipeStrategy(PipelineCheckpointing, ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # ------------------------------------------------- failures (checkpoints: checkpointing.py)
+    # ------------------------------------------------- checkpoints (lightning_autopipe.checkpoint)
+    def _gathering(self) -> ckpt.PipelineCheckpoint | None:
+        """The checkpoint side of a pipeline whose parts live on several ranks, else None."""
+        pipe = self._checkpoint
+        return pipe if pipe is not None and pipe.pipelined else None
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's ``state_dict`` under the original names (collective)."""
+        pipe = self._gathering()
+        if pipe is None:
+            return super().lightning_module_state_dict()
+        assert self.lightning_module is not None
+        return pipe.model_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state keyed by original names, every stage merged (collective)."""
+        pipe = self._gathering()
+        if pipe is None:
+            return super().optimizer_state(optimizer)
+        assert self.lightning_module is not None
+        return pipe.optimizer_state(optimizer, self.lightning_module)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Rank 0 writes the consolidated file atomically; sharded: every rank writes its part."""
+        pipe = self._gathering()
+        if pipe is not None and pipe.sharded:
+            pipe.save_sharded(checkpoint, filepath, barrier=self.barrier)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """Either format; runs before ``setup`` (the module is still whole)."""
+        if not ckpt.is_sharded(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        assert self.lightning_module is not None
+        state = self.lightning_module.state_dict()
+        return ckpt.load_sharded(checkpoint_path, state, no_dist=not _distributed_is_initialized())
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Re-shard the saved (whole-model, name-keyed) optimizer state onto the local stage."""
+        if self._checkpoint is None:  # not set up: nothing was split
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        assert self.lightning_module is not None
+        self._checkpoint.load_optimizer_states(
+            checkpoint["optimizer_states"], self.optimizers, self.lightning_module,
+            self.root_device,
+        )
+
+    # ------------------------------------------------------------------------ failures
     def on_exception(self, exception: BaseException) -> None:
         """Post this rank's failure for its peers (the executor already posted its own)."""
         board = self._pipe.executor.failures if self._pipe is not None else None

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_autopipe import checkpoint as ckpt
+from lightning_autopipe.checkpoint import sharded
 from lightning_autopipe.errors import PlanError
 from tests.reliability import _task as T
 
@@ -26,7 +27,7 @@ def test_failed_save_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
         f.write(b"PK\x03\x04 half a zip")
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(ckpt.torch, "save", broken_save)
+    monkeypatch.setattr(torch, "save", broken_save)
     with pytest.raises(OSError, match="No space"):
         ckpt.atomic_torch_save({"step": 2, "w": torch.zeros(3)}, path)
     monkeypatch.undo()
@@ -176,7 +177,7 @@ def test_sharded_directory_round_trip_without_processes(tmp_path):
     lightning_part = {"epoch": 3, "global_step": 7, "loops": {"x": [1, 2]}}
     import torch.distributed.checkpoint as dcp
 
-    flat = ckpt._flat_sharded(
+    flat = sharded._flat_sharded(
         {**lightning_part, "state_dict": net.state_dict(), "optimizer_states": [named]},
         include_meta=True,
     )
@@ -201,3 +202,17 @@ def test_sharded_directory_round_trip_without_processes(tmp_path):
     for i, name in enumerate(sub_names):
         want = plain[order.index(name)]
         torch.testing.assert_close(sub.state_dict()["state"][i]["exp_avg"], want["exp_avg"])
+
+
+def test_the_strategy_io_writes_atomically_unless_the_user_chose_an_io():
+    from lightning.fabric.plugins import TorchCheckpointIO
+    from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
+
+    from lightning_autopipe import AutoPipeStrategy
+
+    assert isinstance(AutoPipeStrategy().checkpoint_io, ckpt.AtomicCheckpointIO)
+    wrapped = AutoPipeStrategy(checkpoint_io=AsyncCheckpointIO()).checkpoint_io
+    assert isinstance(wrapped, AsyncCheckpointIO)
+    assert isinstance(wrapped.checkpoint_io, ckpt.AtomicCheckpointIO)
+    mine = TorchCheckpointIO()
+    assert AutoPipeStrategy(checkpoint_io=mine).checkpoint_io is mine

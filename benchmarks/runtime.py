@@ -108,6 +108,7 @@ def _make_ddp(rank: int) -> Any:
 
 def _make_autopipe(rank: int, plan_json: str) -> Any:
     """Through the runtime ``AutoPipeStrategy`` runs (trace, local stage, groups, executor)."""
+    from lightning_autopipe.options import AutoPipeOptions
     from lightning_autopipe.runtime.pipeline import build_local_pipeline
 
     module = GPTTask()
@@ -123,13 +124,11 @@ def _make_autopipe(rank: int, plan_json: str) -> Any:
         module,
         (x[:PROFILE_MB],),
         BATCH // plan.replicas,
+        AutoPipeOptions(plan=plan, timeout=600),
         rank=rank,
         world_size=WORLD,
         device=torch.device("cpu"),
-        plan_fn=lambda *_: plan,
-        plan_given=True,
         broadcast=bcast,
-        timeout=timedelta(seconds=600),
     )
     r, per = pipe.layout.replica, BATCH // plan.replicas
     batch = (x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])

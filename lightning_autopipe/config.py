@@ -9,12 +9,15 @@ The cluster node stays an untyped mapping here: ``lightning_autopipe.cluster`` v
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import types
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
+
+from lightning_autopipe.options import AutoPipeOptions
 
 __all__ = [
     "CONF_DIR",
@@ -126,22 +129,47 @@ class ImageDataConfig:
 
 
 # ----------------------------------------------------------------------------------- strategy
-@dataclass
-class AutoPipeStrategyConfig:
-    """Arguments of ``lightning_autopipe.AutoPipeStrategy`` (``cluster`` comes from ``cluster/``).
+_PLAIN = (str, int, float, bool)
 
-    ``plan`` is the path of a saved Plan JSON to use instead of planning.
+
+def _schema_type(hint: Any) -> Any:
+    """An option's type as OmegaConf can hold it.
+
+    OmegaConf holds plain values and ``X | None``, no unions of several plain types and no
+    objects: a union with one plain member keeps that member (``float | timedelta`` -> float,
+    ``Plan | str | Path | None`` -> ``str | None``), one with several becomes ``Any`` (``int |
+    str`` holds ``2`` or ``"auto"``).
     """
+    if hint in _PLAIN:
+        return hint
+    members = get_args(hint) if isinstance(hint, types.UnionType) else ()
+    plain = [m for m in members if m in _PLAIN]
+    if len(plain) != 1:
+        return Any
+    return plain[0] | None if type(None) in members else plain[0]
 
-    _target_: str = "lightning_autopipe.AutoPipeStrategy"
-    planner: str = "autopipe"
-    num_stages: Any = "auto"
-    num_microbatches: Any = "auto"
-    startup_slices: Any = "auto"
-    drain_slices: Any = "auto"
-    granularity: str = "sub-block"
-    timeout: float = 600.0
-    plan: str | None = None
+
+def _strategy_schema() -> type:
+    """``AutoPipeStrategyConfig``: the fields of :class:`AutoPipeOptions` plus ``_target_``."""
+    hints = get_type_hints(AutoPipeOptions)
+    cls = make_dataclass(
+        "AutoPipeStrategyConfig",
+        [("_target_", str, field(default="lightning_autopipe.AutoPipeStrategy"))]
+        + [
+            (f.name, _schema_type(hints[f.name]), field(default=f.default))
+            for f in fields(AutoPipeOptions)
+        ],
+    )
+    cls.__module__ = __name__
+    cls.__doc__ = (
+        "Arguments of ``lightning_autopipe.AutoPipeStrategy``: the fields of "
+        "``AutoPipeOptions`` with their defaults (documented there). The recipes take "
+        "``cluster`` from the ``cluster/`` group; ``plan`` is the path of a saved Plan JSON."
+    )
+    return cls
+
+
+AutoPipeStrategyConfig = _strategy_schema()
 
 
 @dataclass

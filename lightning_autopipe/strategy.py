@@ -43,14 +43,16 @@ Checkpoints and failures
   naming it, so the launcher ends the job instead of hanging.
 * A non-finite training loss raises (naming the step and the first stage whose outputs were
   non-finite) unless ``nonfinite_loss="skip"``, which drops that step's gradients on every rank.
+
+Options are :class:`~lightning_autopipe.options.AutoPipeOptions`. This module runs past the
+house's ~450 lines because Lightning's strategy interface is wide (some thirty hooks and
+properties, each marked ``@override``); every hook stays a few lines that delegate to
+``runtime/`` and ``checkpoint/``, and the rest is this contract.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,27 +79,17 @@ from typing_extensions import override
 
 from lightning_autopipe import checkpoint as ckpt
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
+from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.checks import check_microbatches
 from lightning_autopipe.runtime.example import _example
 from lightning_autopipe.runtime.failure import describe, watch_launcher
 from lightning_autopipe.runtime.groups import destroy_groups
-from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline, search_plan
+from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline
 
 __all__ = ["AutoPipeStrategy"]
 
-log = logging.getLogger(__name__)
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
-_CHECKPOINT_FORMATS = ("consolidated", "sharded")
-_NONFINITE = ("raise", "skip")
-
-
-def _auto_or_positive(name: str, value: Any) -> int | None:
-    if value is None or value == "auto":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{name} must be 'auto' or a positive int, got {value!r}")
-    return value
 
 
 class AutoPipeStrategy(ParallelStrategy):
@@ -107,62 +99,34 @@ class AutoPipeStrategy(ParallelStrategy):
     docstring for what the LightningModule must provide.
 
     Args:
-        cluster: a ``Cluster``, a cluster YAML path, or None for "the launched processes as
-            one homogeneous server" (``Cluster.local``).
-        planner: planner name handed to ``make_plan`` (``"autopipe"``, baselines...).
-        num_stages: pipeline depth, or ``"auto"`` (every depth dividing the world is planned
-            and the one with the most samples/s wins).
-        num_microbatches: micro-batches per replica and step, or ``"auto"``.
-        startup_slices: slices of micro-batch 0, or ``"auto"``.
-        drain_slices: slices of the last micro-batch (shorter cool-down), or ``"auto"``.
-        granularity: block granularity for ``split_model`` (``"sub-block"``...).
-        plan: a ``Plan`` or a path to one saved with ``Plan.save``: skip profiling/planning.
-        timeout: seconds (or a ``timedelta``) for the process group and every sub-group, so a
-            failed peer ends the run instead of hanging it.
-        start_method: ``"popen"`` (re-run the script per rank) or ``"spawn"`` / ``"fork"``.
-        profile_repeats: timed repeats per block when profiling.
-        val_loss_name / test_loss_name: names the forward-only loss is logged under.
-        bucket_mb: gradient all-reduce bucket size.
-        process_group_backend: override gloo/NCCL.
-        checkpoint_format: ``"consolidated"`` (one file, rank 0 gathers every stage) or
-            ``"sharded"`` (a ``torch.distributed.checkpoint`` directory, for large models).
-        nonfinite_loss: ``"raise"`` (stop with the step and the stage where values first
-            became non-finite) or ``"skip"`` (warn and drop that step's gradients everywhere;
-            the optimizer and LR scheduler still step, moving no parameter).
-        exact_cluster: the cluster file must describe exactly the launched devices.
-        check_batch: every tensor in a batch must hold as many samples as the inputs (set
-            False to hand a non-per-sample tensor, e.g. class weights, to pipeline_loss whole).
+        options: an :class:`~lightning_autopipe.options.AutoPipeOptions`; default: the
+            defaults.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            Lightning's, as for any parallel strategy.
+        **option_overrides: any field of ``AutoPipeOptions`` by name (``num_stages=2``,
+            ``timeout=60``, ``cluster="conf/cluster/mixed_rack.yaml"`` ...), applied over
+            ``options``; each is documented there, once.
+
+    Raises:
+        TypeError: an option name that ``AutoPipeOptions`` does not have.
+        ValueError: an option's value is invalid (``PlanError`` for the plan counts); the
+            message names the value and the valid ones.
     """
 
     strategy_name = "autopipe"
 
     def __init__(
         self,
-        cluster: Any = None,
-        planner: str = "autopipe",
-        num_stages: int | str = "auto",
-        num_microbatches: int | str = "auto",
-        startup_slices: int | str = "auto",
-        drain_slices: int | str = "auto",
-        granularity: str = "sub-block",
-        plan: Plan | str | Path | None = None,
-        timeout: float | timedelta = 120.0,
-        start_method: str = "popen",
-        profile_repeats: int = 3,
-        val_loss_name: str = "val_loss",
-        test_loss_name: str = "test_loss",
-        bucket_mb: float = 25.0,
-        process_group_backend: str | None = None,
-        checkpoint_format: str = "consolidated",
-        nonfinite_loss: str = "raise",
-        exact_cluster: bool = False,
-        check_batch: bool = True,
+        options: AutoPipeOptions | None = None,
+        *,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Any = None,
+        **option_overrides: Any,
     ) -> None:
+        self.options = AutoPipeOptions.build(options, option_overrides)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -170,39 +134,7 @@ class AutoPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(
-                f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', not "
-                f"{start_method!r}"
-            )
-        self._cluster_arg = cluster
-        self.planner = planner
-        self.num_stages = _auto_or_positive("num_stages", num_stages)
-        self.num_microbatches = _auto_or_positive("num_microbatches", num_microbatches)
-        self.startup_slices = _auto_or_positive("startup_slices", startup_slices)
-        self.drain_slices = _auto_or_positive("drain_slices", drain_slices)
-        self.granularity = granularity
-        self._plan_arg = plan
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-        if not seconds > 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-        self._timeout = timedelta(seconds=seconds)
-        self._start_method = start_method
-        self.profile_repeats = int(profile_repeats)
-        self.val_loss_name = val_loss_name
-        self.test_loss_name = test_loss_name
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self._process_group_backend = process_group_backend
-        if checkpoint_format not in _CHECKPOINT_FORMATS:
-            raise ValueError(
-                f"checkpoint_format must be one of {_CHECKPOINT_FORMATS}, not {checkpoint_format!r}"
-            )
-        if nonfinite_loss not in _NONFINITE:
-            raise ValueError(f"nonfinite_loss must be one of {_NONFINITE}, not {nonfinite_loss!r}")
-        self.checkpoint_format = checkpoint_format
-        self.nonfinite_loss = nonfinite_loss
-        self.exact_cluster = bool(exact_cluster)
-        self.check_batch = bool(check_batch)
+        self._backend = self.options.process_group_backend  # resolved in setup_environment
         # Outlives teardown so trainer.save_checkpoint after fit still gathers the stages.
         self._checkpoint: ckpt.PipelineCheckpoint | None = None
         self._watch: Any = None
@@ -217,16 +149,19 @@ class AutoPipeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
+    @override
     def checkpoint_io(self) -> CheckpointIO:
         """Lightning's torch checkpoint IO with atomic (temp file + fsync + replace) writes."""
         self._checkpoint_io = ckpt.with_atomic_writes(self._checkpoint_io)
         return self._checkpoint_io
 
     @checkpoint_io.setter
+    @override
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
         self._checkpoint_io = io
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -240,18 +175,22 @@ class AutoPipeStrategy(ParallelStrategy):
         self._num_nodes = num_nodes
 
     @property
+    @override
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    @override
     def is_distributed(self) -> bool:
         return True
 
     @property
+    @override
     def handles_gradient_accumulation(self) -> bool:
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Data-parallel rank/size: every stage of one replica loads the same batches."""
         if self._pipe is None:
@@ -264,14 +203,16 @@ class AutoPipeStrategy(ParallelStrategy):
         """This rank's stage, layout, groups and executor (after setup)."""
         return self._pipe
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
+        start_method = self.options.start_method
+        if start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -281,43 +222,30 @@ class AutoPipeStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._backend = self._backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
-        self._process_group_backend = backend
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        _init_dist_connection(
+            self.cluster_environment, self._backend, timeout=self.options.timeout_delta
+        )
         if self.local_rank > 0:  # launched by rank 0 of this node: do not outlive its failure
             self._watch = watch_launcher(self.global_rank)
             if self._watch is not None:
                 self._watch.arm()
 
     # ----------------------------------------------------------------------------- setup
+    @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         fn = trainer.state.fn
-        if fn == TrainerFn.PREDICTING:
-            raise NotImplementedError(
-                "AutoPipeStrategy does not run predict(); predict with strategy='auto' on the "
-                "trained weights"
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise PlanError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
-                "AutoPipeStrategy; the pipeline already accumulates over micro-batches: raise "
-                "num_microbatches or the batch size instead"
-            )
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in _SUPPORTED_PRECISION:
-            raise PlanError(
-                f"precision {precision!r} is not supported by AutoPipeStrategy; use one of "
-                f"{list(_SUPPORTED_PRECISION)}"
-            )
+        _check_trainer(trainer, self.precision_plugin)
         module = self.lightning_module
         assert module is not None
         if not module.automatic_optimization:
@@ -326,8 +254,12 @@ class AutoPipeStrategy(ParallelStrategy):
                 "backward itself); remove `self.automatic_optimization = False`"
             )
         example, batch_size, example_batch = _example(trainer, module)
+        pins = self.options.pins
         check_microbatches(
-            batch_size, self.num_microbatches, self.startup_slices, drain_slices=self.drain_slices
+            batch_size,
+            pins["num_microbatches"],
+            pins["startup_slices"],
+            drain_slices=pins["drain_slices"],
         )
         param_order = [name for name, _ in module.named_parameters()]
         state_order = list(module.state_dict().keys())
@@ -335,26 +267,17 @@ class AutoPipeStrategy(ParallelStrategy):
             module,
             example,
             batch_size,
+            self.options,
             rank=self.global_rank,
             world_size=self.world_size,
             device=self.root_device,
-            plan_fn=self._plan_fn(batch_size),
-            plan_given=self._plan_arg is not None,
             broadcast=self.broadcast,
-            granularity=self.granularity,
-            profile_repeats=self.profile_repeats,
-            cluster_arg=self._cluster_arg,
-            backend=self._process_group_backend,
-            timeout=self._timeout,
-            bucket_bytes=self.bucket_bytes,
-            num_stages=self.num_stages,
-            exact_cluster=self.exact_cluster,
-            check_batch=self.check_batch,
+            backend=self._backend,
             example_batch=example_batch,
             num_nodes=self.num_nodes,
         )
         self._checkpoint = ckpt.PipelineCheckpoint(
-            self._pipe.layout, param_order, state_order, self.checkpoint_format
+            self._pipe.layout, param_order, state_order, self.options.checkpoint_format
         )
         self.plan, self.profile, self.cluster = (
             self._pipe.plan,
@@ -379,25 +302,6 @@ class AutoPipeStrategy(ParallelStrategy):
             lambda optimizer, clip_val: executor.clip_grad_norm_(float(clip_val))
         )
 
-    def _plan_fn(self, batch_size: int) -> Callable[[Any, Any, list[str]], Plan]:
-        def plan_fn(profile: Any, cluster: Any, names: list[str]) -> Plan:
-            if self._plan_arg is not None:
-                plan = self._plan_arg
-                return plan if isinstance(plan, Plan) else Plan.load(plan)
-            return search_plan(
-                profile,
-                cluster,
-                names,
-                batch_size,
-                planner=self.planner,
-                num_stages=self.num_stages,
-                num_microbatches=self.num_microbatches,
-                startup_slices=self.startup_slices,
-                drain_slices=self.drain_slices,
-            )
-
-        return plan_fn
-
     def _check_optimizers(self) -> None:
         assert self._pipe is not None
         local = {id(p) for p in self._pipe.stage.parameters()}
@@ -410,11 +314,13 @@ class AutoPipeStrategy(ParallelStrategy):
                     "inside configure_optimizers (the strategy rebinds them to the local stage)"
                 )
 
+    @override
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
         self.lightning_module.to(self.root_device)
 
     # ---------------------------------------------------------------------- step hooks
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """Run the whole schedule (every forward and backward) and sync the gradients.
 
@@ -439,20 +345,8 @@ class AutoPipeStrategy(ParallelStrategy):
     def _on_nonfinite(self, loss: Tensor, step: int | None) -> None:
         """Every rank holds the same global loss, so every rank takes the same branch."""
         assert self._pipe is not None
-        stage, ranks = self._pipe.executor.nonfinite_origin()
-        plan = self._pipe.plan
-        blocks = list(plan.stages[stage].blocks)
-        if stage < plan.num_stages - 1:
-            where = (
-                f"values first became non-finite in the outputs of stage {stage} (blocks "
-                f"{blocks}, ranks {ranks})"
-            )
-        else:
-            where = (
-                f"every stage's outputs were finite up to the last stage {stage} (blocks "
-                f"{blocks}, ranks {ranks}), whose outputs or pipeline_loss produced it"
-            )
-        if self.nonfinite_loss == "skip":
+        where = self._pipe.nonfinite_origin()
+        if self.options.nonfinite_loss == "skip":
             rank_zero_warn(
                 f"non-finite training loss {float(loss)} at step {step} ({where}); skipping the "
                 "step: its gradients are dropped on every rank"
@@ -465,6 +359,7 @@ class AutoPipeStrategy(ParallelStrategy):
             "AutoPipeStrategy to skip such steps"
         )
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Install the gradients the schedule computed; the before/after-backward hooks run."""
         assert self._pipe is not None
@@ -476,16 +371,19 @@ class AutoPipeStrategy(ParallelStrategy):
             self._grads = None
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Tensor:
         return self._eval_step(
-            args, kwargs, self.val_loss_name, self.precision_plugin.val_step_context
+            args, kwargs, self.options.val_loss_name, self.precision_plugin.val_step_context
         )
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
         return self._eval_step(
-            args, kwargs, self.test_loss_name, self.precision_plugin.test_step_context
+            args, kwargs, self.options.test_loss_name, self.precision_plugin.test_step_context
         )
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("AutoPipeStrategy does not run predict(); use strategy='auto'")
 
@@ -500,10 +398,12 @@ class AutoPipeStrategy(ParallelStrategy):
         return loss
 
     # ------------------------------------------------------------------- collectives
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if _distributed_is_initialized():
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
@@ -511,6 +411,7 @@ class AutoPipeStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
@@ -573,6 +474,7 @@ class AutoPipeStrategy(ParallelStrategy):
         )
 
     # ------------------------------------------------------------------------ failures
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Post this rank's failure for its peers (the executor already posted its own)."""
         board = self._pipe.executor.failures if self._pipe is not None else None
@@ -581,6 +483,7 @@ class AutoPipeStrategy(ParallelStrategy):
         super().on_exception(exception)
 
     # ------------------------------------------------------------------------ teardown
+    @override
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None and self._pipe is not None:
@@ -595,3 +498,24 @@ class AutoPipeStrategy(ParallelStrategy):
         if self._watch is not None:
             self._watch.disarm()
         super().teardown()
+
+
+def _check_trainer(trainer: Any, precision_plugin: Any) -> None:
+    """What the Trainer asks for must be something the pipeline runs (checked at setup)."""
+    if trainer.state.fn == TrainerFn.PREDICTING:
+        raise NotImplementedError(
+            "AutoPipeStrategy does not run predict(); predict with strategy='auto' on the "
+            "trained weights"
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise PlanError(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
+            "AutoPipeStrategy; the pipeline already accumulates over micro-batches: raise "
+            "num_microbatches or the batch size instead"
+        )
+    precision = getattr(precision_plugin, "precision", "32-true")
+    if precision not in _SUPPORTED_PRECISION:
+        raise PlanError(
+            f"precision {precision!r} is not supported by AutoPipeStrategy; use one of "
+            f"{list(_SUPPORTED_PRECISION)}"
+        )

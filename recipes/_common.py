@@ -213,6 +213,13 @@ def run_recipe(config_name: str, argv: list[str] | None = None) -> int:
     if flags["cfg"]:
         print(OmegaConf.to_yaml(cfg))
         return 0
+    if cfg.strategy.get("cluster") is not None:
+        print(
+            "error: the recipes take the cluster from the cluster group: use "
+            f"cluster=<name or file> instead of strategy.cluster={cfg.strategy.cluster}",
+            file=sys.stderr,
+        )
+        return 2
     _set_threads(cfg)  # plan-only too: a measured profile should see a rank's share of cores
     if flags["plan_only"] or cfg.plan_only:
         from _plan import plan_only

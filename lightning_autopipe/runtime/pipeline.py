@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,14 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
-from lightning_autopipe import errors
+from lightning_autopipe import errors, profiler
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
+from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.planner.report import plan_table
 from lightning_autopipe.planner.schedule import SCHEDULES, forward_only, lower_communication
+from lightning_autopipe.planner.search import search_plan
+from lightning_autopipe.profile import Profile
 from lightning_autopipe.runtime.checks import (
     check_loss_contract,
     check_num_stages,
@@ -39,7 +42,7 @@ from lightning_autopipe.runtime.groups import (
 from lightning_autopipe.runtime.local_stage import as_call_args, bind_local_stage, model_inputs
 from lightning_autopipe.runtime.units import slice_batch
 
-__all__ = ["LocalPipeline", "build_local_pipeline", "resolve_cluster", "search_plan", "plan_table"]
+__all__ = ["LocalPipeline", "build_local_pipeline", "resolve_cluster"]
 
 
 @dataclass
@@ -54,6 +57,24 @@ class LocalPipeline:
     stage: nn.Module
     executor: PipelineExecutor
     table: str
+
+    def nonfinite_origin(self) -> str:
+        """Where a step's non-finite loss came from, in words (collective: every rank calls it).
+
+        The first stage whose outputs were non-finite, its blocks and ranks; the last stage
+        (its outputs or ``pipeline_loss``) when every stage's outputs were finite.
+        """
+        stage, ranks = self.executor.nonfinite_origin()
+        blocks = list(self.plan.stages[stage].blocks)
+        if stage < self.plan.num_stages - 1:
+            return (
+                f"values first became non-finite in the outputs of stage {stage} (blocks "
+                f"{blocks}, ranks {ranks})"
+            )
+        return (
+            f"every stage's outputs were finite up to the last stage {stage} (blocks "
+            f"{blocks}, ranks {ranks}), whose outputs or pipeline_loss produced it"
+        )
 
 
 def resolve_cluster(
@@ -119,87 +140,6 @@ def resolve_cluster(
     return cluster
 
 
-def search_plan(
-    profile: Any,
-    cluster: Any,
-    devices: Sequence[str],
-    replica_batch: int,
-    *,
-    planner: str = "autopipe",
-    num_stages: int | None = None,
-    num_microbatches: int | None = None,
-    startup_slices: int | None = None,
-    drain_slices: int | None = None,
-) -> Plan:
-    """The plan with the most samples/s that uses every launched device.
-
-    The dataloader's batch is one replica's (as with DDP), so a layout with ``R`` replicas
-    trains a global batch of ``replica_batch * R``; each pipeline depth dividing the world size
-    (or the pinned one) is planned and the fastest per sample wins.
-    """
-    from lightning_autopipe.planner import make_plan
-
-    world = len(devices)
-    if num_stages is not None and world % num_stages:
-        raise PlanError(
-            f"num_stages={num_stages} does not divide the {world} launched processes; every "
-            "stage needs the same number of replicas: pick a divisor of the world size"
-        )
-    depths = [num_stages] if num_stages else [s for s in range(1, world + 1) if world % s == 0]
-    best: tuple[float, Plan] | None = None
-    failures: list[str] = []
-    kinds: set[type] = set()
-    for depth in depths:
-        replicas = world // depth
-        try:
-            plan = make_plan(
-                profile,
-                cluster,
-                replica_batch * replicas,
-                planner=planner,
-                num_stages=depth,
-                replicas=replicas,
-                num_microbatches=num_microbatches,
-                startup_slices=startup_slices,
-                drain_slices=drain_slices,
-                devices=list(devices),
-                uniform_replicas=True,
-                use_all_devices=True,
-            )
-        except PlanError as exc:
-            failures.append(f"{depth} stages x {replicas} replicas: {exc}")
-            kinds.add(type(exc))
-            continue
-        rate = replica_batch * replicas / max(plan.iteration_ms, 1e-9)
-        if best is None or rate > best[0]:
-            best = (rate, plan)
-    if best is None:
-        cls = kinds.pop() if len(kinds) == 1 else PlanError  # e.g. MemoryPlanError everywhere
-        raise cls("no plan fits the launched devices: " + " | ".join(failures))
-    return best[1]
-
-
-def plan_table(plan: Plan, profile: Any) -> str:
-    """The planner's table when available (same text on every rank)."""
-    for mod in ("lightning_autopipe.planner.report", "lightning_autopipe.planner.cli"):
-        try:
-            fmt = __import__(mod, fromlist=["format_plan"]).format_plan
-        except (ImportError, AttributeError):
-            continue
-        if profile is not None:
-            return fmt(plan, profile)
-    rows = [
-        f"  stage {s}: blocks [{st.blocks[0]}, {st.blocks[1]}) on {', '.join(st.devices)}"
-        for s, st in enumerate(plan.stages)
-    ]
-    head = (
-        f"AutoPipe plan ({plan.planner}): {plan.num_stages} stages x {plan.replicas} replicas, "
-        f"{plan.num_microbatches} micro-batches, {plan.startup_slices} startup / "
-        f"{plan.drain_slices} drain slices, predicted {plan.iteration_ms:.1f} ms/step"
-    )
-    return "\n".join([head, *rows])
-
-
 def _reraise_from_rank0(kind: str, message: str, cause: BaseException | None = None) -> None:
     cls = getattr(errors, kind, None)
     if isinstance(cls, type) and issubclass(cls, errors.AutoPipeError):
@@ -228,10 +168,8 @@ def _profile(
     ``pipeline_loss`` fail here (e.g. it logs, which Lightning refuses before the loop runs),
     the blocks are profiled without the loss, as before it was profiled, with a warning.
     """
-    from lightning_autopipe.profiler import profile_blocks
-
     if example_batch is None:
-        return profile_blocks(blocks, example, device=str(device), repeats=repeats)
+        return profiler.profile_blocks(blocks, example, device=str(device), repeats=repeats)
     flat = blocks.flatten_inputs(example)
     size = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
     batch = move_data_to_device(example_batch, device)
@@ -243,14 +181,16 @@ def _profile(
             raise _LossProfileError(f"{type(exc).__name__}: {exc}") from exc
 
     try:
-        return profile_blocks(blocks, example, device=str(device), repeats=repeats, loss_fn=loss)
+        return profiler.profile_blocks(
+            blocks, example, device=str(device), repeats=repeats, loss_fn=loss
+        )
     except _LossProfileError as exc:
         warnings.warn(
             f"pipeline_loss failed on the example batch while profiling ({exc}); profiling "
             "without the loss, so the plan underestimates the last stage",
             stacklevel=3,
         )
-    return profile_blocks(blocks, example, device=str(device), repeats=repeats)
+    return profiler.profile_blocks(blocks, example, device=str(device), repeats=repeats)
 
 
 def _tie_locals(tie: Any) -> dict[int, str]:
@@ -265,22 +205,13 @@ def build_local_pipeline(
     module: nn.Module,
     example: tuple[Any, ...] | dict[str, Any],
     replica_batch: int,
+    options: AutoPipeOptions,
     *,
     rank: int,
     world_size: int,
     device: torch.device,
-    plan_fn: Callable[[Any, Any, list[str]], Plan],
-    plan_given: bool = False,
     broadcast: Callable[[Any, int], Any],
-    granularity: str = "sub-block",
-    profile_repeats: int = 3,
-    cluster_arg: Any = None,
     backend: str | None = None,
-    timeout: timedelta | None = None,
-    bucket_bytes: int = 25 * 2**20,
-    num_stages: int | None = None,
-    exact_cluster: bool = False,
-    check_batch: bool = True,
     example_batch: Any = None,
     num_nodes: int = 1,
 ) -> LocalPipeline:
@@ -298,46 +229,56 @@ def build_local_pipeline(
     plan's fingerprint, batch and memory) so a bad configuration fails on every rank before
     any profiling or training.
 
+    ``options`` are the strategy's: the cluster, the given plan (or the planner and its pins),
+    the granularity, profiling repeats and the runtime's settings. ``backend`` overrides
+    ``options.process_group_backend`` with the one the default group was started with.
+
     ``example_batch``, when given, is the batch the ``example`` inputs came from, holding the
     same samples (its per-sample tensors have the example's first dimension). The last block is
     then profiled with ``module.pipeline_loss`` on it, as the last stage runs in training;
     without it the loss is left out of the profile.
     """
     from lightning_autopipe.graph import split_model
-    from lightning_autopipe.profile import Profile
 
     check_loss_contract(module)
     loss_fn = module.pipeline_loss
+    planning = options.plan is None  # else the given plan is used as it is
     # Every rank, before any other collective (the link is measured here when no cluster is
     # given); a given plan needs no link figures.
     cluster = resolve_cluster(
-        cluster_arg,
+        options.cluster,
         world_size,
         device,
-        exact=exact_cluster,
-        calibrate=not plan_given,
+        exact=options.exact_cluster,
+        calibrate=planning,
         num_nodes=num_nodes,
     )
     names = [d.name for d in cluster.devices[:world_size]]
-    blocks = split_model(module, example, granularity=granularity)
-    check_num_stages(num_stages, len(blocks), world_size, granularity)
+    blocks = split_model(module, example, granularity=options.granularity)
+    pins = options.pins
+    check_num_stages(pins["num_stages"], len(blocks), world_size, options.granularity)
 
     payload: Any = None
     failure: BaseException | None = None
     load_failure: BaseException | None = None  # another rank's throw-away profile failed
     profile = None
-    if not plan_given and rank != 0:
+    repeats = options.profile_repeats
+    if planning and rank != 0:
         try:
-            _profile(blocks, example, example_batch, loss_fn, device, profile_repeats)
+            _profile(blocks, example, example_batch, loss_fn, device, repeats)
         except Exception as exc:  # only load for rank 0's profile; rank 0 reports its own
             load_failure = exc
     if rank == 0:
         try:
-            if not plan_given:
-                profile = _profile(blocks, example, example_batch, loss_fn, device, profile_repeats)
-            plan = plan_fn(profile, cluster, names)
-            _check_fingerprint(plan, blocks)
-            if plan_given:
+            if planning:
+                profile = _profile(blocks, example, example_batch, loss_fn, device, repeats)
+                plan = search_plan(
+                    profile, cluster, names, replica_batch, planner=options.planner, **pins
+                )
+                _check_fingerprint(plan, blocks)
+            else:
+                plan = options.given_plan()
+                _check_fingerprint(plan, blocks)
                 check_plan_for_run(plan, replica_batch, cluster)
             payload = ("ok", plan.to_json(), profile.to_json() if profile is not None else None)
         except Exception as exc:  # every rank must learn of it, or they would wait forever
@@ -374,7 +315,9 @@ def build_local_pipeline(
         if s in where and len(where) > 1:
             tied.append(TiedParameter(t, local_params[where[s]], counted=s == min(where)))
     groups = None
+    timeout = options.timeout_delta
     if dist.is_available() and dist.is_initialized():
+        backend = backend or options.process_group_backend
         groups = build_groups(layout, tie_sets, backend=backend, timeout=timeout)
 
     gen = SCHEDULES[plan.schedule]
@@ -394,10 +337,10 @@ def build_local_pipeline(
         loss_fn=loss_fn,
         device=device,
         tied=tied,
-        bucket_bytes=bucket_bytes,
+        bucket_bytes=options.bucket_bytes,
         failures=FailureBoard.for_current_group(),
-        check_batch=check_batch,
-        timeout_s=timeout.total_seconds() if timeout is not None else None,
+        check_batch=options.check_batch,
+        timeout_s=timeout.total_seconds(),
     )
     return LocalPipeline(
         plan=plan,

@@ -12,12 +12,15 @@ import torch
 from torch import nn
 
 import lightning_autopipe.profiler as profile_mod
+import lightning_autopipe.runtime.pipeline as pipeline_mod
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, InputError, MemoryPlanError, PlanError
+from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner import make_plan
 from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.planner.search import search_plan
 from lightning_autopipe.runtime.checks import check_microbatches
-from lightning_autopipe.runtime.pipeline import build_local_pipeline, search_plan
+from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from tests.reliability import _task as T
 
 CPU = torch.device("cpu")
@@ -56,25 +59,23 @@ def _unexpected(*args, **kwargs):
     raise AssertionError("work was done before the input was checked")
 
 
-def _build(module, *, world_size=2, plan=None, plan_fn=_unexpected, **kw):
-    fn = plan_fn if plan is None else (lambda *a: plan)
+def _build(module, *, world_size=2, **options):
     return build_local_pipeline(
         module,
         _example(),
         8,
+        AutoPipeOptions(**options),
         rank=0,
         world_size=world_size,
         device=CPU,
-        plan_fn=fn,
-        plan_given=plan is not None,
         broadcast=lambda obj, src: obj,
-        **kw,
     )
 
 
 @pytest.fixture
 def no_profiling(monkeypatch):
     monkeypatch.setattr(profile_mod, "profile_blocks", _unexpected)
+    monkeypatch.setattr(pipeline_mod, "search_plan", _unexpected)
 
 
 def _plan(cuts, m=2, k=1, batch=8, devices=None, **kw):
@@ -103,9 +104,9 @@ def test_more_stages_than_blocks(no_profiling):
 
 def test_cluster_with_fewer_devices_than_processes(no_profiling):
     with pytest.raises(ClusterError, match=r"describes 2 devices but 4 processes were launched"):
-        _build(Model(), world_size=4, cluster_arg=Cluster.local(2))
+        _build(Model(), world_size=4, cluster=Cluster.local(2))
     with pytest.raises(ClusterError, match=r"describes 8 devices but 4 .* launch exactly 8"):
-        _build(Model(), world_size=4, cluster_arg=Cluster.local(8), exact_cluster=True)
+        _build(Model(), world_size=4, cluster=Cluster.local(8), exact_cluster=True)
 
 
 def test_plan_made_for_another_model(no_profiling, monkeypatch):
@@ -126,7 +127,7 @@ def test_plan_that_does_not_fit_device_memory(no_profiling, monkeypatch):
     big = _plan([0, 3, 7], peak_memory_bytes={"local:0": 2**30, "local:1": 1000})
     with pytest.raises(MemoryPlanError, match=r"needs 1.00 GiB on local:0 \(stage 0\) which has "
                                               r"0.00 GiB"):
-        _build(Model(), plan=big, cluster_arg=tiny)
+        _build(Model(), plan=big, cluster=tiny)
     monkeypatch.undo()  # the planner itself: nothing fits 10 KiB devices
     from lightning_autopipe.graph import split_model
 

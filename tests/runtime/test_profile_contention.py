@@ -16,8 +16,9 @@ from torch import nn
 import lightning_autopipe.profiler as profile_mod
 import lightning_autopipe.runtime.pipeline as pipeline_mod
 from lightning_autopipe.errors import PipelineRuntimeError
+from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.runtime.example import _batch_like
-from lightning_autopipe.runtime.pipeline import build_local_pipeline, search_plan
+from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from tests.runtime import _cases as C
 
 CPU = torch.device("cpu")
@@ -44,22 +45,17 @@ def _batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return C.dataset("gpt", n, seed=3)
 
 
-def _plan_fn(profile, cluster, names):
-    return search_plan(profile, cluster, names, 8, num_stages=2)
-
-
 def _build(rank: int, broadcast, example_batch: Any = None, module: nn.Module | None = None):
     x, _ = _batch()
     return build_local_pipeline(
         module or Model(),
         (x,),
         8,
+        AutoPipeOptions(num_stages=2, profile_repeats=1),  # search_plan(..., 8, num_stages=2)
         rank=rank,
         world_size=2,
         device=CPU,
-        plan_fn=_plan_fn,
         broadcast=broadcast,
-        profile_repeats=1,
         example_batch=example_batch,
     )
 

@@ -1,0 +1,193 @@
+"""``AutoPipeOptions``: every option of ``AutoPipeStrategy``, its default and its check, once.
+
+The strategy takes these fields as keyword arguments (or a ready object), the Hydra schema
+``config.AutoPipeStrategyConfig`` is generated from them, and the runtime reads them, so adding
+an option is one field here. Plain data: no torch, no Lightning.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import PlanError
+from lightning_autopipe.planner.plan import Plan
+
+__all__ = ["AutoPipeOptions", "CHECKPOINT_FORMATS", "NONFINITE_LOSS", "START_METHODS"]
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+CHECKPOINT_FORMATS = ("consolidated", "sharded")
+NONFINITE_LOSS = ("raise", "skip")
+_PINS = ("num_stages", "num_microbatches", "startup_slices", "drain_slices")
+
+
+@dataclass(frozen=True)
+class AutoPipeOptions:
+    """What ``AutoPipeStrategy`` is asked to do; checked when built (the errors name the fix).
+
+    Fields keep the values given (``"auto"`` stays ``"auto"``), except that ``timeout`` becomes
+    seconds, ``profile_repeats`` an int, ``bucket_mb`` a float and the two flags bools;
+    :attr:`pins`, :attr:`timeout_delta` and :attr:`bucket_bytes` are the forms the planner and
+    the runtime take.
+    """
+
+    cluster: Cluster | str | Path | None = None
+    """A ``Cluster``, a cluster YAML path, or None for "the launched processes as one
+    homogeneous server" (``Cluster.local``, its link measured at start-up)."""
+
+    planner: str = "autopipe"
+    """Planner name handed to ``make_plan`` (``"autopipe"`` or a yardstick: ``"dapple"``...)."""
+
+    num_stages: int | str | None = "auto"
+    """Pipeline depth, or ``"auto"``: every depth dividing the world is planned and the one
+    with the most samples/s wins."""
+
+    num_microbatches: int | str | None = "auto"
+    """Micro-batches per replica and step, or ``"auto"``."""
+
+    startup_slices: int | str | None = "auto"
+    """Slices micro-batch 0 is cut into (a shorter fill), or ``"auto"``."""
+
+    drain_slices: int | str | None = "auto"
+    """Slices the last micro-batch is cut into (a shorter cool-down), or ``"auto"``."""
+
+    granularity: str = "sub-block"
+    """Block granularity of ``split_model`` (``"sub-block"`` or ``"layer"``)."""
+
+    plan: Plan | str | Path | None = None
+    """A ``Plan`` or the path of one saved with ``Plan.save``: no profiling, no planning."""
+
+    timeout: float | timedelta = 120.0
+    """Seconds (or a ``timedelta``) for the process group and every sub-group, so a failed
+    peer ends the run instead of hanging it."""
+
+    start_method: str = "popen"
+    """``"popen"`` (Lightning re-runs the script per rank) or ``"spawn"`` / ``"fork"`` /
+    ``"forkserver"`` (multiprocessing)."""
+
+    profile_repeats: int = 3
+    """Timed repeats per block when profiling (the median is kept)."""
+
+    val_loss_name: str = "val_loss"
+    """Name the validation pipeline's loss is logged under."""
+
+    test_loss_name: str = "test_loss"
+    """Name the test pipeline's loss is logged under."""
+
+    bucket_mb: float = 25.0
+    """Size of the flat buffers gradients are all-reduced in, in MiB."""
+
+    process_group_backend: str | None = None
+    """``torch.distributed`` backend; None picks gloo on the CPU, NCCL on CUDA."""
+
+    checkpoint_format: str = "consolidated"
+    """``"consolidated"`` (one file, rank 0 gathers every stage) or ``"sharded"`` (a
+    ``torch.distributed.checkpoint`` directory, one shard per stage, for large models)."""
+
+    nonfinite_loss: str = "raise"
+    """``"raise"`` (stop, naming the step and the stage where values first became
+    non-finite) or ``"skip"`` (warn and drop that step's gradients on every rank; the
+    optimizer and LR scheduler still step, moving no parameter)."""
+
+    exact_cluster: bool = False
+    """The cluster file must describe exactly the launched devices (not more)."""
+
+    check_batch: bool = True
+    """Every tensor of a batch must hold as many samples as the inputs; False hands a
+    non-per-sample tensor (e.g. class weights) to ``pipeline_loss`` whole."""
+
+    def __post_init__(self) -> None:
+        if self.start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', not "
+                f"{self.start_method!r}"
+            )
+        for name in _PINS:
+            _auto_or_positive(name, getattr(self, name))
+        timeout = self.timeout
+        try:
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        except (TypeError, ValueError):
+            seconds = float("nan")
+        if not seconds > 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, not "
+                f"{self.checkpoint_format!r}"
+            )
+        if self.nonfinite_loss not in NONFINITE_LOSS:
+            raise ValueError(
+                f"nonfinite_loss must be one of {NONFINITE_LOSS}, not {self.nonfinite_loss!r}"
+            )
+        for name, value in (
+            ("timeout", seconds),
+            ("profile_repeats", int(self.profile_repeats)),
+            ("bucket_mb", float(self.bucket_mb)),
+            ("exact_cluster", bool(self.exact_cluster)),
+            ("check_batch", bool(self.check_batch)),
+        ):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def build(
+        cls, options: AutoPipeOptions | None = None, overrides: Mapping[str, Any] | None = None
+    ) -> AutoPipeOptions:
+        """``options`` (default: the defaults) with the keyword ``overrides`` applied, checked.
+
+        Raises:
+            TypeError: an override names no option (the message lists the close ones).
+        """
+        base = cls() if options is None else options
+        if not isinstance(base, AutoPipeOptions):
+            raise TypeError(
+                f"options must be an AutoPipeOptions, got {type(base).__name__}; pass the "
+                "strategy's options as keyword arguments (AutoPipeStrategy(num_stages=2, ...)) "
+                "or as AutoPipeStrategy(AutoPipeOptions(...))"
+            )
+        overrides = dict(overrides or {})
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            hints = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
+            close = ", ".join(f"{u!r} -> {h[0]!r}" for u, h in hints.items() if h)
+            raise TypeError(
+                f"AutoPipeStrategy got unknown options {unknown}"
+                + (f" (did you mean {close}?)" if close else "")
+                + f"; the options are {names}"
+            )
+        return replace(base, **overrides) if overrides else base
+
+    def given_plan(self) -> Plan | None:
+        """The ``plan`` option as a :class:`Plan` (read from its file), or None: plan at start."""
+        if self.plan is None or isinstance(self.plan, Plan):
+            return self.plan
+        return Plan.load(self.plan)
+
+    @property
+    def pins(self) -> dict[str, int | None]:
+        """The four plan counts as the planner takes them: an int, or None for ``"auto"``."""
+        return {name: _auto_or_positive(name, getattr(self, name)) for name in _PINS}
+
+    @property
+    def timeout_delta(self) -> timedelta:
+        """``timeout`` as the ``timedelta`` torch.distributed takes."""
+        return timedelta(seconds=float(self.timeout))
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_mb`` in bytes."""
+        return int(self.bucket_mb * 2**20)
+
+
+def _auto_or_positive(name: str, value: Any) -> int | None:
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name} must be 'auto' or a positive int, got {value!r}")
+    return value

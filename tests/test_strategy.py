@@ -7,7 +7,6 @@ this process computes the single-process reference with plain torch on the same 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -262,4 +261,7 @@ def test_string_strategy_with_auto_plan_equals_single_process(world2):
 def test_untraceable_model_fails_with_trace_error_on_every_rank(world2):
     errors = [rec.get("error") for rec in world2["untraceable"]]
     assert [e[0] if e else None for e in errors] == ["TraceError", "TraceError"], errors
-    assert json.dumps(errors)  # messages are plain strings
+    for _, message in errors:  # plain strings that name the model and the remedies
+        assert isinstance(message, str), type(message)
+        assert "Task" in message, message
+        assert "Remedies:" in message, message

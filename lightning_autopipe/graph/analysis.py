@@ -137,10 +137,6 @@ def _is_impure(node: fx.Node) -> bool:
         return False
 
 
-def _is_tensor_value(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
 class _Recorder(fx.Interpreter):
     """Runs the graph once on the example inputs and records what each node produced."""
 

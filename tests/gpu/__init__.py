@@ -1,0 +1,1 @@
+"""Tests that need a CUDA device (``gpu`` marker; skipped without one)."""

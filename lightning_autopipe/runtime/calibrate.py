@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.planner.pricing import allreduce_ms
 from lightning_autopipe.profiler import _sync
 
 __all__ = ["fit_link", "fit_reduce", "link_device", "measure_link", "measure_reduce"]
@@ -167,22 +169,23 @@ def measure_link(
 def fit_reduce(
     world: int, nbytes: int, seconds: float, latency_us: float, gbps: float
 ) -> float:
-    """``reduce_gbps`` that makes :meth:`Cluster.allreduce_ms` match a measured all-reduce.
+    """``reduce_gbps`` that makes :func:`~lightning_autopipe.planner.pricing.allreduce_ms`
+    match a measured all-reduce.
 
-    A ring all-reduce of ``nbytes`` over ``world`` ranks moves ``2 (w-1)/w * nbytes`` over a link
-    of ``gbps`` and pays ``2 (w-1)`` latencies; each rank also reduces ``(w-1)/w * nbytes``. What
-    the measured ``seconds`` exceed the link part by is that reduction: its rate is returned in
+    What the measured ``seconds`` exceed the ring's link part by (the all-reduce priced on
+    ``world`` ranks joined by a link of ``gbps`` and ``latency_us``, reducing for free) is the
+    reduction each rank does on its ``(w-1)/w`` share of the bytes: its rate is returned in
     Gb/s of reduced bytes. ``inf`` (free) when the link explains the time to within
     :data:`REDUCE_NOISE`, or for a single rank.
     """
     if world < 2 or nbytes <= 0:
         return math.inf
-    frac = (world - 1) / world
-    link_s = 2 * frac * nbytes * 8 / (gbps * 1e9) + 2 * (world - 1) * latency_us / 1e6
+    link = Cluster.local(world, gbps=gbps, latency_us=latency_us)
+    link_s = allreduce_ms(link, [d.name for d in link.devices], nbytes) / 1e3
     extra = seconds - link_s
     if extra <= REDUCE_NOISE * seconds:
         return math.inf
-    return float(frac * nbytes * 8 / extra / 1e9)
+    return float((world - 1) / world * nbytes * 8 / extra / 1e9)
 
 
 def measure_reduce(

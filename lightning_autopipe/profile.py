@@ -12,6 +12,13 @@ that does not scale with the samples (per-call overhead). They are written only 
 and default to 0 (purely linear costs), so profiles without them stay valid. A unit of ``n``
 samples costs :func:`affine_ms` = ``fixed + (ms - fixed) * n / micro_batch_size``.
 
+A block may also carry ``"backward_input_ms"`` and ``"backward_weight_ms"`` (both or neither):
+its backward measured as the gradient with respect to its inputs and, separately, with respect
+to its weights, which zero-bubble schedules run as two actions. Without them a split backward
+is priced as :data:`DEFAULT_INPUT_SHARE` of ``backward_ms`` for the input part and the rest for
+the weight part (for the matrix products that dominate a block, the two gradients cost one
+product each).
+
 An optional top-level ``"fingerprint"`` (a hash of the block graph) lets a saved Plan be
 checked against the model it is used with.
 
@@ -28,12 +35,17 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DEFAULT_INPUT_SHARE",
     "BlockProfile",
     "Profile",
     "affine_ms",
     "fit_affine",
     "median_profile",
 ]
+
+
+#: The input gradient's share of a backward when a profile does not measure the split.
+DEFAULT_INPUT_SHARE = 0.5
 
 
 def affine_ms(ms: float, fixed_ms: float, ratio: float) -> float:
@@ -75,6 +87,8 @@ class BlockProfile:
         memory_bytes: activation memory held for backward for one micro-batch.
         forward_fixed_ms: the part of ``forward_ms`` that does not scale with samples.
         backward_fixed_ms: the part of ``backward_ms`` that does not scale with samples.
+        backward_input_ms: the backward's input-gradient part, measured on its own (or None).
+        backward_weight_ms: the backward's weight-gradient part, measured on its own (or None).
     """
 
     name: str
@@ -85,10 +99,33 @@ class BlockProfile:
     memory_bytes: int
     forward_fixed_ms: float = 0.0
     backward_fixed_ms: float = 0.0
+    backward_input_ms: float | None = None
+    backward_weight_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.backward_input_ms is None) != (self.backward_weight_ms is None):
+            raise ValueError(
+                f"block {self.name!r}: backward_input_ms and backward_weight_ms come together "
+                "(the two parts of a split backward); give both or neither"
+            )
 
     @property
     def compute_ms(self) -> float:
         return self.forward_ms + self.backward_ms
+
+    def split_backward(self) -> tuple[float, float, float, float]:
+        """(input ms, weight ms, input fixed ms, weight fixed ms) of a split backward.
+
+        The measured parts when the profile has them, else ``backward_ms`` cut at
+        :data:`DEFAULT_INPUT_SHARE`; the fixed part is shared in the same proportion.
+        """
+        if self.backward_input_ms is None or self.backward_weight_ms is None:
+            b_in, b_w = DEFAULT_INPUT_SHARE * self.backward_ms, (
+                1 - DEFAULT_INPUT_SHARE) * self.backward_ms
+        else:
+            b_in, b_w = self.backward_input_ms, self.backward_weight_ms
+        share = b_in / (b_in + b_w) if b_in + b_w > 0 else DEFAULT_INPUT_SHARE
+        return b_in, b_w, share * self.backward_fixed_ms, (1 - share) * self.backward_fixed_ms
 
 
 @dataclass
@@ -171,7 +208,8 @@ class Profile:
         return cls.from_json(Path(path).read_text())
 
 
-_OPTIONAL = ("forward_fixed_ms", "backward_fixed_ms")  # JSON keys written only when non-zero
+# JSON keys written only when non-zero (the fixed parts) or known (the backward's split)
+_OPTIONAL = ("forward_fixed_ms", "backward_fixed_ms", "backward_input_ms", "backward_weight_ms")
 
 
 def _block_dict(b: BlockProfile) -> dict[str, Any]:
@@ -198,14 +236,14 @@ def median_profile(profiles: list[Profile]) -> Profile:
                 "profiles of the same split model at the same micro-batch size"
             )
     times = ("forward_ms", "backward_ms", "forward_fixed_ms", "backward_fixed_ms")
-    blocks = [
-        BlockProfile(
-            **{
-                **asdict(b),
-                **{f: statistics.median(getattr(p.blocks[i], f) for p in profiles) for f in times},
-            }
-        )
-        for i, b in enumerate(first.blocks)
-    ]
+    split = ("backward_input_ms", "backward_weight_ms")
+    blocks = []
+    for i, b in enumerate(first.blocks):
+        med = {f: statistics.median(getattr(p.blocks[i], f) for p in profiles) for f in times}
+        parts = [[getattr(p.blocks[i], f) for p in profiles] for f in split]
+        known = all(v is not None for vs in parts for v in vs)
+        for f, vs in zip(split, parts):
+            med[f] = statistics.median(vs) if known else None
+        blocks.append(BlockProfile(**{**asdict(b), **med}))
     return Profile(first.model, first.micro_batch_size, first.device, blocks, first.fingerprint)
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.planner.generators import build_schedule
 from lightning_autopipe.planner.plan import Plan
-from lightning_autopipe.planner.schedule import build_schedule, lower_communication
+from lightning_autopipe.planner.schedule import lower_communication
 from lightning_autopipe.runtime.groups import layout_for_rank
 from tests.runtime import _cases as C
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_autopipe.errors import PlanError
-from lightning_autopipe.planner.schedule import schedule_generator
+from lightning_autopipe.planner.generators import schedule_generator
 
 __all__ = ["StagePlan", "Plan", "Proposal"]
 

@@ -10,7 +10,8 @@ from lightning_autopipe.planner.schedule import (
     Action,
     Kind,
     Schedule,
-    _check_shape,
+    check_shape,
+    is_split,
     lower_communication,
     units,
 )
@@ -45,6 +46,7 @@ def _replay(schedule: Schedule) -> _Replay:
     ptr = dict.fromkeys(stages, 0)
     fwd: dict[int, set] = {s: set() for s in stages}
     bwd: dict[int, set] = {s: set() for s in stages}
+    wgt: dict[int, set] = {s: set() for s in stages}
     got_f: dict[int, set] = {s: set() for s in stages}
     got_b: dict[int, set] = {s: set() for s in stages}
     chan: dict[tuple[int, int], deque] = {}
@@ -53,6 +55,12 @@ def _replay(schedule: Schedule) -> _Replay:
         """True: ready; False: waiting; str: error."""
         u = a.unit
         k = a.kind
+        if k is Kind.WEIGHT:
+            if u in wgt[s]:
+                return f"stage {s} runs {a} twice"
+            if u not in bwd[s]:
+                return f"stage {s} runs {a} before its input backward {s}B{u[0]}.{u[1]}"
+            return True
         if k is Kind.FORWARD:
             if u in fwd[s]:
                 return f"stage {s} runs {a} twice"
@@ -131,6 +139,8 @@ def _replay(schedule: Schedule) -> _Replay:
                 fwd[s].add(u)
             elif k is Kind.BACKWARD:
                 bwd[s].add(u)
+            elif k is Kind.WEIGHT:
+                wgt[s].add(u)
             elif k is Kind.SEND_F:
                 chan.setdefault((s, s + 1), deque()).append((u, Kind.RECV_F, a))
             elif k is Kind.SEND_B:
@@ -202,14 +212,16 @@ def validate(
 
     Checks stages ``0..S-1`` with their own actions, every unit of ``units(m, k, j)`` forwarded
     exactly once per stage and (unless the schedule has no backward at all, i.e. forward-only)
-    backwarded exactly once after its forward, then replays the schedule (a compute-only one
+    backwarded exactly once after its forward; in a split (zero-bubble) schedule every unit also
+    has exactly one weight backward ``W`` on every stage, after its ``B`` there. Then it replays
+    the schedule (a compute-only one
     both as given and lowered by :func:`lower_communication`): sends must match receives in
     order between neighbouring stages and the replay must finish (no deadlock).
 
     Raises:
         ScheduleError: with the step x stage grid and the offending step marked.
     """
-    _check_shape(1, num_microbatches, startup_slices, drain_slices)
+    check_shape(1, num_microbatches, startup_slices, drain_slices)
     stages = sorted(schedule)
     if stages != list(range(len(stages))) or not stages:
         raise ScheduleError(f"schedule stages must be 0..S-1, got {stages}")
@@ -217,6 +229,7 @@ def validate(
     expected = units(num_microbatches, startup_slices, drain_slices)
     want = set(expected)
     has_backward = any(a.kind is Kind.BACKWARD for acts in schedule.values() for a in acts)
+    split = is_split(schedule)
     for s in stages:
         for i, a in enumerate(schedule[s]):
             if a.stage != s:
@@ -230,6 +243,7 @@ def validate(
                     (s, i),
                 )
         kinds = [Kind.FORWARD, Kind.BACKWARD] if has_backward else [Kind.FORWARD]
+        kinds += [Kind.WEIGHT] if split else []
         for kind in kinds:
             seen: dict[tuple[int, int], int] = {}
             for i, a in enumerate(schedule[s]):
@@ -263,14 +277,17 @@ def ascii_timeline(
     A micro-batch takes ``forward`` / ``backward`` ticks, a slice of micro-batch 0 (or of the
     last micro-batch, with ``drain_slices``) its share (rounded up to one tick). Digits are
     forwards of that micro-batch, letters backwards (``a`` = 0, ``b`` = 1, ...), ``-``/``=``
-    continue a unit, ``.`` is idle. Transfers are free.
+    continue a unit, ``.`` is idle. In a split (zero-bubble) schedule the input backward ``B``
+    and the weight backward ``W`` take half of ``backward`` each; ``W`` is an upper-case letter
+    continued by ``~``. Transfers are free.
     """
     stages = sorted(schedule)
     first, last = stages[0], stages[-1]
     final = max((a.microbatch for acts in schedule.values() for a in acts), default=0)
+    back = backward / 2 if is_split(schedule) else backward
 
     def ticks(a: Action) -> int:
-        base = forward if a.kind is Kind.FORWARD else backward
+        base = forward if a.kind is Kind.FORWARD else back
         n = startup_slices if a.microbatch == 0 else drain_slices if a.microbatch == final else 1
         return max(1, round(base / n))
 
@@ -286,6 +303,8 @@ def ascii_timeline(
                 a = schedule[s][ptr[s]]
                 if a.kind is Kind.FORWARD:
                     dep = None if s == first else (s - 1, Kind.FORWARD, a.unit)
+                elif a.kind is Kind.WEIGHT:
+                    dep = None
                 else:
                     dep = None if s == last else (s + 1, Kind.BACKWARD, a.unit)
                 if dep is not None and dep not in done:
@@ -301,8 +320,10 @@ def ascii_timeline(
         row: list[str] = []
         for start, end, a in spans[s]:
             row.extend("." * (start - len(row)))
-            fwd = a.kind is Kind.FORWARD
-            head = str(a.microbatch % 10) if fwd else chr(ord("a") + a.microbatch % 26)
-            row.extend(head + ("-" if fwd else "=") * (end - start - 1))
+            letter = chr(ord("a") + a.microbatch % 26)
+            head, rest = {Kind.FORWARD: (str(a.microbatch % 10), "-"),
+                          Kind.BACKWARD: (letter, "="),
+                          Kind.WEIGHT: (letter.upper(), "~")}[a.kind]
+            row.extend(head + rest * (end - start - 1))
         lines.append(f"stage {s} |" + "".join(row))
     return "\n".join(lines)

@@ -7,28 +7,28 @@ data-parallel replicas of a stage run the same list on their own shard of the ba
 An :class:`Action` prints and parses as short text, ``"<stage><kind><microbatch>.<slice>"``:
 
 * ``2F0.1``  stage 2 runs forward of micro-batch 0, slice 1
-* ``2B3.0``  stage 2 runs backward of micro-batch 3 (slice 0: unsliced micro-batches have one)
+* ``2B3.0``  stage 2 runs backward of micro-batch 3 (slice 0: unsliced micro-batches have one);
+  in a zero-bubble schedule that is the input gradient only and ``2W3.0`` the weight gradient
 * ``2SF0.1`` stage 2 sends the activations of (0, 1) to stage 3; ``3RF0.1`` receives them
 * ``3SB0.1`` stage 3 sends the input gradients of (0, 1) to stage 2; ``2RB0.1`` receives them
 
-Compute-only schedules (``F``/``B``) come from the generators (:func:`one_f_one_b` with split
-startup micro-batch, :func:`gpipe`, :func:`forward_only`; :func:`build_schedule` picks one for a
-Plan); :func:`lower_communication` inserts the send/receive actions the runtime executes and the
-simulator prices. The checker that replays a schedule (``validate``, ``format_grid``,
-``ascii_timeline``) lives in :mod:`~.replay`, above this module.
+Compute-only schedules (``F``/``B``/``W``) come from the generators (:func:`one_f_one_b` with
+split startup micro-batch, :func:`gpipe`, :func:`forward_only` here, ZB-H1 in
+:mod:`~.zero_bubble`; :mod:`~.generators` names them and picks one for a Plan);
+:func:`lower_communication` inserts the send/receive actions the runtime executes and the
+simulator prices. A schedule with ``W`` actions is *split*: its ``B`` is the input gradient and
+every unit has a ``W`` after its ``B`` on every stage (:func:`is_split`). The checker that
+replays a schedule (``validate``, ``format_grid``, ``ascii_timeline``) lives in :mod:`~.replay`,
+above this module.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from enum import StrEnum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from lightning_autopipe.errors import ScheduleError
-
-if TYPE_CHECKING:
-    from lightning_autopipe.planner.plan import Plan
 
 __all__ = [
     "Kind",
@@ -42,14 +42,13 @@ __all__ = [
     "unit_sizes",
     "slice_count",
     "spans",
+    "check_shape",
+    "is_split",
     "one_f_one_b",
     "gpipe",
     "forward_only",
-    "build_schedule",
-    "schedule_generator",
     "format_schedule",
     "parse_schedule",
-    "SCHEDULES",
 ]
 
 
@@ -60,13 +59,14 @@ class Kind(StrEnum):
     RECV_F = "RF"
     SEND_B = "SB"
     RECV_B = "RB"
+    WEIGHT = "W"
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.FORWARD, Kind.BACKWARD)
+        return self in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 
 
-_ACTION_RE = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B)(\d+)\.(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|W)(\d+)\.(\d+)$")
 
 
 class Action(NamedTuple):
@@ -98,7 +98,7 @@ class Action(NamedTuple):
         m = _ACTION_RE.match(text.strip())
         if m is None:
             raise ScheduleError(
-                f"cannot parse action {text!r}; expected '<stage><F|B|SF|RF|SB|RB><mb>.<slice>',"
+                f"cannot parse action {text!r}; expected '<stage><F|B|W|SF|RF|SB|RB><mb>.<slice>',"
                 " e.g. '2F0.1'"
             )
         return cls(int(m[1]), Kind(m[2]), int(m[3]), int(m[4]))
@@ -132,7 +132,9 @@ def lower_communication(schedule: Schedule) -> Schedule:
             if not a.kind.is_compute:
                 raise ScheduleError(f"lower_communication expects compute actions only, got {a}")
             mb, sl = a.microbatch, a.slice
-            if a.kind is Kind.FORWARD:
+            if a.kind is Kind.WEIGHT:  # the weight gradient: nobody waits for it
+                lowered.append(a)
+            elif a.kind is Kind.FORWARD:
                 if stage > 0:
                     lowered.append(Action(stage, Kind.RECV_F, mb, sl))
                 lowered.append(a)
@@ -215,9 +217,10 @@ def parse_schedule(text: str) -> Schedule:
 
 
 # ---------------------------------------------------------------------------- generators
-def _check_shape(
+def check_shape(
     num_stages: int, num_microbatches: int, startup_slices: int, drain_slices: int = 1
 ) -> None:
+    """Generator arguments are positive integers (a ScheduleError naming the bad one)."""
     for name, v in (
         ("num_stages", num_stages),
         ("num_microbatches", num_microbatches),
@@ -308,7 +311,7 @@ def one_f_one_b(
     Returns:
         Compute-only schedule (``F``/``B``); :func:`lower_communication` adds the transfers.
     """
-    _check_shape(num_stages, num_microbatches, startup_slices, drain_slices)
+    check_shape(num_stages, num_microbatches, startup_slices, drain_slices)
     order, scale = spans(num_microbatches, startup_slices, drain_slices)
     out: Schedule = {}
     for s in range(num_stages):
@@ -328,7 +331,7 @@ def gpipe(
     num_stages: int, num_microbatches: int, startup_slices: int = 1, drain_slices: int = 1
 ) -> Schedule:
     """GPipe: every stage forwards all units in order, then runs backwards in reverse order."""
-    _check_shape(num_stages, num_microbatches, startup_slices, drain_slices)
+    check_shape(num_stages, num_microbatches, startup_slices, drain_slices)
     us = units(num_microbatches, startup_slices, drain_slices)
     return {
         s: [Action(s, Kind.FORWARD, mb, sl) for mb, sl in us]
@@ -339,31 +342,13 @@ def gpipe(
 
 def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
     """Forwards of whole micro-batches only (validation / inference passes)."""
-    _check_shape(num_stages, num_microbatches, 1)
+    check_shape(num_stages, num_microbatches, 1)
     return {
         s: [Action(s, Kind.FORWARD, mb, 0) for mb in range(num_microbatches)]
         for s in range(num_stages)
     }
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
-
-
-def build_schedule(plan: Plan) -> Schedule:
-    """The compute-only schedule a plan names (``plan.schedule``)."""
-    gen = schedule_generator(plan.schedule)
-    return gen(plan.num_stages, plan.num_microbatches, plan.startup_slices, plan.drain_slices)
-
-
-def schedule_generator(name: str) -> Callable[..., Schedule]:
-    """The generator of :data:`SCHEDULES` called ``name``.
-
-    Raises:
-        ScheduleError: an unknown name, listing the known ones.
-    """
-    try:
-        return SCHEDULES[name]
-    except KeyError:
-        raise ScheduleError(
-            f"unknown schedule {name!r}; use one of {sorted(SCHEDULES)}"
-        ) from None
+def is_split(schedule: Schedule) -> bool:
+    """Whether backward is split into input (``B``) and weight (``W``) gradients."""
+    return any(a.kind is Kind.WEIGHT for acts in schedule.values() for a in acts)

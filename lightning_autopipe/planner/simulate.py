@@ -45,6 +45,7 @@ from functools import cached_property
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import PlanError, ScheduleError
 from lightning_autopipe.planner.fluid import FluidLinks
+from lightning_autopipe.planner.generators import build_schedule
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.pricing import (
     device_profile,
@@ -58,7 +59,7 @@ from lightning_autopipe.planner.pricing import (
 from lightning_autopipe.planner.schedule import (
     Kind,
     Schedule,
-    build_schedule,
+    is_split,
     lower_communication,
     slice_count,
     unit_sizes,
@@ -68,7 +69,7 @@ from lightning_autopipe.profile import Profile
 
 __all__ = ["Event", "SimResult", "StageCost", "simulate", "stage_costs"]
 
-_F, _B, _SF, _SB, _RF, _RB = range(6)
+_F, _B, _SF, _SB, _RF, _RB, _AR, _W = range(8)
 _CODE = {
     Kind.FORWARD: _F,
     Kind.BACKWARD: _B,
@@ -76,9 +77,9 @@ _CODE = {
     Kind.SEND_B: _SB,
     Kind.RECV_F: _RF,
     Kind.RECV_B: _RB,
+    Kind.WEIGHT: _W,
 }
-_NAME = ["F", "B", "SF", "SB", "RF", "RB", "AR"]
-_AR = 6
+_NAME = ["F", "B", "SF", "SB", "RF", "RB", "AR", "W"]
 # heap event types
 _EV_FREE, _EV_ARRIVE, _EV_FLOW, _EV_AR = range(4)
 
@@ -87,7 +88,8 @@ _EV_FREE, _EV_ARRIVE, _EV_FLOW, _EV_AR = range(4)
 class Event:
     """One interval on the timeline.
 
-    ``kind`` is ``F``/``B`` (compute on ``device``), ``SF``/``SB`` (a transfer from ``device``
+    ``kind`` is ``F``/``B``/``W`` (compute on ``device``; ``W`` the weight gradient of a split
+    backward, whose ``B`` is then the input gradient), ``SF``/``SB`` (a transfer from ``device``
     to ``peer``: activations / gradients, from the send until it arrives) or ``AR`` (the
     stage's gradient all-reduce on ``device``). ``unit`` is (micro-batch, slice) or None.
     """
@@ -153,6 +155,8 @@ class StageCost:
     activation_bytes: int  # output of the stage's last block: what it sends to the next stage
     forward_fixed_ms: float = 0.0  # the parts of forward_ms / backward_ms that do not scale
     backward_fixed_ms: float = 0.0  # with samples (see pricing.unit_parts)
+    # a split backward (BlockProfile.split_backward): input part, weight part, their fixed parts
+    split: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
 
 def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
@@ -174,6 +178,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
                 activation_bytes=bl[-1].activation_bytes,
                 forward_fixed_ms=sum(b.forward_fixed_ms for b in bl),
                 backward_fixed_ms=sum(b.backward_fixed_ms for b in bl),
+                split=tuple(sum(x) for x in zip(*(b.split_backward() for b in bl))),
             )
         )
     return out
@@ -264,8 +269,10 @@ def simulate(
     # it has one: :func:`~.pricing.device_profile`), and per-stage action codes
     type_profiles(profile, cluster)  # ClusterError when a type's profile is of other blocks
     own: dict[str, list[StageCost]] = {}  # per profiled device type
+    split = is_split(lowered)
     fdur: list[list[float]] = []
     bdur: list[list[float]] = []
+    wdur: list[list[float]] = []
     for d in range(nd):
         s, spec = stage_of[d], specs[d]
         prof, speed = device_profile(spec, profile)
@@ -275,8 +282,11 @@ def simulate(
         per = reps[s] * float(prof.micro_batch_size)
         fdur.append([unit_ms(c.forward_ms, c.forward_fixed_ms, g / per, speed,
                              spec.overhead_ms) for g in gsamples])
-        bdur.append([unit_ms(c.backward_ms, c.backward_fixed_ms, g / per, speed,
-                             spec.overhead_ms) for g in gsamples])
+        b_in, b_wt, fix_in, fix_wt = c.split
+        back = (b_in, fix_in) if split else (c.backward_ms, c.backward_fixed_ms)
+        bdur.append([unit_ms(*back, g / per, speed, spec.overhead_ms) for g in gsamples])
+        wdur.append([unit_ms(b_wt, fix_wt, g / per, speed, spec.overhead_ms) for g in gsamples]
+                    if split else [])
     acts_of = [[(_CODE[a.kind], uidx[a.unit]) for a in lowered[s]] for s in range(num_stages)]
 
     # transfer peers: out_f[d] = [(dst, fraction)], out_b[d] likewise; in-degree per direction
@@ -350,8 +360,8 @@ def simulate(
         n = len(acts)
         while p < n:
             code, u = acts[p]
-            if code <= _B:
-                dur = fdur[d][u] if code == _F else bdur[d][u]
+            if code <= _B or code == _W:
+                dur = (fdur if code == _F else bdur if code == _B else wdur)[d][u]
                 busy[d] += dur
                 end = now + dur
                 raw.append((d, code, u, now, end, -1))
@@ -426,8 +436,10 @@ def simulate(
             c = ref if prof is profile else own[specs[d].name][s]
             per = whole / reps[s] / prof.micro_batch_size
             ovh = specs[d].overhead_ms
-            ms.append(unit_ms(c.forward_ms, c.forward_fixed_ms, per, speed, ovh)
-                      + unit_ms(c.backward_ms, c.backward_fixed_ms, per, speed, ovh))
+            ms.append(unit_ms(c.forward_ms, c.forward_fixed_ms, per, speed, ovh) + (
+                unit_ms(c.split[0], c.split[2], per, speed, ovh)
+                + unit_ms(c.split[1], c.split[3], per, speed, ovh) if split
+                else unit_ms(c.backward_ms, c.backward_fixed_ms, per, speed, ovh)))
         stage_ms.append(max(ms))
     peak = _peak_memory(schedule, costs, gsamples, reps, uidx, mbs, optimizer_bytes_per_param_byte)
     return SimResult(
@@ -453,7 +465,10 @@ def _peak_memory(
     mbs: float,
     opt: float,
 ) -> list[int]:
-    """Per stage: parameter state plus the most activation memory held in flight."""
+    """Per stage: parameter state plus the most activation memory held in flight (a unit's
+    activations are held from its forward to its backward, or to its weight backward when the
+    backward is split: W still reads what the forward saved)."""
+    release = Kind.WEIGHT if is_split(schedule) else Kind.BACKWARD
     out = []
     for s, c in enumerate(costs):
         per_sample = c.memory_bytes / mbs / reps[s]
@@ -462,7 +477,7 @@ def _peak_memory(
             if a.kind is Kind.FORWARD:
                 held += per_sample * gsamples[uidx[a.unit]]
                 peak = max(peak, held)
-            elif a.kind is Kind.BACKWARD:
+            elif a.kind is release:
                 held -= per_sample * gsamples[uidx[a.unit]]
         out.append(int(round(peak_memory_bytes(c.param_bytes, peak, 1.0, opt))))
     return out

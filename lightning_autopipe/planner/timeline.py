@@ -9,8 +9,9 @@ from lightning_autopipe.planner.simulate import Event, SimResult
 
 __all__ = ["write_chrome_trace", "write_png", "chrome_trace"]
 
-_COLOURS = {"F": "#4C78A8", "B": "#F58518", "SF": "#9D9D9D", "SB": "#BAB0AC", "AR": "#E45756"}
-_COMPUTE = ("F", "B", "AR")
+_COLOURS = {"F": "#4C78A8", "B": "#F58518", "W": "#54A24B", "SF": "#9D9D9D", "SB": "#BAB0AC",
+            "AR": "#E45756"}
+_COMPUTE = ("F", "B", "W", "AR")
 
 
 def _lanes(events: list[Event]) -> list[int]:
@@ -147,19 +148,22 @@ def write_png(result: SimResult, path: str | Path, *, title: str | None = None) 
     ax.set_title(
         title or f"iteration {result.iteration_ms:.2f} ms, bubble {result.bubble_fraction:.1%}"
     )
+    kinds = {e.kind for e in result.events}
     names = {
         "F": "forward",
-        "B": "backward",
+        "B": "input backward" if "W" in kinds else "backward",
+        "W": "weight backward",
         "SF": "send act.",
         "SB": "send grad",
         "AR": "all-reduce",
     }
     ax.legend(
-        handles=[Patch(color=c, label=names[k]) for k, c in _COLOURS.items()],
+        handles=[Patch(color=c, label=names[k]) for k, c in _COLOURS.items()
+                 if k != "W" or "W" in kinds],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.08 if len(devs) > 8 else -0.2),
         fontsize=7,
-        ncol=5,
+        ncol=6,
         frameon=False,
     )
     fig.tight_layout()

@@ -21,9 +21,10 @@ from torch import nn
 from lightning_autopipe import errors, profiler
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.report import plan_table
-from lightning_autopipe.planner.schedule import SCHEDULES, forward_only, lower_communication
+from lightning_autopipe.planner.schedule import forward_only, lower_communication
 from lightning_autopipe.planner.search import search_plan
 from lightning_autopipe.profile import Profile
 from lightning_autopipe.runtime.checks import (

@@ -11,9 +11,9 @@ import pytest
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
+from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.pricing import allreduce_finish, allreduce_ms, unit_ms
-from lightning_autopipe.planner.schedule import SCHEDULES
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import BlockProfile, Profile
 

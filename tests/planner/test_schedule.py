@@ -9,12 +9,12 @@ import pytest
 
 from lightning_autopipe.errors import ScheduleError
 from lightning_autopipe.planner import schedule as sched_mod
+from lightning_autopipe.planner.generators import build_schedule
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.replay import ascii_timeline, format_grid, validate
 from lightning_autopipe.planner.schedule import (
     Action,
     Kind,
-    build_schedule,
     format_schedule,
     forward_only,
     gpipe,

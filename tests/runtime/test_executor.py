@@ -223,7 +223,7 @@ def _release_worker(
 ) -> None:
     """Record each rank's receives, sends and the waits on its sends over two steps."""
     import lightning_autopipe.runtime.executor as ex_mod
-    from lightning_autopipe.planner.schedule import SCHEDULES
+    from lightning_autopipe.planner.generators import SCHEDULES
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,0 +1,42 @@
+"""The schedule generators by name: what a Plan's ``schedule`` field may say."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from lightning_autopipe.errors import ScheduleError
+from lightning_autopipe.planner.schedule import Schedule, gpipe, one_f_one_b
+from lightning_autopipe.planner.zero_bubble import zb_h1
+
+if TYPE_CHECKING:
+    from lightning_autopipe.planner.plan import Plan
+
+__all__ = ["SCHEDULES", "build_schedule", "schedule_generator"]
+
+#: ``(stages, micro-batches, startup slices, drain slices) -> compute-only schedule``.
+SCHEDULES: dict[str, Callable[[int, int, int, int], Schedule]] = {
+    "1f1b": one_f_one_b,
+    "gpipe": gpipe,
+    "zb-h1": zb_h1,
+}
+
+
+def schedule_generator(name: str) -> Callable[[int, int, int, int], Schedule]:
+    """The generator of :data:`SCHEDULES` called ``name``.
+
+    Raises:
+        ScheduleError: an unknown name, listing the known ones.
+    """
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ScheduleError(
+            f"unknown schedule {name!r}; use one of {sorted(SCHEDULES)}"
+        ) from None
+
+
+def build_schedule(plan: Plan) -> Schedule:
+    """The compute-only schedule a plan names (``plan.schedule``)."""
+    gen = schedule_generator(plan.schedule)
+    return gen(plan.num_stages, plan.num_microbatches, plan.startup_slices, plan.drain_slices)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.pricing import allreduce_ms
 from lightning_autopipe.profiler import _sync
+from lightning_autopipe.runtime.comm import transport_device
 
 __all__ = ["fit_link", "fit_reduce", "link_device", "measure_link", "measure_reduce"]
 
@@ -41,17 +42,10 @@ def link_device(
     A CUDA ``device`` on a group with an NCCL backend (also ``"cpu:gloo,cuda:nccl"``) is kept,
     so the figures are those of the transport the gradients will take; gloo gets CPU tensors
     (its send/recv takes no CUDA tensors); any other backend gets ``device`` (or the CPU).
+    It is the rule pipeline messages travel by (``comm.transport_device``), so the link is
+    measured on the transport that training's activations and gradients take.
     """
-    backend = str(dist.get_backend(group)).lower()
-    dev = torch.device(device) if device is not None else None
-    cuda = dev is not None and dev.type == "cuda"
-    if "nccl" in backend and (cuda or "gloo" not in backend):
-        if cuda and dev.index is not None:
-            return dev
-        return torch.device("cuda", torch.cuda.current_device())
-    if "gloo" in backend:
-        return torch.device("cpu")
-    return dev if dev is not None else torch.device("cpu")
+    return transport_device(str(dist.get_backend(group)), device)
 
 
 def fit_link(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, float]:

@@ -1,61 +1,29 @@
 """On a CUDA device, a stage, the profiler and a one-rank pipeline step match the CPU.
 
 Each test runs the same seeded model on the CPU and on ``cuda:0`` and compares within float32
-tolerance (TF32 off, so matrix products round as float32 does). Without CUDA they are skipped
-(``tests/conftest.py``).
+tolerance (TF32 off, ``tests/gpu/conftest.py``: matrix products round as float32 does).
+Without CUDA they are skipped (``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_autopipe.graph import split_model
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.profiler import profile_blocks
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
-from tests.reliability import _task as T
+from tests.gpu._common import Model
+from tests.gpu._common import batch as _batch
+from tests.gpu._common import close as _close
 
 pytestmark = pytest.mark.gpu
 
 CPU = torch.device("cpu")
-RTOL, ATOL = 1e-4, 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32() -> Iterator[None]:
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
-
-
-class Model(nn.Module):
-    """The tiny GPT with the pipeline loss contract."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = T.build_net(seed=0)
-
-    def forward(self, x):
-        return self.net(x)
-
-    def pipeline_loss(self, outputs, batch):
-        return T.lm_loss(outputs, batch)
-
-
-def _batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    data = T.dataset(n, seed=3)
-    return data.tensors[0], data.tensors[1]
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL, msg=lambda s: f"{what}: {s}")
 
 
 def test_a_stage_forward_and_backward_on_cuda_equal_the_cpu():

@@ -22,13 +22,18 @@ in :mod:`~.search`). The yardstick planners borrow the shape of the first one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import PlanError
-from lightning_autopipe.planner.costmodel import BlockCosts
+from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
 from lightning_autopipe.planner.mapping import rank_layouts, speed_order
-from lightning_autopipe.planner.partition import choose_drain_slices, partition_and_slice
+from lightning_autopipe.planner.partition import (
+    autopipe_partition,
+    choose_drain_slices,
+    choose_startup_slices,
+    partition_and_slice,
+)
 from lightning_autopipe.planner.plan import Proposal
 from lightning_autopipe.planner.pricing import allreduce_ms, peak_memory_bytes, unit_ms
 
@@ -38,6 +43,8 @@ _REPLAY_BUDGET = 100_000  # replayed actions per shape the AutoPipe partitioner 
 _LEVEL2, _LEVEL3 = 8, 3  # shapes placed by the mapper / refined by the partitioner
 _LEVEL3_BUDGET = 400_000  # replayed actions (upper bound) for refining more than three
 _FINALISTS = 8  # proposals the simulator may choose among
+_RESCHEDULED = 3  # finalists (the best first) also partitioned for each other schedule
+_RESCHEDULE_EVALUATIONS = (60, 20, 20)  # evaluations re-partitioning each of them per schedule
 
 
 def _replay_cost(stages: int, m: int, k: int) -> int:
@@ -172,10 +179,15 @@ def autopipe_proposals(
     use_all: bool,
     max_slices: int,
     optimizer_factor: float,
+    schedules: tuple[str, ...] = ("1f1b",),
 ) -> list[Proposal]:
     """Levels 1-3 (module docstring): the ranked proposals, the favourite first.
 
-    Each finalist is followed by its twin without drain slices and the favourite's plain-1F1B
+    Shapes, placements and partitions are searched under 1F1B; the best finalists are then also
+    partitioned again and sliced under every other schedule of ``schedules`` (ZB-H1 moves the
+    critical path: its input gradients cross stages sooner, its weight gradients fill idle
+    slots, and it holds activations longer), starting from the 1F1B cuts, and all compete.
+    Each finalist is followed by its twin without drain slices and the favourite's unsliced
     twin is appended: link contention the fast model ignores can make the extra messages cost
     more than they save, and the simulator decides.
 
@@ -227,19 +239,56 @@ def autopipe_proposals(
     # contention the fast model ignores can make the extra messages cost more than they save.
     j_pin = pins.get("drain_slices")
     scored = []
-    for est, prop, layout in level3[:_FINALISTS]:
-        j, est_j = j_pin or 1, est
-        if not j_pin:
-            j, est_j = choose_drain_slices(
-                costs, layout, prop.cuts, batch, prop.num_microbatches, prop.startup_slices,
-                max_slices, optimizer_factor=optimizer_factor,
-            )
-        first = Proposal(prop.groups, prop.cuts, prop.num_microbatches, prop.startup_slices, j)
-        scored.append((est_j, [first] + ([prop] if j != 1 and not j_pin else [])))
+    for rank, (est, prop, layout) in enumerate(level3[:_FINALISTS]):
+        for schedule in schedules:
+            if schedule != "1f1b" and rank >= _RESCHEDULED:
+                continue
+            cand = prop if schedule == "1f1b" else _reschedule(
+                costs, layout, prop, batch, k_pin, max_slices, optimizer_factor, schedule,
+                _RESCHEDULE_EVALUATIONS[rank])
+            if cand is None:
+                continue
+            j, est_j = j_pin or 1, est
+            if not j_pin:
+                j, est_j = choose_drain_slices(
+                    costs, layout, cand.cuts, batch, cand.num_microbatches,
+                    cand.startup_slices, max_slices, optimizer_factor=optimizer_factor,
+                    schedule=schedule,
+                )
+            elif schedule != "1f1b":
+                est_j = evaluate(costs, layout, cand.cuts, batch, cand.num_microbatches,
+                                 cand.startup_slices, drain_slices=j, schedule=schedule,
+                                 optimizer_factor=optimizer_factor, critical_path=False)
+            first = replace(cand, drain_slices=j, schedule=schedule)
+            twin = replace(cand, drain_slices=1, schedule=schedule)
+            scored.append((est_j, [first] + ([twin] if j != 1 and not j_pin else [])))
     scored.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
     finalists = [p for _, props in scored for p in props]
     top = finalists[0]
-    plain = (k_pin or 1, j_pin or 1)  # plain 1F1B of the favourite, for the same reason
+    plain = (k_pin or 1, j_pin or 1)  # the favourite unsliced, for the same reason
     if (top.startup_slices, top.drain_slices) != plain:
-        finalists.append(Proposal(top.groups, top.cuts, top.num_microbatches, *plain))
+        finalists.append(replace(top, startup_slices=plain[0], drain_slices=plain[1]))
     return finalists
+
+
+def _reschedule(
+    costs: BlockCosts,
+    layout: Layout,
+    prop: Proposal,
+    batch: int,
+    k_pin: int | None,
+    max_slices: int,
+    optimizer_factor: float,
+    schedule: str,
+    evaluations: int,
+) -> Proposal | None:
+    """``prop`` partitioned again (from its cuts) and sliced for ``schedule``."""
+    m = prop.num_microbatches
+    k = k_pin or prop.startup_slices
+    part = autopipe_partition(costs, layout, batch, m, k, optimizer_factor=optimizer_factor,
+                              schedule=schedule, max_evaluations=evaluations,
+                              start=prop.cuts)
+    if not k_pin:
+        k, _ = choose_startup_slices(costs, layout, part.cuts, batch, m, max_slices,
+                                     optimizer_factor=optimizer_factor, schedule=schedule)
+    return Proposal(prop.groups, part.cuts, m, k, 1, schedule)

@@ -124,5 +124,5 @@ def plan_main(argv: list[str]) -> int:
         if args.png:
             timeline.write_png(result, args.png)
             print(f"wrote {args.png}", file=sys.stderr)
-    print(plan.to_json() if args.json else format_plan(plan, profile))
+    print(plan.to_json() if args.json else format_plan(plan, profile, cluster))
     return 0

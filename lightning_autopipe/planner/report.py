@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.profile import Profile
 
@@ -17,8 +18,18 @@ def _short(names: list[str], width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def format_plan(plan: Plan, profile: Profile) -> str:
-    """A readable table of a plan: one row per stage, then the predicted step."""
+def _device_type(cluster: Cluster, devices: list[str]) -> str:
+    """The stage's slowest device type and its speed relative to the reference profile."""
+    spec = min((cluster.device(d).spec for d in devices), key=lambda x: x.speed)
+    return _short([f"{spec.name} x{spec.speed:.2f}"], 30)
+
+
+def format_plan(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> str:
+    """A readable table of a plan: one row per stage, then the predicted step.
+
+    With the ``cluster`` each stage also shows the device type that holds it and that type's
+    speed (measured, for a discovered cluster).
+    """
     reps = [s.replicas for s in plan.stages]
     rep = str(reps[0]) if len(set(reps)) == 1 else "/".join(map(str, reps))
     per = plan.global_batch_size / (plan.num_microbatches * max(reps))
@@ -27,9 +38,12 @@ def format_plan(plan: Plan, profile: Profile) -> str:
         f"{rep} replicas, global batch {plan.global_batch_size} = {plan.num_microbatches} "
         f"micro-batches of {per:g} samples per replica, {plan.startup_slices} startup "
         f"slice{'s' if plan.startup_slices != 1 else ''}, {plan.drain_slices} drain "
-        f"slice{'s' if plan.drain_slices != 1 else ''}",
+        f"slice{'s' if plan.drain_slices != 1 else ''}, schedule {plan.schedule}",
     ]
-    head = (f"{'stage':>5}  {'blocks':<11} {'first .. last block':<44} {'devices':<28} "
+    typed = cluster is not None and all(
+        d in {x.name for x in cluster.devices} for d in plan.devices)
+    kind = f" {'device type x speed':<30}" if typed else ""
+    head = (f"{'stage':>5}  {'blocks':<11} {'first .. last block':<44} {'devices':<28}{kind} "
             f"{'stage ms':>9}  {'peak memory':>11}")
     lines += [head, "-" * len(head)]
     names = profile.names
@@ -39,8 +53,9 @@ def format_plan(plan: Plan, profile: Profile) -> str:
         if len(span) > 44:
             span = span[:41] + "..."
         peak = max((plan.peak_memory_bytes.get(d, 0) for d in st.devices), default=0)
+        dev = f" {_device_type(cluster, st.devices):<30}" if typed else ""
         lines.append(
-            f"{s:>5}  {f'[{i}, {j})':<11} {span:<44} {_short(st.devices, 28):<28} "
+            f"{s:>5}  {f'[{i}, {j})':<11} {span:<44} {_short(st.devices, 28):<28}{dev} "
             f"{st.stage_ms:>9.2f}  {_gib(peak):>11}"
         )
     lines.append("-" * len(head))
@@ -51,14 +66,14 @@ def format_plan(plan: Plan, profile: Profile) -> str:
     return "\n".join(lines)
 
 
-def plan_table(plan: Plan, profile: Profile | None) -> str:
+def plan_table(plan: Plan, profile: Profile | None, cluster: Cluster | None = None) -> str:
     """:func:`format_plan` when the profile is known, else the stages and the prediction only.
 
     A run given a saved plan has no profile (nothing was measured), so the block names and
     per-stage figures are unknown; the layout and the plan's own prediction still are.
     """
     if profile is not None:
-        return format_plan(plan, profile)
+        return format_plan(plan, profile, cluster)
     rows = [
         f"  stage {s}: blocks [{st.blocks[0]}, {st.blocks[1]}) on {', '.join(st.devices)}"
         for s, st in enumerate(plan.stages)

@@ -26,6 +26,7 @@ from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner.autopipe import autopipe_proposals
 from lightning_autopipe.planner.baselines import propose
 from lightning_autopipe.planner.costmodel import BlockCosts
+from lightning_autopipe.planner.generators import schedule_generator
 from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import Profile
@@ -54,6 +55,7 @@ def make_plan(
     memory_check: bool = True,
     max_startup_slices: int = 8,
     optimizer_factor: float = 2.0,
+    schedules: Sequence[str] = ("1f1b", "zb-h1"),
 ) -> Plan:
     """Plan training of ``profile`` on ``cluster`` for ``global_batch_size`` samples per step.
 
@@ -68,6 +70,7 @@ def make_plan(
         uniform_replicas: every stage gets the same replica count (the runtime needs it).
         use_all_devices: stages x replicas must equal the number of devices.
         memory_check: raise :class:`MemoryPlanError` when the best plan does not fit.
+        schedules: the schedules AutoPipe may choose among (the yardsticks run 1F1B).
 
     Returns:
         The plan with the simulator's predictions, ``search_ms`` and the profile's identity.
@@ -87,13 +90,16 @@ def make_plan(
                 startup_slices=startup_slices, drain_slices=drain_slices)
     excluded = 0.0
     if planner == "autopipe":
+        for name in schedules:
+            schedule_generator(name)  # ScheduleError naming the known ones
         props = autopipe_proposals(costs, cluster, devs, global_batch_size, pins, use_all_devices,
-                                   max_startup_slices, optimizer_factor)
+                                   max_startup_slices, optimizer_factor, tuple(schedules))
     else:
         props, excluded = propose(
             planner, profile, costs, cluster, devs, global_batch_size, pins=pins,
             uniform_replicas=uniform_replicas, use_all_devices=use_all_devices,
             optimizer_factor=optimizer_factor, max_startup_slices=max_startup_slices,
+            schedules=tuple(schedules),
         )
         for p in props:  # a pinned drain applies to every planner's layout
             p.drain_slices = drain_slices or p.drain_slices
@@ -142,7 +148,7 @@ def finish_plan(
     stages = [StagePlan((cuts[s], cuts[s + 1]), list(g)) for s, g in enumerate(prop.groups)]
     plan = Plan(planner, batch, prop.num_microbatches, prop.startup_slices, stages,
                 model=profile.model, fingerprint=profile.fingerprint,
-                drain_slices=prop.drain_slices)
+                drain_slices=prop.drain_slices, schedule=prop.schedule)
     res = simulate(plan, profile, cluster, optimizer_bytes_per_param_byte=optimizer_factor)
     for st, ms in zip(plan.stages, res.stage_ms):
         st.stage_ms = ms
@@ -165,6 +171,7 @@ def search_plan(
     num_microbatches: int | None = None,
     startup_slices: int | None = None,
     drain_slices: int | None = None,
+    schedules: Sequence[str] = ("1f1b", "zb-h1"),
 ) -> Plan:
     """The plan with the most samples/s that uses every launched device.
 
@@ -198,6 +205,7 @@ def search_plan(
                 devices=list(devices),
                 uniform_replicas=True,
                 use_all_devices=True,
+                schedules=schedules,
             )
         except PlanError as exc:
             failures.append(f"{depth} stages x {replicas} replicas: {exc}")

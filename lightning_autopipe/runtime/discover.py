@@ -12,8 +12,11 @@ and the measured links into a :class:`~lightning_autopipe.cluster.Cluster`:
   than the fastest of its name (``total time > SLOWER x`` theirs: a throttled or shared device,
   another job on its cores) is a type of its own. Each type gets the median profile of its
   ranks and its speed relative to the fastest type, whose profile is the reference the plan is
-  made from; with more than one type every type keeps its own profile, so blocks are priced on
-  the device that runs them (an older device is not slower on every block by one factor);
+  made from. With more than one device name each name keeps its own profile, so blocks are
+  priced on the device that runs them (an older device is not slower on every block by one
+  factor); a slower class of one device name is priced by its measured speed (its slowdown is
+  the same for every block, and per-block timings on a shared core are too noisy to say
+  otherwise);
 * links: inside each server the pairs ``(first, first + d)`` for each level size ``2d`` that
   divides the server (on a GPU server these separate NVLink pairs from PCIe-switch and socket
   pairs; levels that measure alike are merged), and between servers each consecutive pair of
@@ -33,7 +36,7 @@ import platform
 import socket
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,7 +53,10 @@ __all__ = [
     "RankReport",
     "assemble",
     "compare_with_declared",
+    "device_names",
     "discover",
+    "gather_reports",
+    "host_name",
     "link_pairs",
     "local_report",
     "write_cluster",
@@ -66,7 +72,11 @@ _SAME_LINK = 1.25
 
 @dataclass(frozen=True)
 class RankReport:
-    """What one rank says about itself (``profile`` is its own measured block profile)."""
+    """What one rank says about itself (``profile`` is its own measured block profile).
+
+    ``memory_bytes`` is the device's memory, or for a CPU rank the memory available on its host,
+    which the host's ranks share (``shared_memory``).
+    """
 
     rank: int
     host: str
@@ -74,6 +84,7 @@ class RankReport:
     memory_bytes: int
     cores: int
     profile: Profile | None = None
+    shared_memory: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,11 +105,14 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def local_report(
-    rank: int, device: torch.device, profile: Profile | None, ranks_on_host: int = 1
-) -> RankReport:
-    """This rank's :class:`RankReport` (host from :data:`HOST_ENV` or the hostname)."""
-    host = os.environ.get(HOST_ENV) or socket.gethostname()
+def host_name() -> str:
+    """This process's host: :data:`HOST_ENV` when set, else the hostname."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def local_report(rank: int, device: torch.device, profile: Profile | None) -> RankReport:
+    """This rank's :class:`RankReport`."""
+    host = host_name()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return RankReport(rank, host, props.name, int(props.total_memory), 0, profile)
@@ -108,8 +122,8 @@ def local_report(
         cores = os.cpu_count() or 1
     import psutil
 
-    share = psutil.virtual_memory().available // max(1, ranks_on_host)
-    return RankReport(rank, host, f"cpu {_cpu_model()}", int(share), cores, profile)
+    free = int(psutil.virtual_memory().available)
+    return RankReport(rank, host, f"cpu {_cpu_model()}", free, cores, profile, True)
 
 
 # ---------------------------------------------------------------------------- links
@@ -162,16 +176,17 @@ def _total(p: Profile) -> float:
     return sum(b.forward_ms + b.backward_ms for b in p.blocks)
 
 
-def _types(reports: Sequence[RankReport]) -> dict[int, tuple[str, Profile | None]]:
-    """Rank -> (device type name, the type's median profile), fastest type of a name first."""
+def _types(reports: Sequence[RankReport]) -> dict[int, tuple[str, Profile | None, str]]:
+    """Rank -> (device type name, the type's median profile, the device name it is a class of);
+    the fastest class of a device name keeps the plain name."""
     by_name: dict[tuple[str, int], list[RankReport]] = {}
     for r in reports:
         by_name.setdefault((r.device, r.memory_bytes // 2**30), []).append(r)
-    out: dict[int, tuple[str, Profile | None]] = {}
+    out: dict[int, tuple[str, Profile | None, str]] = {}
     for (name, _), group in by_name.items():
         if any(r.profile is None for r in group):
             for r in group:
-                out[r.rank] = (name, None)
+                out[r.rank] = (name, None, name)
             continue
         group = sorted(group, key=lambda r: _total(r.profile))  # type: ignore[arg-type]
         clusters: list[list[RankReport]] = []
@@ -180,12 +195,35 @@ def _types(reports: Sequence[RankReport]) -> dict[int, tuple[str, Profile | None
                 clusters[-1].append(r)
             else:
                 clusters.append([r])
+        # The name's profile is the block-wise median over all its ranks, each scaled to the
+        # fastest class's total: slower classes of one device differ by a factor (module
+        # docstring), so every rank's timings inform the blocks' shares and the noise of single
+        # block timings averages out.
+        base_total = statistics.median(_total(m.profile) for m in clusters[0])  # type: ignore
+        base = median_profile([_scaled(r.profile, base_total / _total(r.profile))  # type: ignore
+                               for r in group])
         for i, members in enumerate(clusters):
-            prof = median_profile([m.profile for m in members])  # type: ignore[misc]
+            total = statistics.median(_total(m.profile) for m in members)  # type: ignore
+            prof = _scaled(base, total / base_total)
             label = name if i == 0 else f"{name} (slower {i})"
             for m in members:
-                out[m.rank] = (label, prof)
+                out[m.rank] = (label, prof, name)
     return out
+
+
+def _scaled(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every time multiplied by ``factor`` (bytes unchanged)."""
+    if factor == 1.0:
+        return profile
+    times = ("forward_ms", "backward_ms", "forward_fixed_ms", "backward_fixed_ms")
+    blocks = []
+    for b in profile.blocks:
+        change = {f: getattr(b, f) * factor for f in times}
+        if b.backward_input_ms is not None and b.backward_weight_ms is not None:
+            change |= {"backward_input_ms": b.backward_input_ms * factor,
+                       "backward_weight_ms": b.backward_weight_ms * factor}
+        blocks.append(replace(b, **change))
+    return replace(profile, blocks=blocks)
 
 
 def _levels(n: int, first: int, links: dict[tuple[int, int], LinkFigures],
@@ -233,28 +271,35 @@ def assemble(
         ClusterError: a host's ranks are not consecutive.
     """
     reports = sorted(reports, key=lambda r: r.rank)
+    per_host: dict[str, int] = {}
+    for r in reports:
+        per_host[r.host] = per_host.get(r.host, 0) + 1
+    reports = [replace(r, memory_bytes=r.memory_bytes // per_host[r.host]) if r.shared_memory
+               else r for r in reports]
     types = _types(reports)
-    profiled = {label: prof for label, prof in types.values() if prof is not None}
+    profiled = {label: prof for label, prof, _ in types.values() if prof is not None}
     ref = min(profiled.values(), key=_total) if profiled else None
-    several = len({label for label, _ in types.values()}) > 1
+    # Another device name (another model of device) keeps its own profile: its blocks need not
+    # be slower by one factor. A slower class of the same device (shared, throttled) is priced
+    # by its measured speed alone: such a slowdown is the same for every block, and a block
+    # timed on a shared core is noisy where the whole step is not.
+    names = {name for _, _, name in types.values()}
+    base = {label for label, _, name in types.values() if label == name}
     specs: dict[str, DeviceSpec] = {}
     for r in reports:
-        label, prof = types[r.rank]
+        label, prof, _ = types[r.rank]
         if label in specs:
             continue
         speed = _total(ref) / _total(prof) if prof is not None and ref is not None else 1.0
-        own = prof if several and prof is not None else None
+        own = prof if len(names) > 1 and label in base and prof is not None else None
         specs[label] = DeviceSpec(
             name=label, speed=round(speed, 4), memory_gb=round(r.memory_bytes / 2**30, 2),
             reduce_gbps=reduce_gbps, profile=own,
             profile_path=_profile_file(label) if own is not None else None,
         )
     servers = []
-    used: dict[str, int] = {}
-    for host, ranks in _servers([r.host for r in reports]):
-        base = "".join(c if c.isalnum() or c in "-_" else "-" for c in host) or "host"
-        used[base] = used.get(base, 0) + 1
-        sname = base if used[base] == 1 else f"{base}-{used[base]}"
+    hosts = _servers([r.host for r in reports])
+    for sname, (_, ranks) in zip(server_names([h for h, _ in hosts]), hosts):
         dev = [specs[types[k][0]] for k in ranks]
         common = statistics.mode(s.name for s in dev)
         main = next(s for s in dev if s.name == common)
@@ -272,6 +317,23 @@ def assemble(
         servers=servers,
     )
     return cluster, ref
+
+
+def server_names(hosts: Sequence[str]) -> list[str]:
+    """A cluster server name per host (its name made safe for the file format, deduplicated)."""
+    out, used = [], {}
+    for host in hosts:
+        base = "".join(c if c.isalnum() or c in "-_" else "-" for c in host) or "host"
+        used[base] = used.get(base, 0) + 1
+        out.append(base if used[base] == 1 else f"{base}-{used[base]}")
+    return out
+
+
+def device_names(hosts: Sequence[str]) -> list[str]:
+    """The device name of each rank in the cluster :func:`assemble` builds for these hosts."""
+    servers = _servers(hosts)
+    return [f"{name}:{i}" for name, (_, ranks) in zip(server_names([h for h, _ in servers]),
+                                                     servers) for i in range(len(ranks))]
 
 
 def _host(reports: Sequence[RankReport], rank: int) -> str:
@@ -339,11 +401,17 @@ def compare_with_declared(
 
 
 # ---------------------------------------------------------------------------- collective
+def gather_reports(profile: Profile | None, device: torch.device) -> list[RankReport]:
+    """Every rank's :class:`RankReport` on every rank, in rank order; collective."""
+    reports: list[RankReport | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, local_report(dist.get_rank(), device, profile))
+    return sorted((r for r in reports if r is not None), key=lambda r: r.rank)
+
+
 def discover(
     profile: Profile | None,
     device: torch.device,
     *,
-    ranks_on_host: int = 1,
     measure_reduce_rate: bool = True,
 ) -> tuple[Cluster, Profile | None, list[RankReport]]:
     """Gather every rank's report, measure the sampled links; collective on the default group.
@@ -355,11 +423,8 @@ def discover(
 
     me = dist.get_rank()
     dev = link_device(None, device)  # what the default group's backend moves
-    mine = local_report(me, device, profile, ranks_on_host)
-    reports: list[RankReport | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, mine)
-    got = [r for r in reports if r is not None]
-    hosts = [r.host for r in sorted(got, key=lambda r: r.rank)]
+    got = gather_reports(profile, device)
+    hosts = [r.host for r in got]
     links: dict[tuple[int, int], LinkFigures] = {}
     for a, b in link_pairs(hosts):
         group = dist.new_group([a, b])  # collective: every rank creates every pair's group

@@ -4,6 +4,13 @@ The executor is the runtime half of the schedule IR: it performs exactly the act
 produced for this rank (``lower_communication(build_schedule(plan))[stage]``), which the
 simulator replays too, and records them in :attr:`PipelineExecutor.trace`.
 
+A zero-bubble schedule splits each backward: ``B`` computes the gradient with respect to the
+stage's inputs only (sent on at once), keeping the autograd state the weights need, and ``W``
+later accumulates the parameter gradients from it (``torch.distributed.pipelining``'s
+``stage_backward_input`` / ``stage_backward_weight``, which split the graph at the nodes where
+the input and weight paths meet, so nothing is computed twice). The first stage has no input
+gradient to send: its ``B`` does nothing and its ``W`` is the whole backward.
+
 Numerics: the replica's batch of ``B`` samples is cut into micro-batches (micro-batch 0 into
 startup slices); each unit's loss on the last stage is weighted by ``unit_samples / B``, so the
 gradients summed over units are those of the replica's mean loss. Averaging over the
@@ -23,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.schedule import Action, Kind
@@ -36,7 +44,7 @@ from lightning_autopipe.runtime.units import Unit, fit_units, slice_batch, unit_
 __all__ = ["PipelineExecutor", "TiedParameter"]
 
 _BACKWARD_KINDS = (Kind.SEND_B, Kind.RECV_B, Kind.BACKWARD)
-_COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD)
+_COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -285,7 +293,11 @@ class PipelineExecutor:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         trace: list[Action] = []
         timeline: list[tuple[Action, float, float]] = []
-        last_b = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD), default=-1)
+        split = any(a.kind is Kind.WEIGHT for a in actions)
+        # the action after which gradients are final: the last backward, or the last W
+        final = Kind.WEIGHT if split else Kind.BACKWARD
+        last_b = max((i for i, a in enumerate(actions) if a.kind is final), default=-1)
+        weight_state: dict[Unit, Any] = {}
 
         for idx, a in enumerate(actions):
             t0 = time.perf_counter()
@@ -329,14 +341,28 @@ class PipelineExecutor:
                 elif a.kind is Kind.RECV_B:
                     out_grads[unit], _ = recv_tensors(layout.next_rank, tag, self.device)
                     outbox.gradient_arrived(unit)
+                elif a.kind is Kind.BACKWARD and split:
+                    inputs, result = saved.pop(unit)
+                    grads = None if layout.is_last else out_grads.pop(unit)
+                    if layout.is_first:  # no input gradient: W runs the whole backward
+                        weight_state[unit] = (result, grads, None)
+                    else:
+                        dinputs, groups = self._backward_input(a, result, grads, inputs)
+                        in_grads[unit] = list(dinputs)
+                        weight_state[unit] = (None, None, groups)
+                elif a.kind is Kind.WEIGHT:
+                    if idx == last_b and self._dp_sync is not None and layout.is_first:
+                        self._dp_sync.arm()  # a whole backward: the buckets launch as they fill
+                    result, grads, groups = weight_state.pop(unit)
+                    if groups is None:
+                        self._backward_full(a, result, grads)
+                    else:
+                        stage_backward_weight(iter(self._params), groups)
                 elif a.kind is Kind.BACKWARD:
                     if idx == last_b and self._dp_sync is not None:
                         self._dp_sync.arm()  # gradients become final during this backward
                     inputs, result = saved.pop(unit)
-                    if layout.is_last:
-                        result.backward()
-                    else:
-                        self._backward(a, result, out_grads.pop(unit))
+                    self._backward_full(a, result, None if layout.is_last else out_grads.pop(unit))
                     if not layout.is_first:
                         in_grads[unit] = [
                             t.grad if t is not None and t.requires_grad else None for t in inputs
@@ -354,14 +380,34 @@ class PipelineExecutor:
             return self._global_loss(loss_sum)
 
     @staticmethod
-    def _backward(a: Action, outs: tuple[Tensor, ...], grads: list[Tensor | None]) -> None:
-        if len(grads) != len(outs):
+    def _backward_full(a: Action, result: Any, grads: list[Tensor | None] | None) -> None:
+        """The whole backward of a unit: from the (weighted) loss, or from the stage outputs
+        with the gradients the next stage sent (``grads``)."""
+        if grads is None:
+            result.backward()
+            return
+        if len(grads) != len(result):
             raise PipelineRuntimeError(
-                f"{a}: received {len(grads)} gradients for {len(outs)} stage outputs"
+                f"{a}: received {len(grads)} gradients for {len(result)} stage outputs"
             )
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        pairs = [(o, g) for o, g in zip(result, grads) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    def _backward_input(
+        self, a: Action, result: Any, grads: list[Tensor | None] | None, inputs: list[Any]
+    ) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]]]:
+        """``B`` of a split backward: the input gradients, and the state ``W`` resumes from."""
+        if grads is None:  # the last stage: from its loss
+            outs, out_grads = [result], None
+        else:
+            if len(grads) != len(result):
+                raise PipelineRuntimeError(
+                    f"{a}: received {len(grads)} gradients for {len(result)} stage outputs"
+                )
+            keep = [(o, g) for o, g in zip(result, grads) if g is not None and o.requires_grad]
+            outs, out_grads = [o for o, _ in keep], [g for _, g in keep]
+        return stage_backward_input(outs, out_grads, inputs, iter(self._params))
 
     def _global_loss(self, loss_sum: Tensor) -> Tensor:
         """Replica mean from the last stage to the whole replica, then averaged over replicas."""
@@ -442,6 +488,7 @@ def _action_name(a: Action) -> str:
     words = {
         Kind.FORWARD: "forward",
         Kind.BACKWARD: "backward",
+        Kind.WEIGHT: "weight backward",
         Kind.SEND_F: "send of activations",
         Kind.RECV_F: "receive of activations",
         Kind.SEND_B: "send of gradients",

@@ -32,6 +32,14 @@ from lightning_autopipe.runtime.checks import (
     check_num_stages,
     check_plan_for_run,
 )
+from lightning_autopipe.runtime.discover import (
+    compare_with_declared,
+    device_names,
+    discover,
+    gather_reports,
+    host_name,
+    write_cluster,
+)
 from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
 from lightning_autopipe.runtime.failure import FailureBoard
 from lightning_autopipe.runtime.groups import (
@@ -66,7 +74,8 @@ class LocalPipeline:
         (its outputs or ``pipeline_loss``) when every stage's outputs were finite.
         """
         stage, ranks = self.executor.nonfinite_origin()
-        blocks = list(self.plan.stages[stage].blocks)
+        first, stop = self.plan.stages[stage].blocks
+        blocks = f"[{first}, {stop})"  # half-open, as the plan table writes it
         if stage < self.plan.num_stages - 1:
             return (
                 f"values first became non-finite in the outputs of stage {stage} (blocks "
@@ -74,7 +83,7 @@ class LocalPipeline:
             )
         return (
             f"every stage's outputs were finite up to the last stage {stage} (blocks "
-            f"{blocks}, ranks {ranks}), whose outputs or pipeline_loss produced it"
+            f"{blocks}, ranks {ranks}), whose outputs or loss produced it"
         )
 
 
@@ -215,20 +224,28 @@ def build_local_pipeline(
     backend: str | None = None,
     example_batch: Any = None,
     num_nodes: int = 1,
+    run_dir: str | Path | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> LocalPipeline:
     """Trace on every rank, profile on every rank, plan on rank 0, keep only the local stage.
 
     Every rank traces (so an untraceable model raises the graph layer's ``TraceError`` on every
     rank before any collective, never a hang). Without a given plan every rank profiles on its
-    own ``device`` at the same time, and rank 0 plans from its own profile: in training all
-    ranks compute at once and contend for shared cores and memory bandwidth, so a profile taken
-    while the others idle would be optimistic. Rank 0's plan (or its error) is broadcast; the
-    other ranks' profiles only serve as load, so a failure there is warned about and ignored
-    (raising it on that rank alone would leave the others waiting in the next collective). The
-    module's parameters are then rebound to the local stage (:func:`bind_local_stage`). User
-    input is checked first (``pipeline_loss``, cluster size, pinned depth vs. blocks, a given
-    plan's fingerprint, batch and memory) so a bad configuration fails on every rank before
-    any profiling or training.
+    own ``device`` at the same time (in training all ranks compute at once and contend for
+    shared cores and memory bandwidth, so a profile taken while the others idle would be
+    optimistic), and a rank whose profiling fails stops every rank with its error.
+
+    Without a cluster file the cluster is discovered from the ranks
+    (:func:`~lightning_autopipe.runtime.discover.discover`: hosts, devices, each rank's own
+    profile, measured links) and, when ``run_dir`` is given, written there as
+    ``cluster.yaml`` with a profile per device type; rank 0 plans from the fastest type's
+    profile, pricing every other type from its own. With a cluster file rank 0 plans from its
+    own profile on that cluster and warns where the file contradicts what the ranks measured.
+    Without ``torch.distributed`` (a single process) the launched world is ``Cluster.local``.
+    Rank 0's plan (or its error) is broadcast. The module's parameters are then rebound to the
+    local stage (:func:`bind_local_stage`). User input is checked first (``pipeline_loss``,
+    cluster size, pinned depth vs. blocks, a given plan's fingerprint, batch and memory) so a
+    bad configuration fails on every rank before any profiling or training.
 
     ``options`` are the strategy's: the cluster, the given plan (or the planner and its pins),
     the granularity, profiling repeats and the runtime's settings. ``backend`` overrides
@@ -238,23 +255,29 @@ def build_local_pipeline(
     same samples (its per-sample tensors have the example's first dimension). The last block is
     then profiled with ``module.pipeline_loss`` on it, as the last stage runs in training;
     without it the loss is left out of the profile.
+
+    ``loss_fn``, when given, is the last stage's loss per slice instead of
+    ``module.pipeline_loss`` (the strategy passes its runner of the module's own steps).
     """
     from lightning_autopipe.graph import split_model
 
-    check_loss_contract(module)
-    loss_fn = module.pipeline_loss
+    if loss_fn is None:
+        check_loss_contract(module)
+        loss_fn = module.pipeline_loss
     planning = options.plan is None  # else the given plan is used as it is
-    # Every rank, before any other collective (the link is measured here when no cluster is
-    # given); a given plan needs no link figures.
-    cluster = resolve_cluster(
-        options.cluster,
-        world_size,
-        device,
-        exact=options.exact_cluster,
-        calibrate=planning,
-        num_nodes=num_nodes,
-    )
-    names = [d.name for d in cluster.devices[:world_size]]
+    distributed = dist.is_available() and dist.is_initialized() and world_size > 1
+    discovering = planning and options.cluster is None and distributed
+    cluster = None
+    if not discovering:  # every rank, before any other collective
+        cluster = resolve_cluster(
+            options.cluster,
+            world_size,
+            device,
+            exact=options.exact_cluster,
+            calibrate=planning,
+            num_nodes=num_nodes,
+        )
+    names = _launched_names(cluster, options, world_size) if cluster is not None else []
     blocks = split_model(module, example, granularity=options.granularity)
     pins = options.pins
     check_num_stages(pins["num_stages"], len(blocks), world_size, options.granularity)
@@ -262,17 +285,36 @@ def build_local_pipeline(
     payload: Any = None
     failure: BaseException | None = None
     load_failure: BaseException | None = None  # another rank's throw-away profile failed
-    profile = None
+    profile = mine = None
     repeats = options.profile_repeats
-    if planning and rank != 0:
+    if planning and (distributed or rank != 0):
         try:
-            _profile(blocks, example, example_batch, loss_fn, device, repeats)
-        except Exception as exc:  # only load for rank 0's profile; rank 0 reports its own
-            load_failure = exc
+            mine = _profile(blocks, example, example_batch, loss_fn, device, repeats)
+        except Exception as exc:
+            if not distributed:  # a pretend world: only load for rank 0's profile
+                load_failure = exc
+            else:
+                _stop_everywhere(exc, rank)
+        if distributed:
+            _stop_everywhere(None, rank)  # no rank failed: go on together
+    if discovering:
+        cluster, profile, _ = discover(mine, device)
+        names = [d.name for d in cluster.devices]
+        if rank == 0 and run_dir is not None:
+            where = write_cluster(cluster, run_dir)
+            _info(f"discovered cluster written to {where} (reuse it as cluster=<that file>)")
+    elif planning and distributed:
+        reports = gather_reports(mine, device)
+        if rank == 0:
+            for line in compare_with_declared(cluster, reports):
+                warnings.warn(f"cluster {cluster.name!r} contradicts the measurement: {line}",
+                              stacklevel=2)
     if rank == 0:
         try:
             if planning:
-                profile = _profile(blocks, example, example_batch, loss_fn, device, repeats)
+                if profile is None:
+                    profile = mine if distributed else _profile(
+                        blocks, example, example_batch, loss_fn, device, repeats)
                 plan = search_plan(
                     profile, cluster, names, replica_batch, planner=options.planner, **pins
                 )
@@ -351,8 +393,50 @@ def build_local_pipeline(
         groups=groups,
         stage=stage,
         executor=executor,
-        table=plan_table(plan, profile),
+        table=plan_table(plan, profile, cluster),
     )
+
+
+def _info(text: str) -> None:
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    rank_zero_info(text)
+
+
+def _stop_everywhere(exc: BaseException | None, rank: int) -> None:
+    """Collective: when any rank's ``exc`` is set, every rank raises with that rank's error.
+
+    A rank that fails alone would leave the others waiting in the next collective; so every
+    rank says how its profiling went and all of them stop on the first failure (the failing
+    rank re-raises its own exception, the others a :class:`PipelineRuntimeError` naming it).
+    """
+    said = None if exc is None else f"{type(exc).__name__}: {exc}"
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, said)
+    failed = [(r, msg) for r, msg in enumerate(everyone) if msg is not None]
+    if not failed:
+        return
+    if exc is not None:
+        raise exc
+    first, msg = failed[0]
+    raise PipelineRuntimeError(
+        f"rank {first} failed while profiling the blocks for discovery and planning: {msg}"
+    )
+
+
+def _launched_names(cluster: Any, options: AutoPipeOptions, world_size: int) -> list[str]:
+    """Device names of the launched ranks: the cluster's, or for a given plan made on a
+    discovered cluster (host-named devices) run without a cluster file, the names discovery
+    gives these hosts (a collective then: every rank's host is gathered)."""
+    names = [d.name for d in cluster.devices[:world_size]]
+    plan = options.given_plan() if options.plan is not None else None
+    if options.cluster is not None or plan is None or set(plan.devices) <= set(names):
+        return names
+    if not (dist.is_available() and dist.is_initialized()):
+        return names
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host_name())
+    return device_names(hosts)
 
 
 def _check_fingerprint(plan: Plan, blocks: Any) -> None:

@@ -106,9 +106,11 @@ def test_optimal_equals_brute_force_simulation():
     for s in (2, 3):
         for cuts in _splits(6, s):
             for order in itertools.permutations(devs, s):
-                for k, j in itertools.product((1, 2, 3, 4), repeat=2):
+                for k, j, sch in itertools.product((1, 2, 3, 4), (1, 2, 3, 4),
+                                                   ("1f1b", "zb-h1")):
                     plan = Plan("bf", batch, m, k, [StagePlan((cuts[i], cuts[i + 1]), [order[i]])
-                                                    for i in range(s)], drain_slices=j)
+                                                    for i in range(s)], drain_slices=j,
+                                schedule=sch)
                     best = min(best, simulate(plan, prof, HETERO3).iteration_ms)
     got = min(
         make_plan(prof, HETERO3, batch, planner="optimal", num_stages=s, replicas=1,

@@ -95,9 +95,9 @@ def test_exact_optimum_with_device_profiles_equals_brute_force():
     best = float("inf")
     for cuts in ([0, *c, 8] for c in itertools.combinations(range(1, 8), 1)):
         for order in itertools.permutations(devs, 2):
-            for k, j in itertools.product((1, 2, 4), repeat=2):
+            for k, j, sch in itertools.product((1, 2, 4), (1, 2, 4), ("1f1b", "zb-h1")):
                 plan = Plan("bf", batch, m, k, [StagePlan((cuts[i], cuts[i + 1]), [order[i]])
-                                                for i in range(2)], drain_slices=j)
+                                                for i in range(2)], drain_slices=j, schedule=sch)
                 best = min(best, simulate(plan, REF, cl).iteration_ms)
     got = make_plan(REF, cl, batch, planner="optimal", num_stages=2, replicas=1,
                     num_microbatches=m, max_startup_slices=4, memory_check=False)

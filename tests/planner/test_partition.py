@@ -227,9 +227,11 @@ def _uniform_profile(n: int) -> Profile:
 def test_slicer_picks_several_slices_for_a_deep_pipeline():
     prof = _uniform_profile(16)
     cl = Cluster.local(8, gbps=100, latency_us=5)
-    sliced = make_plan(prof, cl, 64, num_stages=8, replicas=1, num_microbatches=8)
+    one = ("1f1b",)  # what slices do to 1F1B's fill (zero bubble fills it with W instead)
+    sliced = make_plan(prof, cl, 64, num_stages=8, replicas=1, num_microbatches=8,
+                       schedules=one)
     plain = make_plan(prof, cl, 64, num_stages=8, replicas=1, num_microbatches=8,
-                      startup_slices=1)
+                      startup_slices=1, schedules=one)
     assert sliced.startup_slices > 1
     assert sliced.iteration_ms < plain.iteration_ms * 0.97
     costs, layout = BlockCosts.from_profile(prof), Layout.from_cluster(
@@ -241,9 +243,10 @@ def test_slicer_picks_several_slices_for_a_deep_pipeline():
 def test_drain_slicer_picks_several_slices_for_a_deep_pipeline():
     prof = _uniform_profile(16)
     cl = Cluster.local(8, gbps=100, latency_us=5)
-    auto = make_plan(prof, cl, 64, num_stages=8, replicas=1, num_microbatches=8)
+    one = ("1f1b",)  # what drain slices do to 1F1B's cool-down
+    auto = make_plan(prof, cl, 64, num_stages=8, replicas=1, num_microbatches=8, schedules=one)
     whole = make_plan(prof, cl, 64, num_stages=8, replicas=1, num_microbatches=8,
-                      startup_slices=auto.startup_slices, drain_slices=1)
+                      startup_slices=auto.startup_slices, drain_slices=1, schedules=one)
     assert auto.drain_slices > 1
     assert auto.iteration_ms < whole.iteration_ms * 0.98
     costs, layout = BlockCosts.from_profile(prof), Layout.from_cluster(

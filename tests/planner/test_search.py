@@ -159,7 +159,7 @@ def test_micro_batch_count_is_chosen_with_slicing_in_mind():
                     "activation_bytes": 65536, "memory_bytes": 1000} for i in range(19)],
     })
     cl = Cluster.local(2, gbps=30, latency_us=100)
-    kw = dict(num_stages=2, replicas=1)
+    kw = dict(num_stages=2, replicas=1, schedules=("1f1b",))  # slicing in mind: 1F1B's slices
     auto = make_plan(prof, cl, 32, **kw)
     best = min((make_plan(prof, cl, 32, num_microbatches=m, **kw) for m in (1, 2, 4, 8, 16, 32)),
                key=lambda p: p.iteration_ms)

@@ -45,7 +45,8 @@ def test_a_slowed_rank_is_its_own_device_type_and_gets_less_work():
     assert len({s.name for s in specs}) == 2
     assert specs[0].speed == 1.0
     assert specs[1].speed == pytest.approx(0.5)
-    assert all(s.profile is not None for s in specs)
+    # one device name: a slowed class is priced by its speed (a uniform slowdown)
+    assert all(s.profile is None for s in specs)
     assert ref.blocks == reports[0].profile.blocks
     assert specs[0].reduce_gbps == 9.0
     lv = cluster.servers[0].levels
@@ -53,6 +54,20 @@ def test_a_slowed_rank_is_its_own_device_type_and_gets_less_work():
     plan = make_plan(ref, cluster, 16, num_stages=2, replicas=1)
     work = {st.devices[0]: st.blocks[1] - st.blocks[0] for st in plan.stages}
     assert work["h:1"] < work["h:0"]
+
+
+def test_other_device_models_keep_their_own_profiles():
+    old = RankReport(1, "h", "V100", 8 * GIB, 0, _profile(2.0, slow_blocks=3.0))
+    cluster, ref = assemble([_report(0, "h", 1.0, "H100"), old], {(0, 1): LINK})
+    specs = [d.spec for d in cluster.devices]
+    assert [s.name for s in specs] == ["H100", "V100"]
+    assert specs[0].profile is ref
+    assert specs[1].profile.blocks == old.profile.blocks
+    assert specs[1].speed == pytest.approx(_total(ref) / _total(old.profile))
+
+
+def _total(p: Profile) -> float:
+    return sum(b.forward_ms + b.backward_ms for b in p.blocks)
 
 
 def test_ranks_within_noise_are_one_type_and_plan_as_the_local_cluster():
@@ -94,7 +109,7 @@ def test_levels_of_an_eight_device_server_follow_the_pairs_measured():
 
 
 def test_written_cluster_loads_back_and_plans_the_same(tmp_path):
-    reports = [_report(0, "h", 1.0), _report(1, "h", 1.9)]
+    reports = [_report(0, "h", 1.0, "A"), _report(1, "h", 1.9, "B")]
     cluster, ref = assemble(reports, {(0, 1): LINK})
     path = write_cluster(cluster, tmp_path / "autopipe")
     again = Cluster.load(path)

@@ -123,13 +123,14 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world: int, port: int, cuts: list[int], replicas: int, k: int, j: int
+    rank: int, world: int, port: int, cuts: list[int], replicas: int, k: int, j: int,
+    schedule: str = "1f1b",
 ) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        _check_rank(rank, world, cuts, replicas, k, j)
+        _check_rank(rank, world, cuts, replicas, k, j, schedule)
     finally:
         dist.destroy_process_group()
 
@@ -156,8 +157,12 @@ def _toy_executor(stage, lay, groups, m, k, j, gen, tied=()) -> PipelineExecutor
 
 
 def _check_rank(
-    rank: int, world: int, cuts: list[int], replicas: int, k: int, drain: int
+    rank: int, world: int, cuts: list[int], replicas: int, k: int, drain: int,
+    schedule: str = "1f1b",
 ) -> None:
+    from lightning_autopipe.planner.generators import SCHEDULES
+
+    gen = SCHEDULES[schedule]
     m, batch = 3, 12 * replicas
     plan = _plan(cuts, replicas, m=m, k=k, batch=batch, j=drain)
     lay = layout_for_rank(plan, [f"cpu0:{i}" for i in range(world)], rank)
@@ -175,7 +180,7 @@ def _check_rank(
     i, j = plan.stages[lay.stage].blocks
     stage = ToyStage(chain, i, j)
     tied = [TiedParameter(0, chain.E, counted=lay.is_first)] if (i == 0 or j == 4) else []
-    ex = _toy_executor(stage, lay, groups, m, k, drain, _one_f_one_b, tied)
+    ex = _toy_executor(stage, lay, groups, m, k, drain, gen, tied)
     per = batch // replicas
     shard = (
         x[lay.replica * per : (lay.replica + 1) * per],
@@ -183,7 +188,7 @@ def _check_rank(
     )
     loss = ex.train_step(shard)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-7)
-    assert ex.trace == lower_communication(_one_f_one_b(S, m, k, drain))[lay.stage]
+    assert ex.trace == lower_communication(gen(S, m, k, drain))[lay.stage]
     used = {"E"} if (i == 0 or j == 4) else set()
     used |= {f"l{b}" for b in (1, 2) if i <= b < j}
     for name, p in chain.named_parameters():
@@ -209,13 +214,18 @@ def _check_rank(
 
 
 @pytest.mark.parametrize(
-    ("cuts", "replicas", "k", "j"),
-    [([0, 2, 4], 1, 2, 1), ([0, 1, 2, 3, 4], 1, 1, 2), ([0, 1, 4], 2, 3, 4), ([0, 2, 4], 1, 1, 3)],
-    ids=["2x1-sliced", "4x1-drain", "2x2-both-ends", "2x1-drain"],
+    ("cuts", "replicas", "k", "j", "schedule"),
+    [([0, 2, 4], 1, 2, 1, "1f1b"), ([0, 1, 2, 3, 4], 1, 1, 2, "1f1b"),
+     ([0, 1, 4], 2, 3, 4, "1f1b"), ([0, 2, 4], 1, 1, 3, "1f1b"),
+     ([0, 2, 4], 1, 2, 2, "zb-h1"), ([0, 2, 4], 1, 1, 1, "zb-h1"),
+     ([0, 1, 2, 3, 4], 1, 2, 1, "zb-h1"), ([0, 1, 4], 2, 3, 2, "zb-h1")],
+    ids=["2x1-sliced", "4x1-drain", "2x2-both-ends", "2x1-drain", "zb-2x1-sliced",
+         "zb-2x1-plain", "zb-4x1-sliced", "zb-2x2-both-ends"],
 )
-def test_pipeline_gradients_equal_single_process(cuts, replicas, k, j):
+def test_pipeline_gradients_equal_single_process(cuts, replicas, k, j, schedule):
     world = (len(cuts) - 1) * replicas
-    mp.spawn(_worker, args=(world, _free_port(), cuts, replicas, k, j), nprocs=world, join=True)
+    args = (world, _free_port(), cuts, replicas, k, j, schedule)
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
 
 
 def _release_worker(

@@ -82,8 +82,12 @@ def propose(
     use_all_devices: bool = False,
     optimizer_factor: float = 2.0,
     max_startup_slices: int = 8,
+    schedules: tuple[str, ...] = ("1f1b",),
 ) -> tuple[list[Proposal], float]:
     """Dispatch to one yardstick planner (see the module docstring).
+
+    The yardsticks run 1F1B as published; ``optimal`` enumerates ``schedules`` too, so it
+    stays the exact optimum of whatever AutoPipe may choose among.
 
     Returns:
         The proposals and the milliseconds spent choosing a borrowed shape (excluded from the
@@ -104,7 +108,8 @@ def propose(
         (s, r, m), spent = _shape(*args)
         return [optimal_proposal(profile, costs, cluster, devs, batch, s, r, m,
                                  pins["startup_slices"], max_startup_slices,
-                                 optimizer_factor, pins.get("drain_slices"))], spent
+                                 optimizer_factor, pins.get("drain_slices"),
+                                 schedules)], spent
     m, spent = pins["num_microbatches"], 0.0
     if not m:
         (_, _, m), spent = _shape(*args)

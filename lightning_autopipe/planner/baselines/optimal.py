@@ -55,8 +55,9 @@ def optimal_proposal(
     max_slices: int,
     optimizer_factor: float = 2.0,
     j_pin: int | None = None,
+    schedules: tuple[str, ...] = ("1f1b",),
 ) -> Proposal:
-    """Exact best (partition, mapping, startup and drain slices) for a fixed shape.
+    """Exact best (partition, mapping, startup and drain slices, schedule) for a fixed shape.
 
     Branch and bound: every candidate gets an optimistic replay (a lower bound of the
     simulator); candidates are simulated in order of that bound until the bound exceeds the
@@ -69,14 +70,14 @@ def optimal_proposal(
     mb = batch // (m * replicas)
     ks = [k_pin] if k_pin else list(range(1, min(max_slices, mb) + 1))
     js = [j_pin] if j_pin else list(range(1, min(max_slices, mb) + 1)) if m >= 2 else [1]
-    slices = [(k, j) for k in ks for j in js]
+    slices = [(k, j, sch) for k in ks for j in js for sch in schedules]
     maps = _mappings(cluster, devs, stages, replicas)
     parts = math.comb(n - 1, stages - 1)
     total = parts * len(maps) * len(slices)
     if total > _OPTIMAL_LIMIT:
         raise PlanError(
             f"the optimal planner would enumerate {parts} partitions x {len(maps)} mappings x "
-            f"{len(slices)} (startup, drain) slice counts = {total} candidates (limit "
+            f"{len(slices)} (startup, drain, schedule) choices = {total} candidates (limit "
             f"{_OPTIMAL_LIMIT}); use it on small cases (about 12 blocks, 4 stages) or pin "
             "startup_slices and drain_slices"
         )
@@ -85,23 +86,23 @@ def optimal_proposal(
         lay = Layout.from_cluster(cluster, groups, optimistic=True)
         for inner in itertools.combinations(range(1, n), stages - 1):
             cuts = [0, *inner, n]
-            for k, j in slices:
-                e = evaluate(costs, lay, cuts, batch, m, k, drain_slices=j,
+            for k, j, sch in slices:
+                e = evaluate(costs, lay, cuts, batch, m, k, drain_slices=j, schedule=sch,
                              optimizer_factor=optimizer_factor, critical_path=False)
-                cands.append((not e.fits, e.iteration_ms, groups, cuts, k, j))
+                cands.append((not e.fits, e.iteration_ms, groups, cuts, k, j, sch))
     cands.sort(key=lambda c: (c[0], c[1]))
     best: tuple[tuple[bool, float], Proposal] | None = None
-    for unfit, bound, groups, cuts, k, j in cands:
+    for unfit, bound, groups, cuts, k, j, sch in cands:
         if best is not None and (unfit, bound) >= best[0]:
             break
         plan = Plan("optimal", batch, m, k,
                     [StagePlan((cuts[s], cuts[s + 1]), groups[s]) for s in range(stages)],
-                    drain_slices=j)
+                    drain_slices=j, schedule=sch)
         res = simulate(plan, profile, cluster, optimizer_bytes_per_param_byte=optimizer_factor)
         fits = all(v <= cluster.device(d).spec.memory_bytes
                    for d, v in res.peak_memory_bytes.items())
         key = (not fits, res.iteration_ms)
         if best is None or key < best[0]:
-            best = (key, Proposal(groups, cuts, m, k, j))
+            best = (key, Proposal(groups, cuts, m, k, j, sch))
     assert best is not None
     return best[1]

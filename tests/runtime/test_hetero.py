@@ -1,0 +1,183 @@
+"""Heterogeneity discovered on real processes: two gloo ranks, each pinned to its own core, one
+core shared with a CPU-bound neighbour process (a slowdown no configuration declares).
+
+Discovery must find one server with two device types, measure the slow one's speed as it is,
+give the slow rank less work, and the training must still equal one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_autopipe.models import TinyGPT
+from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.runtime.pipeline import build_local_pipeline
+from tests.runtime import _cases as C
+
+pytestmark = pytest.mark.slow
+
+STEPS, BATCH, LR = 3, 8, 0.05
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+class Model(nn.Module):
+    """A GPT big enough that its blocks take milliseconds (timings above the noise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = TinyGPT(vocab=64, seq_len=32, d_model=96, n_layers=4, n_heads=4)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def pipeline_loss(self, outputs, batch):
+        return C.loss_fn(outputs, batch)
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 64, (BATCH, 33), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _whole_model_ms(model: nn.Module, repeats: int = 9) -> float:
+    """A reference workload timed on this rank's core: the whole model's forward + backward
+    (the median: a shared core's time slices make single runs anywhere from full to half
+    speed, as the profiler's medians see them)."""
+    x, y = _data(0)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        C.loss_fn(model(x), (x, y)).backward()
+        times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times) * 1e3
+
+
+def _broadcast(obj, src):
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.sched_setaffinity(0, {CORES[rank]})
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        _check(rank, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def _check(rank: int, out: Path) -> None:
+    model = Model()
+    reference = copy.deepcopy(model)
+    own_ms = _whole_model_ms(copy.deepcopy(model))
+    x, y = _data(0)
+    pipe = build_local_pipeline(
+        model, (x,), BATCH, AutoPipeOptions(num_stages=2, profile_repeats=3),
+        rank=rank, world_size=2, device=torch.device("cpu"), broadcast=_broadcast,
+        example_batch=(x, y), run_dir=out / "autopipe",
+    )
+    opt = torch.optim.SGD(pipe.stage.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = pipe.executor.train_step(_data(step))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    state = {k: v.detach().clone() for k, v in pipe.stage.state_dict().items()}
+    states: list = [None, None]
+    dist.all_gather_object(states, state)
+    timings: list = [None, None]
+    dist.all_gather_object(timings, own_ms)
+    pipe.executor.close()
+    if rank != 0:
+        return
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    ref_losses = []
+    for step in range(STEPS):
+        xs, ys = _data(step)
+        loss = C.loss_fn(reference(xs), (xs, ys))
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(float(loss))
+    ref_state = reference.state_dict()
+    mismatch = []
+    for part in states:
+        for name, value in part.items():
+            if not torch.allclose(value, ref_state[name], rtol=1e-5, atol=1e-6):
+                mismatch.append(name)
+    cl = pipe.cluster
+    specs = [d.spec for d in cl.devices]
+    work = {st.devices[0]: list(st.blocks) for st in pipe.plan.stages}
+    ref_prof = pipe.profile
+    block_ms = [b.forward_ms + b.backward_ms for b in ref_prof.blocks]
+    result = {
+        "servers": len(cl.servers),
+        "types": sorted({s.name for s in specs}),
+        "speeds": [s.speed for s in specs],
+        "names": [d.name for d in cl.devices],
+        "timing_ratio": timings[0] / timings[1],
+        "work": {d: sum(block_ms[i:j]) for d, (i, j) in work.items()},
+        "blocks": {d: j - i for d, (i, j) in work.items()},
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "mismatch": mismatch,
+        "written": (out / "autopipe" / "cluster.yaml").exists(),
+    }
+    (out / "result.json").write_text(json.dumps(result))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to pin the ranks to")
+def test_a_rank_slowed_by_a_core_neighbour_is_discovered_and_given_less_work(tmp_path):
+    busy = "import os, time\nend = time.time() + 300\nwhile time.time() < end: pass\n"
+    core = CORES[1]
+    neighbour = subprocess.Popen(
+        [sys.executable, "-c", busy], preexec_fn=lambda: os.sched_setaffinity(0, {core})
+    )
+    try:
+        mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    finally:  # the neighbour's lifetime is bounded by the test's
+        neighbour.kill()
+        neighbour.wait()
+    r = json.loads((tmp_path / "result.json").read_text())
+    print(r)
+    assert r["servers"] == 1
+    assert len(r["types"]) == 2, r
+    fast, slow = r["speeds"]
+    assert fast == 1.0
+    assert slow < 0.8, r  # the neighbour takes about half of the core
+    # the measured speed agrees with an independent workload timed on both cores
+    assert slow == pytest.approx(r["timing_ratio"], rel=0.25), r
+    slow_dev = r["names"][1]
+    fast_dev = r["names"][0]
+    assert r["work"][slow_dev] < r["work"][fast_dev], r
+    assert r["written"]
+    assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+    assert r["mismatch"] == []

@@ -345,11 +345,18 @@ def _profile_file(label: str) -> str:
     return f"profiles/{safe or 'device'}.json"
 
 
-def write_cluster(cluster: Cluster, folder: str | Path) -> Path:
+def write_cluster(
+    cluster: Cluster, folder: str | Path, reference: Profile | None = None
+) -> Path:
     """Write ``cluster.yaml`` and each device type's profile under ``folder``; the file loads
-    back with :meth:`Cluster.load` (profile paths are relative to it)."""
+    back with :meth:`Cluster.load` (profile paths are relative to it). ``reference``, the
+    profile the speeds are relative to and the plan was made from, goes to ``profile.json``
+    (``python -m lightning_autopipe plan --profile profile.json --cluster cluster.yaml``
+    plans the run again)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if reference is not None:
+        reference.save(folder / "profile.json")
     for d in cluster.devices:
         spec = d.spec
         if spec.profile is not None and spec.profile_path is not None:

@@ -301,7 +301,7 @@ def build_local_pipeline(
         cluster, profile, _ = discover(mine, device)
         names = [d.name for d in cluster.devices]
         if rank == 0 and run_dir is not None:
-            where = write_cluster(cluster, run_dir)
+            where = write_cluster(cluster, run_dir, profile)
             _info(f"discovered cluster written to {where} (reuse it as cluster=<that file>)")
     elif planning and distributed:
         reports = gather_reports(mine, device)

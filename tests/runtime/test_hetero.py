@@ -167,7 +167,6 @@ def test_a_rank_slowed_by_a_core_neighbour_is_discovered_and_given_less_work(tmp
         neighbour.kill()
         neighbour.wait()
     r = json.loads((tmp_path / "result.json").read_text())
-    print(r)
     assert r["servers"] == 1
     assert len(r["types"]) == 2, r
     fast, slow = r["speeds"]
@@ -181,3 +180,104 @@ def test_a_rank_slowed_by_a_core_neighbour_is_discovered_and_given_less_work(tmp
     assert r["written"]
     assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
     assert r["mismatch"] == []
+
+
+# ------------------------------------------------------------------- alike ranks, failures
+def _alike_worker(rank: int, port: int, out: str) -> None:
+    import warnings
+
+    import yaml
+
+    from lightning_autopipe.cluster import Cluster
+    from lightning_autopipe.planner.search import search_plan
+
+    os.sched_setaffinity(0, {CORES[rank]})
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        x, y = _data(0)
+        kw = dict(rank=rank, world_size=2, device=torch.device("cpu"), broadcast=_broadcast,
+                  example_batch=(x, y))
+        pipe = build_local_pipeline(Model(), (x,), BATCH,
+                                    AutoPipeOptions(num_stages=2, profile_repeats=3), **kw)
+        pipe.executor.close()
+        # the same ranks, declared unlike: speed 1.0 and 0.5
+        declared = Cluster.local(2).to_dict()
+        declared["servers"][0]["devices"] = {1: {"name": "slow", "speed": 0.5, "memory_gb": 16}}
+        path = Path(out) / f"declared{rank}.yaml"
+        path.write_text(yaml.safe_dump(declared))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            other = build_local_pipeline(
+                Model(), (x,), BATCH,
+                AutoPipeOptions(num_stages=2, profile_repeats=1, cluster=str(path)), **kw)
+        other.executor.close()
+        if rank == 0:
+            cl, prof = pipe.cluster, pipe.profile
+            lv = cl.servers[0].levels[0]
+            local = Cluster.local(2, device_name=cl.devices[0].spec.name, gbps=lv.gbps,
+                                  latency_us=lv.latency_us, memory_gb=cl.devices[0].spec.memory_gb,
+                                  reduce_gbps=cl.devices[0].spec.reduce_gbps)
+            today = search_plan(prof, local, ["local:0", "local:1"], BATCH, num_stages=2)
+            result = {
+                "types": sorted({d.spec.name for d in cl.devices}),
+                "cuts": pipe.plan.cuts, "today": today.cuts,
+                "same": [pipe.plan.num_microbatches, pipe.plan.startup_slices,
+                         pipe.plan.drain_slices, pipe.plan.schedule] == [
+                    today.num_microbatches, today.startup_slices, today.drain_slices,
+                    today.schedule],
+                "warnings": [str(w.message) for w in seen],
+            }
+            (Path(out) / "alike.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to pin the ranks to")
+def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_warns(tmp_path):
+    mp.spawn(_alike_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r = json.loads((tmp_path / "alike.json").read_text())
+    assert len(r["types"]) == 1, r
+    assert r["cuts"] == r["today"]
+    assert r["same"]
+    said = [w for w in r["warnings"] if "contradicts the measurement" in w]
+    assert said, r["warnings"]
+    assert "declared relative speed 0.50, measured" in said[0]
+
+
+def _failing_worker(rank: int, port: int, out: str) -> None:
+    import lightning_autopipe.profiler as profiler
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    real = profiler.profile_blocks
+
+    def broken(*args, **kwargs):
+        if rank == 1:
+            raise RuntimeError("this rank's device is gone")
+        return real(*args, **kwargs)
+
+    profiler.profile_blocks = broken
+    try:
+        x, y = _data(0)
+        build_local_pipeline(Model(), (x,), BATCH, AutoPipeOptions(num_stages=2),
+                             rank=rank, world_size=2, device=torch.device("cpu"),
+                             broadcast=_broadcast, example_batch=(x, y))
+        message = "no error"
+    except Exception as exc:  # every rank must end with the failing rank's error
+        message = f"{type(exc).__name__}: {exc}"
+    finally:
+        dist.destroy_process_group()
+    (Path(out) / f"rank{rank}.txt").write_text(message)
+
+
+def test_a_rank_whose_profiling_fails_ends_discovery_on_every_rank(tmp_path):
+    mp.spawn(_failing_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    # rank 0 learns rank 1's own error (a hang would end in the collective's timeout instead)
+    assert "this rank's device is gone" in (tmp_path / "rank1.txt").read_text()
+    theirs = (tmp_path / "rank0.txt").read_text()
+    assert "PipelineRuntimeError" in theirs
+    assert "rank 1" in theirs
+    assert "this rank's device is gone" in theirs

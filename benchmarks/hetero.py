@@ -1,0 +1,237 @@
+"""Heterogeneity benchmark: two CPU ranks, one slowed by a neighbour on its core, discovered.
+
+    .venv/bin/python benchmarks/hetero.py [--steps 3] [--rounds 4] [--out FILE]
+
+The GPT of ``benchmarks/runtime.py`` (vocab 512, seq 128, 8 layers, d_model 256), global batch
+32, fp32, SGD, two gloo ranks with one thread each, rank 0 pinned to the first core and rank 1
+to the second, which a CPU-bound neighbour process shares for the whole run (killed at the end;
+its own deadline bounds it too): rank 1 computes at about half speed and nothing declares it.
+
+The dataloader batch is one replica's (as with DDP and the strategy): 32 samples per replica,
+so a plan with two replicas trains 64 per step; samples/s compares them. Rows, all timed in the
+same run, interleaved round by round (the median round of each):
+
+* one process on the fast core (rank 0 alone, the whole batch);
+* AutoPipe with discovery, 2 stages pinned (``cluster=None``: the strategy's default);
+* AutoPipe with discovery, everything on ``auto``;
+* the homogeneous local cluster with 2 stages pinned: what the planner makes when it assumes
+  the ranks are alike (the measured link, every rank at speed 1);
+* DAPPLE's plan on the discovered cluster (its model has one device type);
+* an even split of the blocks over the two ranks.
+
+Columns: samples/s, the ratio to one process, the simulator's predicted step (on the cluster
+the row was planned for) and measured / predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.runtime import BATCH, LR, PROFILE_MB, GPTTask, _data  # noqa: E402
+from lightning_autopipe.cluster import Cluster  # noqa: E402
+from lightning_autopipe.options import AutoPipeOptions  # noqa: E402
+from lightning_autopipe.planner.plan import Plan  # noqa: E402
+from lightning_autopipe.planner.search import search_plan  # noqa: E402
+from lightning_autopipe.planner.simulate import simulate  # noqa: E402
+from lightning_autopipe.runtime.pipeline import build_local_pipeline  # noqa: E402
+
+WORLD = 2
+COMMAND = ".venv/bin/python benchmarks/hetero.py"
+NEIGHBOUR_S = 1800  # the neighbour's own deadline, should the benchmark die without killing it
+
+
+def _bcast(obj: Any, src: int) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
+
+
+def _pipeline(plan: Plan | None, cluster: Any, rank: int, run_dir: Path | None, **pins: Any):
+    x, y = _data()
+    options = AutoPipeOptions(plan=plan, cluster=cluster, timeout=900, **pins)
+    pipe = build_local_pipeline(
+        GPTTask(), (x[:PROFILE_MB],), BATCH, options,
+        rank=rank, world_size=WORLD, device=torch.device("cpu"), broadcast=_bcast,
+        example_batch=(x[:PROFILE_MB], y[:PROFILE_MB]), run_dir=run_dir,
+    )
+    batch = (x, y)  # every replica's batch (as DDP: the global batch is 32 x replicas)
+    opt = torch.optim.SGD(pipe.stage.parameters(), lr=LR)
+
+    def step() -> None:
+        pipe.executor.train_step(batch)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return pipe, step
+
+
+def _single(rank: int):
+    model = GPTTask()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = _data()
+
+    def step() -> None:
+        if rank == 0:
+            model.pipeline_loss(model(x), (x, y)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _local_like(cluster: Cluster) -> Cluster:
+    """The discovered link and reduction, with every rank alike (speed 1): today's default."""
+    lv = cluster.servers[0].levels[0]
+    spec = cluster.servers[0].device
+    return Cluster.local(WORLD, device_name=spec.name, gbps=lv.gbps, latency_us=lv.latency_us,
+                         reduce_gbps=spec.reduce_gbps, memory_gb=spec.memory_gb)
+
+
+def _worker(rank: int, port: int, out: str, steps: int, rounds: int, cores: list[int]) -> None:
+    os.sched_setaffinity(0, {cores[rank]})
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=900))
+    try:
+        _run(rank, Path(out), steps, rounds)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(rank: int, out: Path, steps: int, rounds: int) -> None:
+    t0 = time.perf_counter()
+    discovered, pinned_step = _pipeline(None, None, rank, out / "autopipe", num_stages=2)
+    cluster, ref = discovered.cluster, discovered.profile
+    discovery_s = time.perf_counter() - t0
+    names = [d.name for d in cluster.devices]
+    local = _local_like(cluster)
+    plans: Any = None
+    if rank == 0:
+        plans = {
+            "AutoPipe, discovered, 2 stages pinned": (discovered.plan, cluster),
+            "AutoPipe, discovered, all auto": (search_plan(ref, cluster, names, BATCH), cluster),
+            "homogeneous local cluster, 2 stages": (
+                search_plan(ref, local, [d.name for d in local.devices], BATCH, num_stages=2),
+                local),
+            "DAPPLE on the discovered cluster": (
+                search_plan(ref, cluster, names, BATCH, planner="dapple"), cluster),
+            "even split, 2 stages": (
+                search_plan(ref, cluster, names, BATCH, planner="uniform", num_stages=2),
+                cluster),
+        }
+        plans = {k: (p.to_json(), c.to_dict() if c is local else None) for k, (p, c) in
+                 plans.items()}
+    plans = _bcast(plans, 0)
+    runs: dict[str, Any] = {"one process, fast core": (_single(rank), None, None)}
+    for label, (text, local_dict) in plans.items():
+        plan = Plan.from_json(text)
+        row_cluster = Cluster.from_dict(local_dict) if local_dict else cluster
+        if label.startswith("AutoPipe, discovered, 2"):
+            runs[label] = (pinned_step, plan, row_cluster)
+            continue
+        _, step = _pipeline(plan, row_cluster, rank, None)
+        runs[label] = (step, plan, row_cluster)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for label, (step, _, _) in runs.items():
+            step()  # warm-up
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            dist.barrier()
+            times[label].append((time.perf_counter() - t) / steps * 1e3)
+    if rank != 0:
+        return
+    single = statistics.median(times["one process, fast core"])
+    rows = []
+    for label, (_, plan, row_cluster) in runs.items():
+        ms = statistics.median(times[label])
+        pred = simulate(plan, ref, row_cluster).iteration_ms if plan is not None else None
+        blocks = [list(s.blocks) for s in plan.stages] if plan is not None else []
+        layout = ("1 process" if plan is None else
+                  f"{plan.num_stages}x{plan.replicas} blocks {blocks} m{plan.num_microbatches} "
+                  f"k{plan.startup_slices} j{plan.drain_slices} {plan.schedule}")
+        samples = plan.global_batch_size if plan is not None else BATCH
+        rows.append({"row": label, "ms": ms, "samples_s": samples / ms * 1e3,
+                     "x_single": samples / ms / (BATCH / single),
+                     "predicted_ms": pred, "measured_over_predicted": ms / pred if pred else None,
+                     "layout": layout})
+    speeds = {d.name: d.spec.speed for d in cluster.devices}
+    result = {"rows": rows, "speeds": speeds, "discovery_s": discovery_s,
+              "cluster": (out / "autopipe" / "cluster.yaml").read_text()}
+    (out / "hetero.json").write_text(json.dumps(result, indent=1))
+
+
+def _table(result: dict, steps: int, rounds: int) -> str:
+    by = {r["row"]: r for r in result["rows"]}
+    homo = by["homogeneous local cluster, 2 stages"]["samples_s"]
+    lines = [
+        f"command: {COMMAND} --steps {steps} --rounds {rounds}",
+        f"measured device speeds: {result['speeds']} (discovery took "
+        f"{result['discovery_s']:.1f} s)",
+        "",
+        "| run | samples/s | x one process | x homogeneous plan | predicted ms | measured / "
+        "predicted | layout |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        pred = f"{r['predicted_ms']:.1f}" if r["predicted_ms"] else "-"
+        ratio = f"{r['measured_over_predicted']:.3f}" if r["measured_over_predicted"] else "-"
+        lines.append(f"| {r['row']} | {r['samples_s']:.2f} | {r['x_single']:.3f} | "
+                     f"{r['samples_s'] / homo:.3f} | {pred} | {ratio} | {r['layout']} |")
+    lines += ["", "discovered cluster.yaml:", "```", result["cluster"].rstrip(), "```"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--out", help="also write the table here (markdown)")
+    args = p.parse_args(argv)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        print("needs two cores: one per rank", file=sys.stderr)
+        return 2
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"autopipe-hetero-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    busy = f"import time\nend = time.time() + {NEIGHBOUR_S}\nwhile time.time() < end: pass\n"
+    core = cores[1]
+    neighbour = subprocess.Popen([sys.executable, "-c", busy],
+                                 preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_worker, args=(port, str(work), args.steps, args.rounds, cores[:2]),
+                 nprocs=WORLD, join=True)
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    table = _table(json.loads((work / "hetero.json").read_text()), args.steps, args.rounds)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import PlanError
+from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.plan import Plan
 
 __all__ = ["AutoPipeOptions", "CHECKPOINT_FORMATS", "NONFINITE_LOSS", "START_METHODS"]
@@ -37,8 +38,9 @@ class AutoPipeOptions:
     """
 
     cluster: Cluster | str | Path | None = None
-    """A ``Cluster``, a cluster YAML path, or None for "the launched processes as one
-    homogeneous server" (``Cluster.local``, its link measured at start-up)."""
+    """A ``Cluster``, a cluster YAML path, or None: discover it from the launched ranks
+    (hosts, devices, each rank's measured profile and links; written to the run directory as
+    ``autopipe/cluster.yaml``)."""
 
     planner: str = "autopipe"
     """Planner name handed to ``make_plan`` (``"autopipe"`` or a yardstick: ``"dapple"``...)."""
@@ -55,6 +57,10 @@ class AutoPipeOptions:
 
     drain_slices: int | str | None = "auto"
     """Slices the last micro-batch is cut into (a shorter cool-down), or ``"auto"``."""
+
+    schedule: str = "auto"
+    """``"auto"`` (the planner picks 1F1B or zero-bubble ZB-H1, whichever it predicts faster
+    within memory) or one schedule: ``"1f1b"``, ``"zb-h1"`` or ``"gpipe"``."""
 
     granularity: str = "sub-block"
     """Block granularity of ``split_model`` (``"sub-block"`` or ``"layer"``)."""
@@ -109,6 +115,10 @@ class AutoPipeOptions:
             )
         for name in _PINS:
             _auto_or_positive(name, getattr(self, name))
+        if self.schedule != "auto" and self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule must be 'auto' or one of {sorted(SCHEDULES)}, not {self.schedule!r}"
+            )
         timeout = self.timeout
         try:
             seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
@@ -173,6 +183,11 @@ class AutoPipeOptions:
     def pins(self) -> dict[str, int | None]:
         """The four plan counts as the planner takes them: an int, or None for ``"auto"``."""
         return {name: _auto_or_positive(name, getattr(self, name)) for name in _PINS}
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules the planner may choose among."""
+        return ("1f1b", "zb-h1") if self.schedule == "auto" else (self.schedule,)
 
     @property
     def timeout_delta(self) -> timedelta:

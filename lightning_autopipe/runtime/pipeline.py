@@ -316,7 +316,8 @@ def build_local_pipeline(
                     profile = mine if distributed else _profile(
                         blocks, example, example_batch, loss_fn, device, repeats)
                 plan = search_plan(
-                    profile, cluster, names, replica_batch, planner=options.planner, **pins
+                    profile, cluster, names, replica_batch, planner=options.planner,
+                    schedules=options.schedules, **pins
                 )
                 _check_fingerprint(plan, blocks)
             else:

@@ -20,7 +20,9 @@ from lightning_autopipe.errors import (
     PipelineRuntimeError,
     PlanError,
     ScheduleError,
+    StepContractError,
     TraceError,
+    UnsafeCheckpointError,
 )
 
 if TYPE_CHECKING:
@@ -79,7 +81,9 @@ __all__ = [
     "Profile",
     "ScheduleError",
     "StagePlan",
+    "StepContractError",
     "TraceError",
+    "UnsafeCheckpointError",
     "profile_blocks",
     "split_model",
 ]

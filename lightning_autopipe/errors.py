@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "AutoPipeError",
     "TraceError",
@@ -12,6 +14,8 @@ __all__ = [
     "PlanError",
     "MemoryPlanError",
     "PipelineRuntimeError",
+    "StepContractError",
+    "UnsafeCheckpointError",
 ]
 
 
@@ -49,3 +53,13 @@ class MemoryPlanError(PlanError):
 
 class PipelineRuntimeError(AutoPipeError, RuntimeError):
     """A rank failed while running the pipeline; the message names the rank and the cause."""
+
+
+class StepContractError(AutoPipeError, RuntimeError):
+    """A LightningModule step does something the pipeline cannot run per micro-batch slice
+    (calls ``self(...)`` twice or not at all, logs a value that cannot be combined)."""
+
+
+class UnsafeCheckpointError(AutoPipeError, pickle.UnpicklingError):
+    """A checkpoint holds a pickled object other than tensors and plain containers: loading it
+    would run code from the file, so it is refused."""

@@ -215,7 +215,7 @@ _OPTIONAL = ("forward_fixed_ms", "backward_fixed_ms", "backward_input_ms", "back
 def _block_dict(b: BlockProfile) -> dict[str, Any]:
     d = asdict(b)
     for k in _OPTIONAL:
-        if not d[k]:
+        if d[k] is None or (not d[k] and k.endswith("fixed_ms")):
             del d[k]
     return d
 

@@ -141,11 +141,68 @@ class _BlockRun:
     b_ms: float = 0.0
     f_fix: float = 0.0
     b_fix: float = 0.0
+    b_in: float | None = None  # the backward split into input and weight gradients
+    b_w: float | None = None
     param_bytes: int = 0
 
     def __post_init__(self) -> None:
         params = {id(p): p for p in self.stage.parameters()}
         self.param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+
+
+def _split_backward(
+    stage: Any, args: tuple[Any, ...], outputs: tuple[Any, ...], loss: Tensor | None,
+    dev: torch.device,
+) -> tuple[float, float]:
+    """Milliseconds of the backward's input part (B) and weight part (W), timed one after the
+    other as a zero-bubble schedule runs them (the runtime's split, ``stage_backward_input`` /
+    ``stage_backward_weight``). A block whose inputs take no gradient (the model's first) has
+    no input part: its whole backward is the weight part, as on the pipeline's first stage."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    params = [p for p in stage.parameters() if p.requires_grad]
+    wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    _sync(dev)
+    t0 = time.perf_counter()
+    if not wants:
+        _run_backward(outputs, loss)
+        _sync(dev)
+        return 0.0, (time.perf_counter() - t0) * 1e3
+    if loss is not None:
+        outs, grads = [loss], None
+    else:
+        outs = _grad_targets(outputs)
+        grads = [torch.ones_like(t) for t in outs]
+    _, groups = stage_backward_input(outs, grads, list(args), iter(params))
+    _sync(dev)
+    t1 = time.perf_counter()
+    stage_backward_weight(iter(params), groups)
+    _sync(dev)
+    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+
+
+def _split_pass(runs: list[_BlockRun], dev: torch.device, n: int) -> list[tuple[float, float]]:
+    """Every block's forward in order, then every split backward in reverse (untimed forward)."""
+    held = []
+    for run in runs:
+        args = _prepare(run.values, run.grads)
+        outputs = run.stage(*args)
+        held.append((args, outputs, _scalar_loss(run.loss, outputs, n)))
+    out: list[tuple[float, float]] = [(0.0, 0.0)] * len(runs)
+    for b in range(len(runs) - 1, -1, -1):
+        args, outputs, loss = held[b]
+        out[b] = _split_backward(runs[b].stage, args, outputs, loss, dev)
+        held[b] = None  # type: ignore[call-overload]
+    return out
+
+
+def _time_split(runs: list[_BlockRun], dev: torch.device, repeats: int, n: int) -> None:
+    """Median input and weight parts of every block's backward over ``repeats`` passes."""
+    _split_pass(runs, dev, n)  # warm-up
+    passes = [_split_pass(runs, dev, n) for _ in range(repeats)]
+    for b, run in enumerate(runs):
+        run.b_in = statistics.median(p[b][0] for p in passes)
+        run.b_w = max(statistics.median(p[b][1] for p in passes), _MIN_MS)
 
 
 def _half(values: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
@@ -283,6 +340,7 @@ def profile_blocks(
     fit_fixed: bool = True,
     loss_fn: LossFn | None = None,
     in_chain: bool | None = None,
+    split_backward: bool = True,
 ) -> Profile:
     """Measure every block of a split model on ``device`` for one micro-batch.
 
@@ -319,6 +377,9 @@ def profile_blocks(
             CPU, where caches make the difference (see ``_time_chain``); elsewhere each block
             is copied to the device and timed alone, so a model larger than one device can
             still be profiled.
+        split_backward: also time each block's backward as its input-gradient and its
+            weight-gradient parts, run one after the other (``backward_input_ms`` /
+            ``backward_weight_ms``), which zero-bubble schedules execute as two actions.
 
     Returns:
         A :class:`Profile` with ``fingerprint = blocks.fingerprint``. Parameter gradients and
@@ -352,11 +413,15 @@ def profile_blocks(
             run = _BlockRun(stage, grads, values, loss, int(memory), outputs)
             if not chain:  # one block on the device at a time: time it now, then let it go
                 _time_isolated(run, dev, warmup, repeats, batch, fit_fixed)
+                if split_backward:
+                    _time_split([run], dev, repeats, batch)
                 run.stage = None
             runs.append(run)
             values = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
         if chain:
             _time_chain(runs, dev, warmup, repeats, batch, fit_fixed)
+            if split_backward:
+                _time_split(runs, dev, repeats, batch)
         for b, run in enumerate(runs):
             params = run.param_bytes
             out.append(
@@ -373,6 +438,8 @@ def profile_blocks(
                     memory_bytes=run.memory,
                     forward_fixed_ms=run.f_fix,
                     backward_fixed_ms=run.b_fix,
+                    backward_input_ms=run.b_in,
+                    backward_weight_ms=run.b_w,
                 )
             )
     finally:

@@ -3,26 +3,30 @@
 The LightningModule contract
 ----------------------------
 * ``forward`` is what gets traced (``lightning_autopipe.graph.split_model``) and cut into
-  pipeline stages; only tensors may cross stage boundaries.
-* ``pipeline_loss(self, outputs, batch) -> Tensor`` returns the *mean* loss of one micro-batch
-  slice; it runs on the last stage with ``outputs`` shaped like ``forward``'s and ``batch``
-  sliced along dim 0 consistently with the inputs (every tensor whose first dimension is the
-  batch size is sliced; other values pass unchanged; a tensor with another first dimension is
-  refused as a likely data bug unless ``check_batch=False``). Each slice's loss is weighted by
-  its sample count, so gradients equal whole-batch training on one process.
-* Forward inputs come from ``pipeline_inputs(self, batch)`` when defined, else ``batch[0]`` for
-  a tuple/list batch, else the batch itself (a tensor, tuple of positional tensors, or dict of
-  keyword tensors).
-* ``training_step`` / ``validation_step`` are not called under this strategy (the schedule runs
-  the forward, loss and backward itself), so the same module still trains with
-  ``strategy="auto"`` unchanged. The strategy's training step returns the global-batch mean
-  loss, which Lightning hands to ``on_train_batch_end(outputs=...)`` (log the train loss there);
-  validation / test run a forward-only pipeline and log ``val_loss`` / ``test_loss``.
+  pipeline stages; only tensors may cross stage boundaries. Forward inputs come from
+  ``pipeline_inputs(self, batch)`` when defined, else ``batch[0]`` for a tuple/list batch, else
+  the batch itself (a tensor, tuple of positional tensors, or dict of keyword tensors).
+* The module's own steps run as written (:mod:`lightning_autopipe.lightning_steps`): per
+  micro-batch slice the last stage calls ``training_step`` (``validation_step``, ``test_step``,
+  ``predict_step`` in a forward-only pipeline) with ``self(...)`` answering that slice's outputs
+  of the last stage; the returned loss is back-propagated weighted by the slice's sample count
+  (gradients equal whole-batch training on one process); ``self.log`` calls are combined per key
+  (sample-weighted) and logged once on every rank, as with DDP. A step calls ``self(...)``
+  exactly once and logs numbers (``StepContractError`` otherwise, on every rank).
+  ``trainer.predict`` returns, on every rank of a replica, that replica's predictions in order.
+* Or ``pipeline_loss(self, outputs, batch) -> Tensor``, the *mean* loss of one slice: the
+  strategy then runs forward, loss and backward itself and calls none of ``training_step`` /
+  ``validation_step`` / ``test_step``; its training step returns the global-batch mean loss to
+  ``on_train_batch_end(outputs=...)``, validation / test log ``val_loss`` / ``test_loss``.
+* Every tensor of the batch whose first dimension is the batch size is sliced along dim 0; other
+  values pass unchanged; a tensor with another first dimension is refused as a likely data bug
+  unless ``check_batch=False``.
 * Before ``configure_optimizers`` runs, the module's parameters are rebound to the local stage's
   (``self.parameters()`` yields exactly this rank's stage, under the original names; other
   stages' parameters are released), so ``torch.optim.X(self.parameters())`` is stage-local.
-  Build optimizers only from ``self.parameters()`` / ``named_parameters()`` inside
-  ``configure_optimizers``. The module is consumed by ``fit``: build a new one to fit again.
+  The pipeline outlives ``fit`` (:mod:`lightning_autopipe.held_pipeline`): ``validate``,
+  ``test``, ``predict`` and ``fit`` again on the same Trainer and module (``ckpt_path="last"`` /
+  ``"best"`` too) reuse it. The model summary counts every stage's parameters.
 * The dataloader's batch size is the batch of one data-parallel replica (as with DDP, the
   global batch is ``batch_size x replicas``); every stage of a replica loads the same batches.
 * Batch norm normalises over each micro-batch slice (statistics per slice, as a single process
@@ -37,7 +41,9 @@ Checkpoints and failures
   every optimizer's state under the *original* parameter names (one file written by rank 0;
   ``checkpoint_format="sharded"`` writes a ``torch.distributed.checkpoint`` directory, one shard
   per stage). Resuming (``fit(ckpt_path=...)``) works into any layout, from and to
-  ``strategy="auto"`` (``lightning_autopipe.checkpoint``). Files are replaced atomically.
+  ``strategy="auto"`` (``lightning_autopipe.checkpoint``). Files are replaced atomically and
+  read with ``weights_only=True`` (a file holding another pickled object is refused with
+  ``UnsafeCheckpointError``, unless the Trainer call passes ``weights_only=False``).
 * Every send/receive/collective runs under ``timeout``; a rank that fails posts its error
   (rank, stage, step, action, exception) and every other rank raises ``PipelineRuntimeError``
   naming it, so the launcher ends the job instead of hanging.
@@ -53,6 +59,7 @@ properties, each marked ``@override``); every hook stays a few lines that delega
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,13 +85,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_autopipe import checkpoint as ckpt
+from lightning_autopipe import summary
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
+from lightning_autopipe.held_pipeline import HeldPipeline
+from lightning_autopipe.lightning_steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.checks import check_microbatches
 from lightning_autopipe.runtime.example import _example
 from lightning_autopipe.runtime.failure import describe, watch_launcher
-from lightning_autopipe.runtime.groups import destroy_groups
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline
 
 __all__ = ["AutoPipeStrategy"]
@@ -139,7 +148,10 @@ class AutoPipeStrategy(ParallelStrategy):
         self._checkpoint: ckpt.PipelineCheckpoint | None = None
         self._watch: Any = None
         self._num_nodes = 1
-        self._pipe: LocalPipeline | None = None
+        self._held = HeldPipeline()  # outlives teardown: validate / test / predict / fit again
+        self._failed = False
+        self._summary_params: list[summary.ParamInfo] = []
+        self._summaries: list[Any] = []
         self._grads: list[Tensor | None] | None = None
         self._hidden_example: Any = None
         # Filled by setup (the recipes' plan report reads them):
@@ -200,8 +212,16 @@ class AutoPipeStrategy(ParallelStrategy):
 
     @property
     def pipeline(self) -> LocalPipeline | None:
-        """This rank's stage, layout, groups and executor (after setup)."""
-        return self._pipe
+        """This rank's stage, layout, groups and executor (after setup; kept after a run)."""
+        return self._held.pipe
+
+    @property
+    def _pipe(self) -> LocalPipeline | None:
+        return self._held.pipe
+
+    @property
+    def _runner(self) -> StepRunner | None:
+        return self._held.runner
 
     @override
     def _configure_launcher(self) -> None:
@@ -253,42 +273,17 @@ class AutoPipeStrategy(ParallelStrategy):
                 "AutoPipeStrategy needs automatic optimization (the schedule runs forward and "
                 "backward itself); remove `self.automatic_optimization = False`"
             )
-        example, batch_size, example_batch = _example(trainer, module)
-        pins = self.options.pins
-        check_microbatches(
-            batch_size,
-            pins["num_microbatches"],
-            pins["startup_slices"],
-            drain_slices=pins["drain_slices"],
-        )
-        param_order = [name for name, _ in module.named_parameters()]
-        state_order = list(module.state_dict().keys())
-        self._pipe = build_local_pipeline(
-            module,
-            example,
-            batch_size,
-            self.options,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            device=self.root_device,
-            broadcast=self.broadcast,
-            backend=self._backend,
-            example_batch=example_batch,
-            num_nodes=self.num_nodes,
-        )
-        self._checkpoint = ckpt.PipelineCheckpoint(
-            self._pipe.layout, param_order, state_order, self.options.checkpoint_format
-        )
-        self.plan, self.profile, self.cluster = (
-            self._pipe.plan,
-            self._pipe.profile,
-            self._pipe.cluster,
-        )
-        rank_zero_info(self._pipe.table)
+        if not self._held.serves(module):
+            self._build(trainer, module)
+        else:  # the same module again (validate / test / predict / fit after fit)
+            assert self._pipe is not None
+            self._pipe.stage.to(self.root_device)  # teardown moved the module to the CPU
         # The summary callback would run the full forward on example_input_array; the module
-        # now holds one stage only, so the example is hidden during the run.
+        # now holds one stage only, so the example is hidden during the run and the summary
+        # counts the whole model from the table taken before the split.
         self._hidden_example = module._example_input_array
         module._example_input_array = None
+        self._summaries = summary.install(trainer, self._summary_params)
         self.model = module
         self.model_to_device()
         if fn == TrainerFn.FITTING:
@@ -301,6 +296,45 @@ class AutoPipeStrategy(ParallelStrategy):
         self.precision_plugin.clip_grad_by_norm = (  # type: ignore[method-assign]
             lambda optimizer, clip_val: executor.clip_grad_norm_(float(clip_val))
         )
+
+    def _build(self, trainer: Any, module: Any) -> None:
+        """Trace, profile, plan and keep this rank's stage (every rank, collectively)."""
+        self._held.release()
+        self._held.check_splittable(module)
+        runner = StepRunner(module)
+        example, batch_size, example_batch = _example(trainer, module)
+        pins = self.options.pins
+        check_microbatches(
+            batch_size,
+            pins["num_microbatches"],
+            pins["startup_slices"],
+            drain_slices=pins["drain_slices"],
+        )
+        param_order = [name for name, _ in module.named_parameters()]
+        state_order = list(module.state_dict().keys())
+        self._summary_params = summary.whole_model_parameters(module)
+        pipe = build_local_pipeline(
+            module,
+            example,
+            batch_size,
+            self.options,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            device=self.root_device,
+            broadcast=self.broadcast,
+            backend=self._backend,
+            # The module's own steps are not run to profile the loss: they may update metrics.
+            example_batch=example_batch if runner.uses_pipeline_loss else None,
+            num_nodes=self.num_nodes,
+            run_dir=Path(trainer.default_root_dir) / "autopipe",
+            loss_fn=runner,
+        )
+        self._held.hold(self, pipe, module, runner)
+        self._checkpoint = ckpt.PipelineCheckpoint(
+            pipe.layout, param_order, state_order, self.options.checkpoint_format
+        )
+        self.plan, self.profile, self.cluster = pipe.plan, pipe.profile, pipe.cluster
+        rank_zero_info(pipe.table)
 
     def _check_optimizers(self) -> None:
         assert self._pipe is not None
@@ -328,7 +362,11 @@ class AutoPipeStrategy(ParallelStrategy):
         gradients are put aside here and handed back in :meth:`backward`.
         """
         assert self._pipe is not None
-        batch = args[0] if args else kwargs["batch"]
+        assert self._runner is not None
+        batch, rest, extra = _step_args(args, kwargs)
+        runner = self._runner
+        own = not runner.uses_pipeline_loss
+        runner.begin("training_step" if own else "pipeline_loss", rest, extra)
         params = self._pipe.executor.parameters
         for p in params:
             p.grad = None
@@ -338,6 +376,8 @@ class AutoPipeStrategy(ParallelStrategy):
         self._grads = [p.grad for p in params]
         for p in params:
             p.grad = None
+        if own:
+            self._finish()
         if not bool(torch.isfinite(loss)):
             self._on_nonfinite(loss, step)
         return loss
@@ -372,30 +412,56 @@ class AutoPipeStrategy(ParallelStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Tensor:
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(
-            args, kwargs, self.options.val_loss_name, self.precision_plugin.val_step_context
+            "validation_step", args, kwargs, self.options.val_loss_name,
+            self.precision_plugin.val_step_context,
         )
 
     @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(
-            args, kwargs, self.options.test_loss_name, self.precision_plugin.test_step_context
+            "test_step", args, kwargs, self.options.test_loss_name,
+            self.precision_plugin.test_step_context,
         )
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("AutoPipeStrategy does not run predict(); use strategy='auto'")
-
-    def _eval_step(self, args: Any, kwargs: Any, name: str, context: Callable) -> Tensor:
+        """``predict_step`` per slice on the last stage; every rank returns its replica's."""
         assert self._pipe is not None
+        assert self._runner is not None
+        batch, rest, extra = _step_args(args, kwargs)
+        self._runner.begin("predict_step", rest, extra)
+        with self.precision_plugin.predict_step_context():
+            self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra))
+        return self._finish().predictions
+
+    def _eval_step(
+        self, hook: str, args: Any, kwargs: Any, name: str, context: Callable
+    ) -> Any:
+        """Forward-only pipeline: the module's own step per slice, else ``pipeline_loss``."""
+        assert self._pipe is not None
+        assert self._runner is not None
         assert self.lightning_module is not None
-        batch = args[0] if args else kwargs["batch"]
-        index = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        batch, rest, extra = _step_args(args, kwargs)
+        runner = self._runner
+        own = not runner.uses_pipeline_loss
+        runner.begin(hook if own else "pipeline_loss", rest, extra)
         with context():
-            loss = self._pipe.executor.eval_step(batch, step=index)
+            loss = self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra))
+        if own:
+            returned = self._finish().returned
+            return None if returned is None else torch.tensor(returned, device=self.root_device)
         self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
+
+    def _finish(self) -> StepOutcome:
+        """Share the step's slice results over the pipeline and log them on this rank."""
+        assert self._pipe is not None
+        assert self._runner is not None
+        outcome = self._runner.finish(self._pipe.layout, self._pipe.groups, self.root_device)
+        outcome.log_to(self.lightning_module, self.root_device)
+        return outcome
 
     # ------------------------------------------------------------------- collectives
     @override
@@ -454,12 +520,35 @@ class AutoPipeStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        """Either format; runs before ``setup`` (the module is still whole)."""
-        if not ckpt.is_sharded(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        assert self.lightning_module is not None
-        state = self.lightning_module.state_dict()
-        return ckpt.load_sharded(checkpoint_path, state, no_dist=not _distributed_is_initialized())
+        """Either format, tensors and plain containers only unless ``weights_only=False``.
+
+        Runs before ``setup``: the module is whole, or (after ``fit``) still split by this
+        strategy, and then only this rank's stage is read from a sharded directory.
+        """
+        weights_only = True if weights_only is None else weights_only
+        with ckpt.refusing_unsafe(checkpoint_path):
+            if not ckpt.is_sharded(checkpoint_path):
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            module = self.lightning_module
+            assert module is not None
+            return ckpt.load_sharded(
+                checkpoint_path, module.state_dict(), no_dist=not _distributed_is_initialized(),
+                partial=self._held.is_split(module), weights_only=weights_only,
+            )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """A whole-model ``state_dict`` into a module this strategy split: its stage's part."""
+        module = self.lightning_module
+        if module is None or not self._held.is_split(module):
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        if not self._held.serves(module):
+            self._held.check_splittable(module)  # raises: another pipeline split it
+        local = module.state_dict()
+        module.load_state_dict(
+            ckpt.stage_model_state(checkpoint["state_dict"], local, strict=strict), strict=strict
+        )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -480,33 +569,47 @@ class AutoPipeStrategy(ParallelStrategy):
         board = self._pipe.executor.failures if self._pipe is not None else None
         if board is not None:
             board.post(f"rank {self.global_rank} failed: {describe(exception)}")
+        self._failed = True  # the pipeline may hold half a step: teardown releases it
         super().on_exception(exception)
 
     # ------------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
+        """Restore the module's example and callbacks; keep the pipeline for the next call.
+
+        A failed run releases it (its executor may hold half a step); otherwise it stays for
+        ``validate`` / ``test`` / ``predict`` / ``fit`` again with the same module, and is
+        released when the strategy builds another, is collected, or the process exits.
+        """
         module = self.lightning_module
         if module is not None and self._pipe is not None:
             module._example_input_array = self._hidden_example
         if "clip_grad_by_norm" in vars(self.precision_plugin):
             del self.precision_plugin.clip_grad_by_norm
-        if self._pipe is not None:
-            self._pipe.executor.close()  # its hooks hold the groups: release them first
-            if self._pipe.groups is not None:
-                destroy_groups(self._pipe.groups)
-        self._pipe = None
+        summary.uninstall(self._summaries)
+        self._summaries = []
+        if self._failed:
+            self._held.release()
+            self._failed = False
         if self._watch is not None:
             self._watch.disarm()
         super().teardown()
 
 
+def _step_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple, dict]:
+    """(batch, the step's other positional arguments, its other keyword arguments)."""
+    if args:
+        return args[0], tuple(args[1:]), dict(kwargs)
+    extra = dict(kwargs)
+    return extra.pop("batch"), (), extra
+
+
+def _batch_idx(rest: tuple[Any, ...], extra: dict[str, Any]) -> Any:
+    return rest[0] if rest else extra.get("batch_idx")
+
+
 def _check_trainer(trainer: Any, precision_plugin: Any) -> None:
     """What the Trainer asks for must be something the pipeline runs (checked at setup)."""
-    if trainer.state.fn == TrainerFn.PREDICTING:
-        raise NotImplementedError(
-            "AutoPipeStrategy does not run predict(); predict with strategy='auto' on the "
-            "trained weights"
-        )
     if trainer.accumulate_grad_batches != 1:
         raise PlanError(
             f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "

@@ -8,8 +8,10 @@
 * **Sharded** (``checkpoint_format="sharded"``): a ``torch.distributed.checkpoint`` directory
   with one named shard per stage (:mod:`.sharded`).
 
-Writes are atomic (:mod:`.files`). :class:`PipelineCheckpoint` (:mod:`.hooks`) is what the
-strategy's checkpoint hooks call; :func:`read_model_state` reads either format in one process.
+Writes are atomic (:mod:`.files`); reads run no code from the file (:mod:`.safe`: tensors and
+plain containers only, anything else is refused). :class:`PipelineCheckpoint` (:mod:`.hooks`)
+is what the strategy's checkpoint hooks call; :func:`read_model_state` reads either format in
+one process.
 """
 
 from lightning_autopipe.checkpoint.files import (
@@ -17,7 +19,7 @@ from lightning_autopipe.checkpoint.files import (
     atomic_torch_save,
     with_atomic_writes,
 )
-from lightning_autopipe.checkpoint.hooks import PipelineCheckpoint
+from lightning_autopipe.checkpoint.hooks import PipelineCheckpoint, stage_model_state
 from lightning_autopipe.checkpoint.optimizer import (
     group_names,
     local_optimizer_state,
@@ -25,6 +27,12 @@ from lightning_autopipe.checkpoint.optimizer import (
     merge_param_groups,
     named_optimizer_state,
     param_names_by_id,
+)
+from lightning_autopipe.checkpoint.safe import (
+    SafeFileSystemReader,
+    refusing_unsafe,
+    safe_load,
+    unsafe_message,
 )
 from lightning_autopipe.checkpoint.sharded import (
     ShardedOptimizerState,
@@ -38,6 +46,7 @@ from lightning_autopipe.checkpoint.sharded import (
 __all__ = [
     "AtomicCheckpointIO",
     "PipelineCheckpoint",
+    "SafeFileSystemReader",
     "ShardedOptimizerState",
     "atomic_torch_save",
     "group_names",
@@ -50,6 +59,10 @@ __all__ = [
     "named_optimizer_state",
     "param_names_by_id",
     "read_model_state",
+    "refusing_unsafe",
+    "safe_load",
     "save_sharded",
+    "stage_model_state",
+    "unsafe_message",
     "with_atomic_writes",
 ]

@@ -11,7 +11,7 @@ with everything it needs passed in: the rank's layout, the whole model's paramet
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from lightning_autopipe.checkpoint import sharded
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.runtime.groups import RankLayout
 
-__all__ = ["PipelineCheckpoint"]
+__all__ = ["PipelineCheckpoint", "stage_model_state"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,27 @@ class PipelineCheckpoint:
             )
             out.append([g[optstate.NAMES] for g in merged])
         return out
+
+
+def stage_model_state(
+    saved: Mapping[str, Any], local: Mapping[str, Any], *, strict: bool = True
+) -> dict[str, Any]:
+    """The part of a whole-model ``state_dict`` that one stage holds (``local``'s keys).
+
+    A module already split into a pipeline holds only its stage's tensors (the others are
+    released), so loading a whole-model checkpoint into it (``ckpt_path="best"`` after ``fit``)
+    takes that stage's keys and leaves the rest to the ranks that hold them.
+
+    Raises:
+        PlanError: with ``strict``, a key of this stage is not in the checkpoint.
+    """
+    missing = [k for k in local if k not in saved]
+    if strict and missing:
+        raise PlanError(
+            f"the checkpoint lacks {len(missing)} of this rank's stage keys ({missing[:6]}); "
+            "load a checkpoint of this model (or set the module's strict_loading = False)"
+        )
+    return {k: saved[k] for k in local if k in saved}
 
 
 def _to_cpu(obj: Any) -> Any:

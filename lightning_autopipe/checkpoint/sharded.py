@@ -24,6 +24,7 @@ from lightning_autopipe.checkpoint.optimizer import (
     numbered_state,
     unwrap,
 )
+from lightning_autopipe.checkpoint.safe import SafeFileSystemReader, refusing_unsafe, safe_load
 from lightning_autopipe.errors import PlanError
 
 __all__ = [
@@ -51,8 +52,12 @@ def _blob(obj: Any) -> Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def _unblob(t: Tensor) -> Any:
-    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=False)
+def _unblob(t: Tensor, path: Any, weights_only: bool = True) -> Any:
+    """A non-tensor part saved by :func:`_blob`; only plain containers unless told otherwise."""
+    data = io.BytesIO(t.numpy().tobytes())
+    if weights_only:
+        return safe_load(data, path=path)
+    return torch.load(data, weights_only=False)
 
 
 def _flat_sharded(checkpoint: Mapping[str, Any], include_meta: bool) -> dict[str, Any]:
@@ -115,15 +120,14 @@ def save_sharded(
 
 
 def _metadata(path: str | Path) -> Any:
-    import torch.distributed.checkpoint as dcp
-
-    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return SafeFileSystemReader(path).read_metadata().state_dict_metadata
 
 
 def _load(template: dict[str, Any], path: str | Path, no_dist: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+    with refusing_unsafe(path):
+        dcp.load(template, storage_reader=SafeFileSystemReader(path), no_dist=no_dist)
 
 
 def _empty_like_meta(md: Any) -> Tensor:
@@ -131,13 +135,22 @@ def _empty_like_meta(md: Any) -> Tensor:
 
 
 def load_sharded(
-    path: str | Path, model_state: Mapping[str, Tensor], *, no_dist: bool = False
+    path: str | Path,
+    model_state: Mapping[str, Tensor],
+    *,
+    no_dist: bool = False,
+    partial: bool = False,
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     """Lightning's checkpoint dict from a DCP directory, the model part loaded into a template.
 
     Args:
         model_state: the (whole or local) model's ``state_dict`` under the original names; its
             tensors' shapes say what to read. Every key must be in the checkpoint.
+        partial: ``model_state`` is one stage's (a module already split into a pipeline): the
+            checkpoint may hold more keys, only these are read.
+        weights_only: the non-tensor parts must be plain containers (else refused); False only
+            for a directory from a source you trust.
 
     Returns:
         Lightning's checkpoint with ``state_dict`` filled and ``optimizer_states`` a list of
@@ -146,11 +159,12 @@ def load_sharded(
 
     Raises:
         PlanError: the model has names the checkpoint lacks (or the other way round).
+        UnsafeCheckpointError: the directory holds a pickled object other than plain data.
     """
     meta = _metadata(path)
     saved = {k[len(_MODEL) :] for k in meta if k.startswith(_MODEL)}
     missing = sorted(set(model_state) - saved)
-    unexpected = sorted(saved - set(model_state))
+    unexpected = [] if partial else sorted(saved - set(model_state))
     if missing or unexpected:
         raise PlanError(
             f"the sharded checkpoint {str(path)!r} does not match the model: missing "
@@ -162,19 +176,21 @@ def load_sharded(
     }
     template[_META] = _empty_like_meta(meta[_META])
     _load(template, path, no_dist)
-    out = _unblob(template.pop(_META))
+    out = _unblob(template.pop(_META), path, weights_only)
     num = out.pop("autopipe_num_optimizers", None)
     out["state_dict"] = {k[len(_MODEL) :]: v for k, v in template.items()}
     if num is not None:
-        out["optimizer_states"] = [ShardedOptimizerState(str(path), i) for i in range(num)]
+        out["optimizer_states"] = [
+            ShardedOptimizerState(str(path), i, weights_only) for i in range(num)
+        ]
     return out
 
 
 class ShardedOptimizerState(dict):
     """Stands in for an optimizer state of a sharded checkpoint until the optimizer exists."""
 
-    def __init__(self, path: str, index: int) -> None:
-        super().__init__(path=path, index=index)
+    def __init__(self, path: str, index: int, weights_only: bool = True) -> None:
+        super().__init__(path=path, index=index, weights_only=weights_only)
 
 
 def load_sharded_optimizer(
@@ -182,6 +198,7 @@ def load_sharded_optimizer(
 ) -> dict[str, Any]:
     """This rank's optimizer state dict from a sharded checkpoint (reads only its names)."""
     path, i = marker["path"], int(marker["index"])
+    weights_only = bool(marker.get("weights_only", True))
     meta = _metadata(path)
     opt = unwrap(optimizer)
     local = [names.get(id(p)) for g in opt.param_groups for p in g["params"]]
@@ -194,14 +211,14 @@ def load_sharded_optimizer(
     for key in template:
         template[key] = _empty_like_meta(meta[key])
     _load(template, path, no_dist)
-    groups = _unblob(template.pop(f"{prefix}param_groups"))
+    groups = _unblob(template.pop(f"{prefix}param_groups"), path, weights_only)
     state: dict[str, dict[str, Any]] = {}
     for key, value in template.items():
         rest = key[len(prefix) :]
         name = next(n for n in local if rest.startswith(f"{n}.") and "." not in rest[len(n) + 1 :])
         field = rest[len(name) + 1 :]
         if field == _EXTRA:
-            state.setdefault(name, {}).update(_unblob(value))
+            state.setdefault(name, {}).update(_unblob(value, path, weights_only))
         else:
             state.setdefault(name, {})[field] = value
     return local_optimizer_state(numbered_state(groups, state), opt, names)
@@ -211,11 +228,15 @@ def read_model_state(path: str | Path) -> dict[str, Tensor]:
     """The whole model's ``state_dict`` (original names) from either checkpoint format.
 
     For a plain model in one process: ``model.load_state_dict(read_model_state(p), strict=True)``
-    (strip a LightningModule attribute prefix yourself when loading a bare sub-module).
+    (strip a LightningModule attribute prefix yourself when loading a bare sub-module). Only
+    tensors and plain containers are unpickled.
+
+    Raises:
+        UnsafeCheckpointError: the file holds another pickled object (it would run code).
     """
     if Path(path).is_dir():
         meta = _metadata(path)
         template = {k: _empty_like_meta(v) for k, v in meta.items() if k.startswith(_MODEL)}
         _load(template, path, no_dist=True)
         return {k[len(_MODEL) :]: v for k, v in template.items()}
-    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return safe_load(path, map_location="cpu")["state_dict"]

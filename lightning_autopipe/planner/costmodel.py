@@ -380,7 +380,9 @@ def stage_times(
 ) -> tuple[list[list[tuple[float, float]]], list[float]]:
     """Per stage: :func:`~.pricing.unit_parts` of one whole micro-batch (without the device
     overhead) for each action kind (forward, backward; with ``split`` forward, input backward,
-    weight backward) and its samples relative to the profile's micro-batch."""
+    weight backward; the first stage has no input gradient, so its B is empty and its W is the
+    whole backward, as the executor runs it) and its samples relative to the profile's
+    micro-batch."""
     parts, scale = [], []
     for s in range(layout.num_stages):
         i, j = cuts[s], cuts[s + 1]
@@ -390,7 +392,9 @@ def stage_times(
         sp = layout.speeds[s]
         ff, bf = c.fixed(i, j)
         row = [unit_parts(c.fwd[j] - c.fwd[i], ff, sc, sp)]
-        if split:
+        if split and s == 0:  # no input gradient to send: B is empty, W the whole backward
+            row += [(0.0, 0.0), unit_parts(c.bwd[j] - c.bwd[i], bf, sc, sp)]
+        elif split:
             b_in, b_wt, fix_in, fix_wt = c.split(i, j)
             row += [unit_parts(b_in, fix_in, sc, sp), unit_parts(b_wt, fix_wt, sc, sp)]
         else:

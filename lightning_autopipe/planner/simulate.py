@@ -283,6 +283,8 @@ def simulate(
         fdur.append([unit_ms(c.forward_ms, c.forward_fixed_ms, g / per, speed,
                              spec.overhead_ms) for g in gsamples])
         b_in, b_wt, fix_in, fix_wt = c.split
+        if s == 0:  # the first stage sends no input gradient: its W is the whole backward
+            b_in, b_wt, fix_in, fix_wt = 0.0, c.backward_ms, 0.0, c.backward_fixed_ms
         back = (b_in, fix_in) if split else (c.backward_ms, c.backward_fixed_ms)
         bdur.append([unit_ms(*back, g / per, speed, spec.overhead_ms) for g in gsamples])
         wdur.append([unit_ms(b_wt, fix_wt, g / per, speed, spec.overhead_ms) for g in gsamples]
@@ -436,9 +438,10 @@ def simulate(
             c = ref if prof is profile else own[specs[d].name][s]
             per = whole / reps[s] / prof.micro_batch_size
             ovh = specs[d].overhead_ms
+            parts = (0.0, c.backward_ms, 0.0, c.backward_fixed_ms) if s == 0 else c.split
             ms.append(unit_ms(c.forward_ms, c.forward_fixed_ms, per, speed, ovh) + (
-                unit_ms(c.split[0], c.split[2], per, speed, ovh)
-                + unit_ms(c.split[1], c.split[3], per, speed, ovh) if split
+                unit_ms(parts[0], parts[2], per, speed, ovh)
+                + unit_ms(parts[1], parts[3], per, speed, ovh) if split
                 else unit_ms(c.backward_ms, c.backward_fixed_ms, per, speed, ovh)))
         stage_ms.append(max(ms))
     peak = _peak_memory(schedule, costs, gsamples, reps, uidx, mbs, optimizer_bytes_per_param_byte)

@@ -79,4 +79,6 @@ def _tensors(args: Any) -> list[Tensor]:
 def _eval_loop(trainer: Any) -> Any:
     if trainer.state.fn == TrainerFn.VALIDATING:
         return trainer.validate_loop
+    if trainer.state.fn == TrainerFn.PREDICTING:
+        return trainer.predict_loop
     return trainer.test_loop

@@ -1,0 +1,86 @@
+"""The pipeline a strategy keeps between Trainer calls, and the modules pipelines have split.
+
+Building a pipeline binds the module's parameters to this rank's stage and releases the rest, so
+the module can no longer be traced: ``validate`` / ``test`` / ``predict`` / ``fit`` again after
+``fit`` must run on the pipeline already built. :class:`HeldPipeline` keeps it past Lightning's
+teardown and releases it (executor hooks first, then the process groups) exactly once: when the
+strategy builds another, after a failed run, when the strategy is collected, or at exit, before
+Lightning's own exit handler destroys the default group (a gloo group that outlives
+``destroy_process_group`` can abort the interpreter as it exits).
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_autopipe.errors import PlanError
+from lightning_autopipe.runtime.groups import destroy_groups
+
+__all__ = ["HeldPipeline"]
+
+# Modules whose parameters a pipeline has bound to one stage (the others released).
+_SPLIT: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class HeldPipeline:
+    """One strategy's pipeline (a ``LocalPipeline``), the module it split and its step runner."""
+
+    def __init__(self) -> None:
+        self._box: list[Any] = []  # the finalizer holds the box, not the strategy
+        self.module: Any = None
+        self.runner: Any = None
+        self._finalizer: Any = None
+
+    @property
+    def pipe(self) -> Any:
+        """The held ``LocalPipeline``, or None."""
+        return self._box[0] if self._box else None
+
+    def serves(self, module: Any) -> bool:
+        """The held pipeline was built from ``module`` (so it can run it again)."""
+        return self.pipe is not None and self.module is module
+
+    @staticmethod
+    def is_split(module: Any) -> bool:
+        """Some pipeline has bound ``module`` to one stage."""
+        return module in _SPLIT
+
+    def check_splittable(self, module: Any) -> None:
+        """A module another pipeline split cannot be traced again (every rank raises)."""
+        if module in _SPLIT:
+            raise PlanError(
+                f"this {type(module).__name__} was already split into pipeline stages (each "
+                "rank released the other stages' weights) by another Trainer, or its pipeline "
+                "was released after a failed run, so it cannot be traced again; run validate / "
+                "test / predict / fit again on the Trainer that split it, or load a checkpoint "
+                "into a new module (e.g. Model.load_from_checkpoint(path))"
+            )
+
+    def hold(self, owner: Any, pipe: Any, module: Any, runner: Any) -> None:
+        """Keep ``pipe`` (built from ``module``) for ``owner``, the strategy, after release of
+        any earlier one. Call after the process group exists: the exit hook registered here
+        then runs before Lightning's."""
+        self.release()
+        _SPLIT.add(module)
+        self._box.append(pipe)
+        self.module, self.runner = module, runner
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(owner, _release, self._box)
+            atexit.register(self._finalizer)
+
+    def release(self) -> None:
+        """Close the executor (its hooks hold the groups), then destroy its process groups."""
+        _release(self._box)
+        self.module = self.runner = None
+
+
+def _release(box: list[Any]) -> None:
+    while box:
+        pipe = box.pop()
+        pipe.executor.close()
+        if pipe.groups is not None and dist.is_available() and dist.is_initialized():
+            destroy_groups(pipe.groups)

@@ -1,0 +1,346 @@
+"""A LightningModule's own steps under the pipeline: run per slice on the last stage, logs merged.
+
+Under ``AutoPipeStrategy`` no rank holds the whole model, so the module's ``training_step`` cannot
+run as written. :class:`StepRunner` is the executor's loss function instead: for every
+micro-batch slice the last stage calls the module's own ``training_step`` / ``validation_step``
+/ ``test_step`` / ``predict_step`` on that slice, with ``self(...)`` answering from the pipeline
+(the slice's outputs of the last stage) and ``self.log`` recorded rather than logged. The
+returned loss is what the executor back-propagates (weighted by the slice's sample count).
+After the step (:meth:`StepRunner.finish`, collective) the records are combined per key over the
+slices (:mod:`~lightning_autopipe.step_logs`: sample-weighted, so a logged mean is the whole
+batch's), sent to every rank of the pipeline and logged there once, so Lightning's result
+collection (loggers, progress bar, ``ModelCheckpoint(monitor=...)``, ``EarlyStopping``,
+``sync_dist``, ``on_epoch`` means) sees what it sees under DDP. A module with ``pipeline_loss``
+keeps the strategy's own loop: the runner then only forwards to ``pipeline_loss``.
+
+A step that fails on the last stage does not fail there alone (its peers would wait in the next
+message until the timeout): the runner keeps the error, lets the schedule finish on stand-in
+losses of zero, and :meth:`StepRunner.finish` raises it on every rank of every replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor
+
+from lightning_autopipe.errors import PipelineRuntimeError, StepContractError
+from lightning_autopipe.runtime.failure import describe
+from lightning_autopipe.runtime.local_stage import as_call_args, model_inputs
+from lightning_autopipe.step_logs import WAY_OUT, LoggedValue, SliceLogs, bind_log
+
+__all__ = ["STEP_HOOKS", "StepOutcome", "StepRunner", "join_slices"]
+
+STEP_HOOKS = ("training_step", "validation_step", "test_step", "predict_step")
+_PIPELINE_LOSS = "pipeline_loss"
+
+
+@dataclass
+class StepOutcome:
+    """What one step's slices produced, the same on every rank of the pipeline."""
+
+    logs: list[LoggedValue] = field(default_factory=list)
+    returned: float | None = None
+    predictions: Any = None
+
+    def log_to(self, module: Any, device: torch.device) -> None:
+        """Log every combined key once through the module's own ``self.log`` (this rank)."""
+        for name, options, value, wide in self.logs:
+            dtype = torch.float64 if wide else torch.float32
+            module.log(name, torch.tensor(value, dtype=dtype, device=device), **options)
+
+
+class StepRunner:
+    """The executor's per-slice loss: the module's own step, or its ``pipeline_loss``.
+
+    Args:
+        module: the LightningModule (its parameters may already be bound to one stage).
+    """
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        loss = getattr(module, _PIPELINE_LOSS, None)
+        self._pipeline_loss: Callable[[Any, Any], Tensor] | None = loss if callable(loss) else None
+        self._hook: str | None = _PIPELINE_LOSS if self.uses_pipeline_loss else None
+        self._reset((), {})
+
+    @property
+    def uses_pipeline_loss(self) -> bool:
+        """The module defines ``pipeline_loss``: the strategy's loop runs, not the steps."""
+        return self._pipeline_loss is not None
+
+    def begin(self, hook: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+              ) -> None:
+        """Start a step: ``hook`` is called per slice with ``(slice, *args, **kwargs)``.
+
+        ``hook`` is one of :data:`STEP_HOOKS` or ``"pipeline_loss"``; ``args`` are what
+        Lightning passed after the batch (``batch_idx``, ``dataloader_idx``).
+        """
+        if hook != _PIPELINE_LOSS and hook not in STEP_HOOKS:
+            raise ValueError(f"unknown step {hook!r}; one of {STEP_HOOKS} or 'pipeline_loss'")
+        if hook == _PIPELINE_LOSS and not self.uses_pipeline_loss:
+            raise ValueError(f"{type(self.module).__name__} has no pipeline_loss")
+        self._hook = hook
+        self._reset(args, kwargs or {})
+
+    def __call__(self, outputs: Any, part: Any) -> Tensor:
+        """The slice's loss (executor's ``loss_fn``): ``outputs`` of the last stage, ``part``
+        the slice of the batch."""
+        hook = self._hook
+        if hook is None:
+            raise PipelineRuntimeError("StepRunner called outside a step; call begin() first")
+        if hook == _PIPELINE_LOSS:
+            assert self._pipeline_loss is not None
+            return self._pipeline_loss(outputs, part)
+        if self._failure is None:
+            try:
+                return self._slice(hook, outputs, part)
+            except Exception as exc:  # raised on every rank by finish(), not here alone
+                self._failure = exc
+        return _stand_in(outputs, training=hook == "training_step")
+
+    def finish(self, layout: Any, groups: Any, device: torch.device) -> StepOutcome:
+        """Combine the slices' records on the last stage and share them (collective).
+
+        Every rank of the pipeline calls this after the executor's step, in the same order.
+        The last stage sends the combined logs, returned value and predictions to its replica's
+        other stages; a failure of any replica is then raised on every rank: the rank where it
+        happened re-raises its own exception, the others raise it as a
+        :class:`~lightning_autopipe.errors.StepContractError` (a contract error, same message)
+        or a :class:`~lightning_autopipe.errors.PipelineRuntimeError` naming that rank.
+        """
+        hook = self._hook or "step"
+        payload = self._payload(layout) if layout.is_last else None
+        if layout.num_stages > 1:
+            box = [payload]
+            dist.broadcast_object_list(box, src=layout.last_stage_rank, group=groups.pipeline)
+            payload = box[0]
+        failure = _agree(payload["failure"], layout, groups, device)
+        if failure is not None:
+            if self._failure is not None:
+                raise self._failure
+            contract, message, where = failure
+            if contract:
+                raise StepContractError(message)
+            raise PipelineRuntimeError(f"{where} failed in {hook}: {message}")
+        predictions = payload["predictions"]
+        if predictions is not None and not layout.is_last:
+            predictions = move_data_to_device(predictions, device)
+        elif layout.is_last:
+            predictions = self._joined
+        return StepOutcome(payload["logs"], payload["returned"], predictions)
+
+    # ---------------------------------------------------------------------------- internals
+    def _reset(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        self._args, self._kwargs = tuple(args), dict(kwargs)
+        self._logs = SliceLogs()
+        self._returned: list[tuple[int, Tensor]] = []
+        self._returned_none = False
+        self._predictions: list[Any] = []
+        self._sizes: list[int] = []
+        self._joined: Any = None
+        self._failure: BaseException | None = None
+
+    def _slice(self, hook: str, outputs: Any, part: Any) -> Tensor:
+        module = self.module
+        expected = _tensors(as_call_args(model_inputs(module, part)))
+        n = int(expected[0].shape[0]) if expected and expected[0].dim() else 1
+        if hook == "predict_step" and not is_overridden("predict_step", module, LightningModule):
+            self._sizes.append(n)  # Lightning's default predict_step returns self(batch)
+            self._predictions.append(outputs)
+            return _stand_in(outputs, training=False)
+        calls = 0
+        logged: dict[str, tuple[Tensor, dict[str, Any], float]] = {}
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                raise StepContractError(
+                    f"{hook} called self(...) twice in one step; under AutoPipeStrategy the "
+                    "model runs once per micro-batch slice as a pipeline and self(...) answers "
+                    "with that slice's outputs of the last stage, so a step may call it exactly "
+                    f"once (compute everything else from those outputs), {WAY_OUT}"
+                )
+            _check_call(hook, (args, kwargs), expected)
+            return outputs
+
+        def log(*args: Any, **kwargs: Any) -> None:
+            name, value, options, weight = bind_log(hook, args, kwargs, n)
+            logged[name] = (value, options, weight)  # a key logged twice keeps its last value
+
+        module.__dict__["forward"], module.__dict__["log"] = forward, log
+        try:
+            out = getattr(module, hook)(part, *self._args, **self._kwargs)
+        except StepContractError:
+            raise
+        except Exception as exc:
+            if calls:
+                raise
+            raise StepContractError(
+                f"{hook} raised {describe(exc)} before calling self(...); under "
+                "AutoPipeStrategy each rank holds one stage of the model (the other stages' "
+                "weights are released), so the step must run the model through self(...) or "
+                f"self.forward(...), which answer from the pipeline, not through a submodule, "
+                f"{WAY_OUT}"
+            ) from exc
+        finally:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop("log", None)
+        if not calls:
+            raise StepContractError(
+                f"{hook} returned without calling self(...); under AutoPipeStrategy the model "
+                "runs as a pipeline per micro-batch slice and the step must take the slice's "
+                f"outputs from self(...) (called exactly once), {WAY_OUT}"
+            )
+        for name, (value, options, weight) in logged.items():
+            self._logs.merge(name, value, options, weight)
+        if hook == "predict_step":
+            self._sizes.append(n)
+            self._predictions.append(out)
+            return _stand_in(outputs, training=False)
+        loss = _loss_of(out)
+        if hook == "training_step":
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                got = "None" if out is None else type(out).__name__
+                raise StepContractError(
+                    f"training_step returned {got if loss is None else tuple(loss.shape)}; under "
+                    "AutoPipeStrategy every micro-batch slice must return its mean loss as a "
+                    "one-element tensor (or a dict with 'loss'): a step cannot be skipped by "
+                    f"returning None in one slice, {WAY_OUT}"
+                )
+            return loss.reshape(())
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            self._returned.append((n, loss.detach().reshape(()).double()))
+        else:
+            self._returned_none = True
+        return _stand_in(outputs, training=False)
+
+    def _payload(self, layout: Any) -> dict[str, Any]:
+        """What the last stage sends: plain Python values and CPU tensors only."""
+        failure = None
+        if self._failure is not None:
+            where = f"rank {layout.rank} (stage {layout.stage}, replica {layout.replica})"
+            contract = isinstance(self._failure, StepContractError)
+            failure = (contract, str(self._failure) if contract else describe(self._failure), where)
+            return {"failure": failure, "logs": [], "returned": None, "predictions": None}
+        logs = self._logs.combined()
+        returned = None
+        if self._returned and not self._returned_none:
+            total = sum(n for n, _ in self._returned)
+            returned = float(sum(n * v for n, v in self._returned) / total)
+        predictions = None
+        if self._predictions:
+            try:
+                self._joined = join_slices(self._predictions, self._sizes)
+            except StepContractError as exc:
+                where = f"rank {layout.rank} (stage {layout.stage}, replica {layout.replica})"
+                self._failure = exc
+                failure = (True, str(exc), where)
+            else:
+                if layout.num_stages > 1:
+                    predictions = apply_to_collection(self._joined, Tensor, lambda t: t.cpu())
+        return {"failure": failure, "logs": logs, "returned": returned,
+                "predictions": predictions}
+
+
+def _agree(failure: Any, layout: Any, groups: Any, device: torch.device) -> Any:
+    """The first failure of any replica, known to every rank (collective over the replicas)."""
+    if layout.num_replicas < 2:
+        return failure
+    flag = torch.tensor([0.0 if failure is None else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.dp)
+    if not flag.item():
+        return None
+    everyone: list[Any] = [None] * layout.num_replicas
+    dist.all_gather_object(everyone, failure, group=groups.dp)
+    return failure if failure is not None else next(f for f in everyone if f is not None)
+
+
+def _stand_in(outputs: Any, training: bool) -> Tensor:
+    """A zero loss for a slice that has no loss of its own (evaluation, or after a failure).
+
+    In training it is tied to the outputs, so the schedule's backward still runs (and sends
+    zero gradients upstream); the step is raised before the optimizer sees them.
+    """
+    found = [t for t in _tensors(outputs) if t.is_floating_point()]
+    device = found[0].device if found else None
+    zero = torch.zeros((), device=device)
+    if not training:
+        return zero
+    tied = [t for t in found if t.requires_grad]
+    if not tied:
+        return zero.requires_grad_()
+    return sum((t.sum() * 0.0 for t in tied), zero)
+
+
+def _tensors(obj: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    apply_to_collection(obj, Tensor, found.append)
+    return found
+
+
+def _check_call(hook: str, call: Any, expected: list[Tensor]) -> None:
+    """``self(...)`` must be called on the slice's model inputs (their shapes, at least)."""
+    got = sorted(tuple(t.shape) for t in _tensors(call))
+    want = sorted(tuple(t.shape) for t in expected)
+    if got != want:
+        raise StepContractError(
+            f"{hook} called self(...) on tensors of shapes {got}, but the pipeline ran the model "
+            f"on this slice's inputs of shapes {want} (pipeline_inputs(self, batch) when "
+            "defined, else batch[0] for a tuple/list batch, else the batch); define "
+            "pipeline_inputs(self, batch) to return exactly what the step passes to self(...)"
+        )
+
+
+def _loss_of(out: Any) -> Any:
+    if isinstance(out, Mapping):
+        return out.get("loss")
+    return out
+
+
+def join_slices(parts: Sequence[Any], sizes: Sequence[int]) -> Any:
+    """The outputs of a batch's slices, joined in batch order, as one call would return them.
+
+    Tensors are concatenated along dim 0; dicts and tuples are joined entry by entry; a list
+    with one entry per sample in every slice is concatenated; ``None`` stays ``None``.
+
+    Raises:
+        StepContractError: a value that cannot be joined (a 0-dim tensor, mismatched keys...).
+    """
+    first = parts[0]
+    if all(p is None for p in parts):
+        return None
+    if isinstance(first, Tensor) and all(isinstance(p, Tensor) for p in parts):
+        if first.dim() == 0:
+            raise StepContractError(
+                "predict_step returned a 0-dim tensor for a micro-batch slice; return per-sample "
+                "values (the batch first) so the slices can be joined in batch order"
+            )
+        return torch.cat(list(parts), dim=0)
+    if isinstance(first, Mapping) and all(isinstance(p, Mapping) for p in parts):
+        keys = list(first)
+        if any(list(p) != keys for p in parts):
+            raise StepContractError("predict_step returned dicts with different keys per slice")
+        return type(first)({k: join_slices([p[k] for p in parts], sizes) for k in keys})
+    if isinstance(first, list) and all(isinstance(p, list) for p in parts) and all(
+        len(p) == n for p, n in zip(parts, sizes)
+    ):
+        return [item for p in parts for item in p]
+    if isinstance(first, tuple | list) and all(
+        isinstance(p, tuple | list) and len(p) == len(first) for p in parts
+    ):
+        joined = [join_slices([p[i] for p in parts], sizes) for i in range(len(first))]
+        return type(first)(joined) if not hasattr(first, "_fields") else type(first)(*joined)
+    raise StepContractError(
+        f"predict_step returned {type(first).__name__} values that cannot be joined over "
+        "micro-batch slices; return tensors (the batch first), dicts or tuples of them, or a "
+        "list with one entry per sample"
+    )

@@ -1,0 +1,247 @@
+"""An ordinary LightningModule under the pipeline equals strategy="auto" (real gloo ranks).
+
+One launch of ``tests/lightning/_run.py`` per world size (2: two stages, 4: two stages x two
+replicas; micro-batch 0 in three startup slices of 2, 2 and 1 samples) runs every case in turn;
+this process runs the same calls under ``strategy="auto"`` on one process over the same global
+batches (``_module.run_sequence``) as the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_autopipe.checkpoint import read_model_state
+from lightning_autopipe.errors import UnsafeCheckpointError
+from lightning_autopipe.planner.plan import Plan
+from tests.lightning import _module as M
+from tests.lightning._run import ERROR_TIMEOUT, readme_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "lightning" / "_run.py"
+CASES = {2: ["ordinary", "twice", "never", "metric", "crafted", "readme"],
+         4: ["ordinary", "twice-replica1"]}
+RTOL, ATOL = 1e-5, 1e-6
+
+pytestmark = pytest.mark.slow
+
+
+class _RunsCode:
+    """Unpickles as ``open(marker, "w")``: loading it unsafely creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def crafted_checkpoint(path: Path, marker: Path) -> None:
+    """A Lightning-shaped checkpoint whose payload would run code on unpickling."""
+    torch.save({"epoch": 0, "global_step": 0, "pytorch-lightning_version": "2.6.6",
+                "state_dict": {}, "payload": _RunsCode(marker)}, path)
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _auto(tmp: Path, replicas: int) -> dict:
+    import lightning.pytorch as pl
+
+    def factory(**kw):
+        return pl.Trainer(strategy="auto", accelerator="cpu", devices=1, log_every_n_steps=1,
+                          enable_progress_bar=False, num_sanity_val_steps=0,
+                          default_root_dir=str(tmp), **kw)
+
+    return M.run_sequence(factory, replicas, explicit_sampler=True, ckpt_dir=tmp / "ckpt")
+
+
+def _launch(world: int, out: Path) -> dict[str, list[dict]]:
+    if world == 2:
+        crafted_checkpoint(out / "crafted.ckpt", out / "code_ran")
+    cmd = [sys.executable, str(SCRIPT), str(out), str(world), *CASES[world]]
+    proc = subprocess.run(cmd, cwd=out, env=_env(), capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        pytest.fail(f"launch of {world} ranks failed:\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-6000:]}")
+    return {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False) for r in range(world)]
+            for c in CASES[world]}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2x1", "2x2"])
+def runs(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"w{world}")
+    torch.set_num_threads(1)
+    return SimpleNamespace(world=world, replicas=world // 2, out=out,
+                           auto=_auto(out / "auto", world // 2), ranks=_launch(world, out))
+
+
+def _close(actual, expected, what: str) -> None:
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64),
+                               torch.as_tensor(expected, dtype=torch.float64),
+                               rtol=RTOL, atol=ATOL, msg=lambda s: f"{what}: {s}")
+
+
+def _series(rows, key: str) -> list[tuple[int, float]]:
+    return [(step, row[key]) for step, row in rows if key in row]
+
+
+def _ordinary(runs) -> list[dict]:
+    ranks = runs.ranks["ordinary"]
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+    return ranks
+
+
+def _same_logs(rows, expected, keys, what: str) -> None:
+    for key in keys:
+        got, want = _series(rows, key), _series(expected, key)
+        assert [s for s, _ in got] == [s for s, _ in want], f"{what} {key}: steps"
+        assert want, f"{what}: the reference logged no {key}"
+        _close([v for _, v in got], [v for _, v in want], f"{what} {key}")
+
+
+def _whole_state(ranks: list[dict], key: str) -> dict:
+    merged: dict = {}
+    for rec in ranks:
+        for name, value in rec[key].items():
+            if name in merged:  # replicas (and tied copies) hold the same values
+                _close(value, merged[name], f"rank {rec['rank']} {name} vs another replica")
+            merged[name] = value
+    return merged
+
+
+# ------------------------------------------------------------------------- training and logs
+def test_logged_losses_accuracies_and_parameters_equal_auto(runs):
+    ranks = _ordinary(runs)
+    plan = Plan.from_json(ranks[0]["plan"])
+    assert (plan.num_stages, plan.replicas, plan.startup_slices) == (2, runs.replicas,
+                                                                     M.STARTUP_SLICES)
+    assert sorted(rec["replica"] for rec in ranks) == sorted(list(range(runs.replicas)) * 2)
+    for rec in ranks:  # logged once, on every rank, as under DDP
+        _same_logs(rec["fit_logged"], runs.auto["fit_logged"],
+                   ["train_loss", "train_acc", "val_loss", "val_acc"], f"rank {rec['rank']}")
+    assert len(_series(ranks[0]["fit_logged"], "train_loss")) == M.EPOCHS * M.TRAIN_STEPS
+    assert len(_series(ranks[0]["fit_logged"], "val_loss")) == M.EPOCHS
+    state = _whole_state(ranks, "fit_state")
+    assert set(state) == set(runs.auto["fit_state"])
+    for name, value in runs.auto["fit_state"].items():
+        _close(state[name], value, f"parameter {name} after fit")
+
+
+def test_model_checkpoint_monitoring_val_loss_picks_the_same_best_epoch(runs):
+    for rec in _ordinary(runs):
+        name, score = rec["best"]
+        assert name == runs.auto["best"][0]
+        _close(score, runs.auto["best"][1], "best val_loss")
+
+
+def test_summary_counts_every_stage(runs):
+    ranks = _ordinary(runs)
+    whole = runs.auto["summary"]
+    seen = ranks[0]["summary"]
+    assert (seen["total"], seen["trainable"]) == (whole["total"], whole["trainable"])
+    assert seen["layers"] == whole["layers"]
+    assert "Params per Device" in seen["columns"]
+
+
+# ----------------------------------------------------------------------- re-entry after fit
+def test_validate_test_and_predict_after_fit_return_what_auto_returns(runs):
+    auto = runs.auto
+    for rec in _ordinary(runs):
+        for call in ("validate", "test"):
+            assert [sorted(d) for d in rec[call]] == [sorted(d) for d in auto[call]]
+            for got, want in zip(rec[call], auto[call]):
+                for key, value in want.items():
+                    _close(got[key], value, f"rank {rec['rank']} {call} {key}")
+        replica = rec["replica"]
+        for key in ("probs", "label"):
+            got = torch.cat([p[key] for p in rec["predict"]])
+            want = torch.cat([p[key] for p in auto["predict"]])[replica :: runs.replicas]
+            _close(got, want, f"rank {rec['rank']} predictions {key}")
+            written = torch.cat([p[key] for p in rec["written"]])
+            _close(written, got, f"rank {rec['rank']} prediction writer {key}")
+
+
+def test_fit_again_continues_like_auto_and_best_and_last_checkpoints_load(runs):
+    auto = runs.auto
+    ranks = _ordinary(runs)
+    for rec in ranks:
+        _same_logs(rec["refit_logged"], auto["refit_logged"], ["train_loss", "train_acc",
+                   "val_loss"], f"fit again, rank {rec['rank']}")
+        for call in ("test_best", "validate_last"):
+            for got, want in zip(rec[call], auto[call], strict=True):
+                for key, value in want.items():
+                    _close(got[key], value, f"rank {rec['rank']} {call} {key}")
+    assert len(_series(ranks[0]["refit_logged"], "train_loss")) == M.TRAIN_STEPS
+    state = _whole_state(ranks, "refit_state")
+    for name, value in auto["refit_state"].items():
+        _close(state[name], value, f"parameter {name} after fitting again")
+
+
+# --------------------------------------------------------------------------------- errors
+MISTAKES = {"twice": "called self(...) twice", "never": "returned without calling self(...)",
+            "metric": "logs a torchmetrics Metric", "twice-replica1": "called self(...) twice"}
+
+
+def test_contract_mistakes_raise_their_message_on_every_rank_without_a_hang(runs):
+    for case, phrase in MISTAKES.items():
+        if case not in runs.ranks:
+            continue
+        for rec in runs.ranks[case]:
+            assert "error" in rec, f"{case}: rank {rec['rank']} raised nothing"
+            kind, message = rec["error"]
+            assert kind == "StepContractError", (case, rec["rank"], rec["error"])
+            assert phrase in message, message
+            assert "pipeline_loss" in message, message
+            # a rank left waiting for its peer would only stop at the strategy's timeout
+            assert rec["elapsed"] < ERROR_TIMEOUT, (case, rec["rank"], rec["elapsed"])
+
+
+def test_crafted_checkpoint_is_refused_by_fit_and_read_model_state_and_runs_no_code(runs):
+    if runs.world != 2:
+        pytest.skip("the crafted checkpoint is fitted on 2 ranks")
+    path, marker = runs.out / "crafted.ckpt", runs.out / "code_ran"
+    for rec in runs.ranks["crafted"]:
+        kind, message = rec["error"]
+        assert kind == "UnsafeCheckpointError"
+        assert str(path) in message, message
+        assert "Unsupported global" in message, message
+        assert "open" in message, message
+    with pytest.raises(UnsafeCheckpointError, match=r"crafted\.ckpt.*Unsupported global.*open"):
+        read_model_state(path)
+    assert not marker.exists(), "unpickling the crafted checkpoint ran its code"
+    live = runs.out / "live_payload_ran"  # the same payload, unpickled unsafely, does run code
+    crafted_checkpoint(runs.out / "live.ckpt", live)
+    torch.load(runs.out / "live.ckpt", weights_only=False)
+    assert live.exists()
+
+
+# --------------------------------------------------------------------------------- README
+def test_readme_contract_example_runs_on_two_ranks_and_learns(runs):
+    if runs.world != 2:
+        pytest.skip("the README example asks for 2 devices")
+    from torch.nn import functional as F
+
+    ranks = runs.ranks["readme"]
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+        assert rec["steps"] == 50
+        assert rec["metrics"] == ranks[0]["metrics"]  # logged on every rank, synced
+    inputs = readme_inputs()  # the untrained net on the same batches
+    with torch.no_grad():
+        before = torch.stack([F.cross_entropy(inputs["net"](x).flatten(0, 1), y.flatten())
+                              for x, y in inputs["loader"]]).mean()
+    after = ranks[0]["metrics"]["val_loss"]
+    assert after < 0.8 * float(before), (after, float(before))

@@ -1,0 +1,180 @@
+"""The step runner in one process: a module's own steps over slices equal one whole-batch step.
+
+No processes: a one-stage, one-replica layout needs no collective, so :meth:`StepRunner.finish`
+combines the slices' records exactly as the last stage of a pipeline does.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.nn import functional as F
+
+from lightning_autopipe.errors import StepContractError
+from lightning_autopipe.lightning_steps import StepRunner, join_slices
+from lightning_autopipe.runtime.groups import RankLayout
+
+LAYOUT = RankLayout(rank=0, stage=0, replica=0, grid=((0,),))
+CPU = torch.device("cpu")
+SLICES = [(0, 2), (2, 4), (4, 5), (5, 10)]  # micro-batch 0 in startup slices, then the rest
+
+
+class Module(pl.LightningModule):
+    """Logs a mean, a sum, a max and a min, as a DDP module might."""
+
+    def __init__(self, mistake: str | None = None) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.mistake = mistake
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.mistake == "submodule":  # as self.net(x) does with another stage's weights
+            raise TypeError("linear(): argument 'weight' must be Tensor, not NoneType")
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("loss", loss)
+        self.log_dict({"hits": (logits.argmax(-1) == y).float().sum()}, reduce_fx="sum")
+        self.log("worst", F.cross_entropy(logits, y, reduction="none").max(), reduce_fx="max")
+        self.log("best", F.cross_entropy(logits, y, reduction="none").min(), reduce_fx="min")
+        self.log("count", len(y), batch_size=2 * len(y))  # a Python number, own weights
+        if self.mistake == "shape":
+            self(x[:1])
+        if self.mistake == "vector":
+            self.log("vector", logits[0])
+        if self.mistake == "custom":
+            self.log("median", loss, reduce_fx=torch.median)
+        if self.mistake == "bug":
+            raise KeyError("a bug of the step itself")
+        return {"loss": loss}
+
+
+def _batch(n: int = 10):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _run(module: Module, hook: str = "training_step"):
+    runner = StepRunner(module)
+    x, y = _batch()
+    runner.begin(hook, (0,))
+    losses = []
+    for lo, hi in SLICES:
+        with torch.no_grad():
+            outputs = module.lin(x[lo:hi])  # what the last stage hands over
+        losses.append(runner(outputs, (x[lo:hi], y[lo:hi])))
+    return runner, losses
+
+
+def test_slices_log_what_one_whole_batch_step_logs():
+    module = Module()
+    runner, losses = _run(module)
+    outcome = runner.finish(LAYOUT, None, CPU)
+    x, y = _batch()
+    with torch.no_grad():
+        logits = module.lin(x)
+        per_sample = F.cross_entropy(logits, y, reduction="none")
+    logged = {name: (value, options) for name, options, value, _ in outcome.logs}
+    assert list(logged) == ["loss", "hits", "worst", "best", "count"]
+    torch.testing.assert_close(logged["loss"][0], float(per_sample.mean()), rtol=1e-6, atol=0)
+    assert logged["loss"][1]["batch_size"] == 10  # the whole batch, for on_epoch means
+    assert logged["hits"][0] == float((logits.argmax(-1) == y).sum())
+    torch.testing.assert_close(logged["worst"][0], float(per_sample.max()))
+    torch.testing.assert_close(logged["best"][0], float(per_sample.min()))
+    # weighted by the given batch_size (2 x slice size): sum(2 n_i * n_i) / sum(2 n_i)
+    sizes = [hi - lo for lo, hi in SLICES]
+    assert logged["count"][0] == pytest.approx(sum(n * n for n in sizes) / sum(sizes))
+    assert logged["count"][1]["batch_size"] == 20
+    # a plain mean of the slices' means would differ: the slices hold 2, 2, 1 and 5 samples
+    assert abs(float(torch.stack(losses).mean()) - logged["loss"][0]) > 1e-3
+    for loss in losses:  # the executor back-propagates the module's own loss per slice
+        assert loss.dim() == 0
+    assert outcome.returned is None  # training returns the executor's loss, not this
+
+
+def test_evaluation_returns_the_sample_weighted_loss():
+    module = Module()
+    module.validation_step = module.training_step
+    runner, losses = _run(module, "validation_step")
+    assert all(float(t) == 0.0 for t in losses)  # forward only: no loss to back-propagate
+    x, y = _batch()
+    with torch.no_grad():
+        whole = F.cross_entropy(module.lin(x), y)
+    outcome = runner.finish(LAYOUT, None, CPU)
+    assert outcome.returned == pytest.approx(float(whole), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("mistake", "phrase"),
+    [
+        ("shape", r"called self\(\.\.\.\) twice"),
+        ("vector", r"got a tensor of shape \(3,\)"),
+        ("custom", r"only 'mean', 'sum', 'max' and 'min'"),
+        ("submodule", r"raised TypeError: linear\(\).*before calling self"),
+    ],
+)
+def test_mistakes_are_raised_after_the_step_naming_pipeline_loss(mistake, phrase):
+    module = Module(mistake)
+    runner, losses = _run(module)
+    assert all(t.requires_grad or mistake == "submodule" for t in losses)
+    with pytest.raises(StepContractError, match=phrase) as info:
+        runner.finish(LAYOUT, None, CPU)
+    assert "pipeline_loss" in str(info.value)
+    assert "forward" not in module.__dict__  # self(...) and self.log are the module's again
+    assert "log" not in module.__dict__
+
+
+def test_an_error_of_the_step_itself_is_raised_as_it_is():
+    runner, _ = _run(Module("bug"))
+    with pytest.raises(KeyError, match="a bug of the step itself"):
+        runner.finish(LAYOUT, None, CPU)
+
+
+def test_self_must_be_called_on_the_slice_inputs():
+    module = Module()
+    runner = StepRunner(module)
+    runner.begin("training_step", (0,))
+    x, y = _batch(4)
+
+    def step(batch, batch_idx):
+        return F.cross_entropy(module(batch[0][:, :2]), batch[1])
+
+    module.training_step = step
+    runner(module.lin(x), (x, y))
+    with pytest.raises(StepContractError, match=r"shapes \[\(4, 2\)\].*\[\(4, 4\)\].*"
+                                                r"pipeline_inputs"):
+        runner.finish(LAYOUT, None, CPU)
+
+
+def test_a_pipeline_loss_module_keeps_its_pipeline_loss():
+    module = Module()
+    module.pipeline_loss = lambda outputs, batch: F.cross_entropy(outputs, batch[1])
+    runner = StepRunner(module)
+    assert runner.uses_pipeline_loss
+    x, y = _batch(4)
+    torch.testing.assert_close(runner(module.lin(x), (x, y)), F.cross_entropy(module.lin(x), y))
+
+
+def test_join_slices_restores_batch_order():
+    parts = [torch.arange(2), torch.arange(2, 5)]
+    assert join_slices(parts, [2, 3]).tolist() == [0, 1, 2, 3, 4]
+    dicts = [{"a": torch.ones(2, 1), "b": ["x", "y"]}, {"a": torch.zeros(1, 1), "b": ["z"]}]
+    joined = join_slices(dicts, [2, 1])
+    assert joined["a"].flatten().tolist() == [1, 1, 0]
+    assert joined["b"] == ["x", "y", "z"]  # one entry per sample: concatenated
+    pair = namedtuple("pair", "p q")
+    tuples = [pair(torch.ones(1), torch.ones(1, 2)), pair(torch.zeros(1), torch.zeros(1, 2))]
+    out = join_slices(tuples, [1, 1])
+    assert isinstance(out, pair)
+    assert out.q.shape == (2, 2)
+    assert join_slices([None, None], [1, 1]) is None
+    with pytest.raises(StepContractError, match="0-dim"):
+        join_slices([torch.tensor(1.0), torch.tensor(2.0)], [1, 1])
+    with pytest.raises(StepContractError, match="cannot be joined"):
+        join_slices(["a", "b"], [1, 1])

@@ -1,6 +1,7 @@
 """Planner benchmark: AutoPipe vs DAPPLE, Piper and the simple partitioners, on four clusters.
 
     .venv/bin/python benchmarks/planner.py [--out benchmarks/results/planner.md] [--quick]
+        [--profiles-dir benchmarks/results/gpu] [--measured-only]
 
 Every plan is scored by the same simulator (``planner/simulate.py``). Block costs come from
 FLOP and byte counts (``lightning_autopipe.planner.analytic``: time = FLOPs / (312 TFLOP/s x
@@ -11,6 +12,13 @@ AutoPipe's shape (they only partition); DAPPLE and Piper choose depth and per-st
 with their own dynamic programs (DAPPLE also the micro-batch count, from AutoPipe's, 8, 32
 and 128; Piper, whose model has no bubble, takes AutoPipe's). ``optimal`` (exhaustive,
 scored by the simulator) only runs on the small case where it is tractable.
+
+Measured profiles (``*.profile.json`` under ``--profiles-dir``, as ``benchmarks/gpu_check.sh``
+writes them: ``profiles/<model>.<precision>.profile.json``) are planned on the same clusters
+next to the FLOP-derived models, with the clusters' device speeds taken relative to the
+measured device (speed 1.0 is that device); the table then has a ``costs`` column saying which
+rows are which, and the summary is given per kind of cost. Without measured profiles the
+output says so and is the FLOP-derived benchmark alone.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ from lightning_autopipe.planner import analytic_profile, make_plan  # noqa: E402
 from lightning_autopipe.profile import Profile  # noqa: E402
 
 PROFILES = ROOT / "benchmarks" / "profiles"
+MEASURED = ROOT / "benchmarks" / "results" / "gpu"
+#: global batch of a measured profile's cases, by model family (the FLOP-derived models')
+MEASURED_BATCH = {"gpt": 512, "bert": 1024, "resnet": 4096}
+FLOP = "FLOP-derived"
 CLUSTERS = ("nvlink_2x8", "pcie_2x8", "mixed_rack", "mixed_64")
 PLANNERS = ("autopipe", "dapple", "piper", "time", "parameters", "uniform")
 COMMAND = ".venv/bin/python benchmarks/planner.py"
@@ -83,17 +95,25 @@ def _row(case: str, name: str, fn) -> dict:
     }
 
 
-def run(quick: bool = False) -> list[dict]:
-    rows = []
-    models = build_profiles()
-    clusters = {c: Cluster.load(ROOT / "conf" / "cluster" / f"{c}.yaml") for c in CLUSTERS}
+def measured_profiles(directory: Path) -> dict[str, tuple[Profile, int]]:
+    """(profile, global batch) per ``<model>.<precision>`` of every ``*.profile.json`` under
+    ``directory`` (none when it does not exist)."""
+    found = {}
+    for path in sorted(directory.rglob("*.profile.json")) if directory.is_dir() else []:
+        prof = Profile.load(path)
+        family = next((f for f in MEASURED_BATCH if prof.model.startswith(f)), "gpt")
+        found[path.name.removesuffix(".profile.json")] = (prof, MEASURED_BATCH[family])
+    return found
+
+
+def _cases(rows: list, models: dict, clusters: dict, quick: bool, costs: str) -> None:
     for mname, (prof, batch) in models.items():
         for cname, cl in clusters.items():
             if quick and cname == "mixed_64":
                 continue
             case = f"{mname} / {cname} (B={batch})"
             auto = _row(case, "autopipe", lambda p=prof, c=cl, b=batch: make_plan(p, c, b))
-            rows.append(auto)
+            rows.append({**auto, "costs": costs(prof)})
             print(_fmt(auto), file=sys.stderr)
             if "error" in auto:
                 continue
@@ -106,13 +126,25 @@ def run(quick: bool = False) -> list[dict]:
                     pins.update(num_stages=s, replicas=r)
                 row = _row(case, name, lambda n=name, p=prof, c=cl, b=batch, k=pins:
                            make_plan(p, c, b, planner=n, **k))
-                rows.append(row)
+                rows.append({**row, "costs": costs(prof)})
                 print(_fmt(row), file=sys.stderr)
+
+
+def run(quick: bool = False, measured: dict | None = None, flop: bool = True) -> list[dict]:
+    """Every case's rows: the FLOP-derived models (``flop``) and the ``measured`` profiles."""
+    rows: list[dict] = []
+    clusters = {c: Cluster.load(ROOT / "conf" / "cluster" / f"{c}.yaml") for c in CLUSTERS}
+    if flop:
+        _cases(rows, build_profiles(), clusters, quick, lambda _: FLOP)
+    if measured:
+        _cases(rows, measured, clusters, quick, lambda prof: f"measured: {prof.device}")
+    if not flop:
+        return rows
     prof, cl, batch, pins = _small_case()
     case = f"gpt-4x1024 / 2 fast + 2 slow (B={batch}, S=4 pinned)"
     for name in ("autopipe", "optimal", *PLANNERS[1:]):
         row = _row(case, name, lambda n=name: make_plan(prof, cl, batch, planner=n, **pins))
-        rows.append(row)
+        rows.append({**row, "costs": FLOP})
         print(_fmt(row), file=sys.stderr)
     return rows
 
@@ -124,25 +156,42 @@ def _fmt(row: dict) -> str:
             f"balance {row['balance']:.3f} search {row['search_ms']:.0f} ms  {row['shape']}")
 
 
+def _mixed(rows: list[dict]) -> bool:
+    """Some rows plan measured profiles (the table then says which rows are which)."""
+    return any(r.get("costs", FLOP) != FLOP for r in rows)
+
+
 def table(rows: list[dict]) -> str:
     auto = {r["case"]: r.get("iteration_ms") for r in rows if r["planner"] == "autopipe"}
+    costs = _mixed(rows)
     lines = [
-        "| case | planner | iteration ms | x AutoPipe | balance | search ms | S x R, m, k |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| case |" + (" costs |" if costs else "")
+        + " planner | iteration ms | x AutoPipe | balance | search ms | S x R, m, k |",
+        "|---|" + ("---|" if costs else "") + "---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        head = f"| {r['case']} |" + (f" {r.get('costs', FLOP)} |" if costs else "")
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['planner']} | {r['error']} | | | | |")
+            lines.append(f"{head} {r['planner']} | {r['error']} | | | | |")
             continue
         ratio = r["iteration_ms"] / auto[r["case"]] if auto.get(r["case"]) else float("nan")
         lines.append(
-            f"| {r['case']} | {r['planner']} | {r['iteration_ms']:.1f} | {ratio:.3f} | "
+            f"{head} {r['planner']} | {r['iteration_ms']:.1f} | {ratio:.3f} | "
             f"{r['balance']:.3f} | {r['search_ms']:.0f} | {r['shape']} |"
         )
     return "\n".join(lines)
 
 
 def summary(rows: list[dict]) -> str:
+    """Ratios to AutoPipe per yardstick; per kind of cost when the rows mix them."""
+    if not _mixed(rows):
+        return _summary(rows)
+    kinds = {FLOP: [r for r in rows if r.get("costs", FLOP) == FLOP],
+             "measured": [r for r in rows if r.get("costs", FLOP) != FLOP]}
+    return "\n".join(f"{kind} costs:\n{_summary(part)}" for kind, part in kinds.items() if part)
+
+
+def _summary(rows: list[dict]) -> str:
     auto = {r["case"]: r.get("iteration_ms") for r in rows if r["planner"] == "autopipe"}
     out = []
     for name in ("dapple", "piper", "time", "parameters", "uniform", "optimal"):
@@ -158,6 +207,14 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def _geomean(xs: list[float]) -> float:
     prod = 1.0
     for x in xs:
@@ -169,14 +226,45 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
     ap.add_argument("--quick", action="store_true", help="skip the 64-device cluster")
+    ap.add_argument("--profiles-dir", type=Path, default=MEASURED,
+                    help="plan the measured *.profile.json found here too (gpu_check.sh's)")
+    ap.add_argument("--measured-only", action="store_true",
+                    help="only the measured profiles' cases (no FLOP-derived models)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    rows = run(args.quick)
-    report = "\n".join([
-        f"# Planner benchmark\n\nReproduce: `{COMMAND}{' --quick' if args.quick else ''}`\n",
-        "Costs are **computed from FLOPs and bytes** (no GPU was available): "
+    measured = measured_profiles(args.profiles_dir)
+    if args.measured_only and not measured:
+        ap.error(f"--measured-only: no *.profile.json under {args.profiles_dir}")
+    rows = run(args.quick, measured, flop=not args.measured_only)
+    flags = "".join(f" {f}" for f, on in (("--quick", args.quick),
+                                           ("--measured-only", args.measured_only)) if on)
+    if args.profiles_dir != MEASURED:
+        flags += f" --profiles-dir {args.profiles_dir}"
+    analytic = (
         "`lightning_autopipe.planner.analytic` with an A100-class reference device "
         "(312 TFLOP/s x 45%, backward = 2 x forward); cluster speeds are relative to it. "
+    )
+    if measured:
+        devices = sorted({prof.device for prof, _ in measured.values()})
+        source = (
+            f"Rows with `costs` = `measured: ...` plan profiles measured on {', '.join(devices)} "
+            f"({', '.join(measured)} under `{_shown(args.profiles_dir)}`, written by "
+            "`benchmarks/gpu_check.sh`) on the same clusters, whose device speeds are then "
+            "relative to the measured device (speed 1.0 = that device)."
+        )
+        if not args.measured_only:
+            source += f" `{FLOP}` rows' costs are **computed from FLOPs and bytes**: " + analytic
+        else:
+            source += " "
+    else:
+        source = (
+            f"No measured profiles under `{_shown(args.profiles_dir)}` "
+            "(`benchmarks/gpu_check.sh` writes them on a GPU): FLOP-derived costs only.\n\n"
+            "Costs are **computed from FLOPs and bytes** (no GPU was available): " + analytic
+        )
+    report = "\n".join([
+        f"# Planner benchmark\n\nReproduce: `{COMMAND}{flags}`\n",
+        source +
         "Every plan is scored by the same simulator (link contention, all-reduce, memory). "
         "Ratios > 1 mean the planner's step is slower than AutoPipe's. `time`, `parameters` "
         "and `uniform` use AutoPipe's shape; DAPPLE and Piper choose stages and per-stage "

@@ -36,6 +36,7 @@ OUT="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+TEE_PID=$!
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
@@ -110,4 +111,8 @@ echo "profiles: exit ${PROFILES_RC} after $((SECONDS - START)) s" >> "$OUT/statu
 
 cat "$OUT/status.txt"
 echo "results in $OUT ($((SECONDS - START)) s)"
-[ "$TESTS_RC" -eq 0 ] && [ "$PROFILES_RC" -eq 0 ]
+RC=0
+[ "$TESTS_RC" -eq 0 ] && [ "$PROFILES_RC" -eq 0 ] || RC=1
+exec >&- 2>&-
+wait "$TEE_PID" 2>/dev/null  # the log is complete when the script returns
+exit "$RC"

@@ -54,7 +54,8 @@ def _free_port() -> int:
 def _message() -> list[torch.Tensor | None]:
     g = torch.Generator().manual_seed(7)
     act = torch.randn(3, 4, generator=g).requires_grad_(True)
-    return [act, None, torch.randint(0, 9, (3,), generator=g), torch.randn(2, 5, generator=g).bfloat16()]
+    half = torch.randn(2, 5, generator=g).bfloat16()
+    return [act, None, torch.randint(0, 9, (3,), generator=g), half]
 
 
 def _staging_worker(rank: int, port: int, out: str) -> None:

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_recipe", "parse_argv", "run_dir_for", "loss_summary"]
+__all__ = ["build_task", "loss_summary", "model_mismatch", "parse_argv", "run_dir_for",
+           "run_recipe"]
 
 _RUN_DIR_ENV = "AUTOPIPE_RUN_DIR"
 _USAGE = """usage: python {script} [--plan-only] [--cfg] [OVERRIDE ...]
@@ -98,6 +99,53 @@ def _set_threads(cfg: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)  # keeps Lightning from choosing another count
 
 
+# Which model family each recipe trains: the schema its model files name, the builder they call.
+_FAMILIES = {
+    "train_gpt": ("gpt_schema", "build_gpt", "GPT"),
+    "train_bert": ("bert_schema", "build_bert", "BERT"),
+    "train_resnet": ("resnet_schema", "build_resnet", "image"),
+}
+
+
+def build_task(cfg: Any) -> Any:
+    """The recipe's LightningModule around its model.
+
+    Instantiated with plain lists and dicts (``_convert_="all"``) so the task's saved
+    hyper-parameters hold no OmegaConf objects and its checkpoints load with
+    ``weights_only=True``; the model goes in after instantiation (Hydra would copy it).
+    """
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.task, _partial_=True, _convert_="all")(model=instantiate(cfg.model))
+
+
+def model_mismatch(recipe: str, cfg: Any) -> str | None:
+    """Why ``cfg.model`` is not a model ``recipe`` trains (with the recipe that does), or None.
+
+    The recipe's task and data are built for one family (``train_gpt``'s task reads
+    ``model.max_seq_len``), so ``train_gpt.py model=resnet18`` would fail deep in the config.
+    """
+    from lightning_autopipe.config import CONF_DIR
+
+    if recipe not in _FAMILIES:
+        return None
+    target = str(cfg.model.get("_target_", "")).rsplit(".", 1)[-1]
+    schema, builder, kind = _FAMILIES[recipe]
+    if target == builder:
+        return None
+    fitting = sorted(
+        path.stem for path in (CONF_DIR / "model").glob("*.yaml")
+        if f"- {schema}" in path.read_text()
+    )
+    owner = next((r for r, (_, b, _) in _FAMILIES.items() if b == target), None)
+    name = cfg.model.get("name", "?")
+    elsewhere = f"; to train {name}, run recipes/{owner}.py model={name}" if owner else ""
+    return (
+        f"model={name} is not a {kind} model (its builder is {target or 'unknown'}); "
+        f"recipes/{recipe}.py trains {kind} models: model={' | '.join(fitting)}{elsewhere}"
+    )
+
+
 def _check_vocab(cfg: Any, datamodule: Any) -> None:
     data_vocab = getattr(datamodule, "vocab_size", None)
     model_vocab = cfg.model.get("vocab_size")
@@ -167,8 +215,7 @@ def train(cfg: Any) -> int:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
     _check_vocab(cfg, datamodule)
-    network = instantiate(cfg.model)
-    task = instantiate(cfg.task, model=network)
+    task = build_task(cfg)
     if "_target_" in cfg.strategy:
         # the Cluster goes in after instantiation: Hydra would copy a keyword argument into
         # the config, and OmegaConf cannot hold a Cluster object
@@ -202,6 +249,9 @@ def run_recipe(config_name: str, argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = compose(config_name, overrides)
+        mismatch = model_mismatch(config_name, cfg)
+        if mismatch is None:
+            OmegaConf.to_container(cfg, resolve=True)  # an interpolation error surfaces here
     except Exception as exc:  # Hydra's override / composition errors: the message is the fix
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
@@ -213,6 +263,9 @@ def run_recipe(config_name: str, argv: list[str] | None = None) -> int:
     if flags["cfg"]:
         print(OmegaConf.to_yaml(cfg))
         return 0
+    if mismatch is not None:
+        print(f"error: {mismatch}", file=sys.stderr)
+        return 2
     if cfg.strategy.get("cluster") is not None:
         print(
             "error: the recipes take the cluster from the cluster group: use "

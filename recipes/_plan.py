@@ -182,11 +182,11 @@ def choose_profile(cfg: Any, cluster: Any, local: bool) -> tuple[Any, str]:
 
 
 def _task_and_example(cfg: Any) -> tuple[Any, Any]:
-    from hydra.utils import instantiate
+    from _common import build_task
 
     from lightning_autopipe.runtime.local_stage import as_call_args
 
-    task = instantiate(cfg.task, model=instantiate(cfg.model))
+    task = build_task(cfg)
     return task, as_call_args(task.example_input_array)
 
 
@@ -256,6 +256,14 @@ def plan_only(cfg: Any, run_dir: Path) -> int:
         f"{cfg.data.batch_size} samples per replica; nothing is launched"
     )
     show_plan(plan, profile, cluster, run_dir, source=source, model_name=cfg.model.name)
+    if local:
+        print(
+            "note: this plan prices the local cluster's links with default CPU figures and "
+            "blocks profiled by this one process; a training run measures the links between "
+            "its ranks and profiles on every rank at once (they share the cores), so it may "
+            "choose another plan: the run prints its own at start. To run this one, pass "
+            f"strategy.plan={run_dir / 'plan.json'}"
+        )
     profile.save(run_dir / "profile.json")
     print(f"wrote {run_dir / 'profile.json'}")
     return 0

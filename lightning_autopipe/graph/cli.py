@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_autopipe.errors import AutoPipeError
 
@@ -63,7 +63,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"one of {', '.join(MODEL_NAMES)}, or 'package.module:factory' returning "
         "(model, example_inputs)",
     )
-    p.add_argument("--size", default="small", help="tiny | small | real (gpt2: xl; bert: base)")
+    p.add_argument(
+        "--size",
+        default="small",
+        help="tiny | small: toy sizes for tests and demos (gpt2 small: 4 layers, d 128); real: "
+        "the published size (gpt2: GPT-2 124M, bert: BERT-base, torchvision models: 224x224 "
+        "images, 1000 classes); gpt2 also has xl (GPT-2 XL, 1.5B), bert base and large",
+    )
     p.add_argument("--granularity", default="sub-block", choices=["sub-block", "layer"])
     p.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch")
     p.add_argument("--device", default="cpu")
@@ -72,6 +78,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="write the profile JSON here")
     return p
+
+
+_TOY_SIZES = ("tiny", "small")
+
+
+def _label(name: str, size: str, model: Any) -> str:
+    """The profile's model name: what was built, so a toy is never taken for the real model
+    (``gpt2`` at ``--size small`` is a 4-layer toy, not GPT-2 small)."""
+    if ":" in name:  # the user's own factory: its name says what it builds
+        return name
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    kind = f"toy-{size}" if size in _TOY_SIZES else size
+    return f"{name} {kind} ({millions:.2f}M params)"
 
 
 def profile_main(argv: list[str]) -> int:
@@ -92,7 +111,7 @@ def profile_main(argv: list[str]) -> int:
             device=args.device,
             warmup=args.warmup,
             repeats=args.repeats,
-            model_name=args.model if ":" in args.model else f"{args.model}-{args.size}",
+            model_name=_label(args.model, args.size, model),
         )
     except (AutoPipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -12,7 +12,7 @@ from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.report import format_plan
 from lightning_autopipe.profile import Profile
 
-__all__ = ["plan_main", "resolve_cluster_path"]
+__all__ = ["device_mismatch", "plan_main", "resolve_cluster_path"]
 
 _CONF = Path(__file__).resolve().parents[2] / "conf" / "cluster"
 
@@ -52,6 +52,31 @@ def _cluster(name: str, world_size: int | None) -> Any:
             f"{_CONF}: {known}"
         )
     return Cluster.load(path)
+
+
+def device_mismatch(profile: Profile, cluster: Any) -> str | None:
+    """Why a CPU-measured profile misprices ``cluster``'s accelerators, or None.
+
+    A device type's ``speed`` is relative to the profiled device, so GPUs priced from a CPU
+    profile come out at CPU speed times that figure: the plan's shape may still be useful, its
+    step times are not. Types with their own profile are priced from it and are fine.
+    """
+    if not str(profile.device).lower().startswith("cpu"):
+        return None
+    foreign = sorted({
+        d.spec.name for d in cluster.devices
+        if d.spec.profile is None and "cpu" not in d.spec.name.lower()
+    })
+    if not foreign:
+        return None
+    return (
+        f"the profile was measured on {profile.device!r} but cluster {cluster.name!r} describes "
+        f"{', '.join(foreign)}, whose speed is taken relative to the profiled device: the "
+        "predicted step times are this CPU's, scaled. Profile on the cluster's device "
+        "(python -m lightning_autopipe profile --device cuda ...), give each device type its "
+        "own profile in the cluster file, or plan the recipes with --plan-only (FLOP-based "
+        "profiles for GPU clusters)"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,6 +127,9 @@ def plan_main(argv: list[str]) -> int:
         return 2
     try:
         cluster = _cluster(args.cluster, args.world_size)
+        mismatch = device_mismatch(profile, cluster)
+        if mismatch:
+            print(f"warning: {mismatch}", file=sys.stderr)
         plan = make_plan(
             profile, cluster, args.global_batch_size, planner=args.planner,
             num_stages=args.stages, replicas=args.replicas,

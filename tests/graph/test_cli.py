@@ -36,6 +36,19 @@ def test_profile_command_writes_a_loadable_profile(
     assert "activation" in text
     for i, name in enumerate(blocks.names):
         assert any(line.split()[:2] == [str(i), name] for line in text.splitlines()), name
+    # labelled as what was built: a toy size is never taken for the published model
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    assert prof.model == f"tiny_gpt toy-tiny ({millions:.2f}M params)"
+    assert prof.model in text
+
+
+def test_help_says_what_each_size_builds(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        profile_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "small: 4 layers, d 128" in text
+    assert "real: the published size (gpt2: GPT-2 124M" in text
+    assert "xl (GPT-2 XL, 1.5B)" in text
 
 
 def test_module_factory_and_layer_granularity_through_main(

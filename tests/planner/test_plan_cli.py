@@ -106,3 +106,18 @@ def test_module_entry_point_prints_exactly_one_json_object(profile_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["planner"] == "autopipe"
+
+
+def test_a_cpu_profile_planned_on_a_gpu_cluster_warns(tmp_path, capsys):
+    prof = Profile("toy", 2, "cpu", [BlockProfile(f"layer{i}", 1.0, 2.0, 4096, 1024, 2048)
+                                     for i in range(10)])
+    path = tmp_path / "cpu.json"
+    prof.save(path)
+    assert plan_main(_args(path, "--json")) == 0
+    captured = capsys.readouterr()
+    assert "warning: the profile was measured on 'cpu'" in captured.err
+    assert "A100-40GB, V100-32GB" in captured.err
+    json.loads(captured.out)  # stdout stays one JSON object
+    assert plan_main(["--profile", str(path), "--cluster", "local", "--world-size", "2",
+                      "--global-batch-size", "16"]) == 0
+    assert "warning" not in capsys.readouterr().err  # this machine's own processes

@@ -143,6 +143,42 @@ def test_help_and_unknown_flags(monkeypatch, capsys):
         _run_in_process(monkeypatch, capsys, "train_resnet", ["--plan-onyl"])
 
 
+@pytest.mark.parametrize("extra", [[], ["+model.max_seq_len=64"]])
+def test_a_model_of_another_recipe_names_the_recipe_that_trains_it(monkeypatch, capsys, extra):
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    from _common import run_recipe
+
+    assert run_recipe("train_gpt", ["model=resnet18", *extra, "--plan-only"]) == 2
+    err = capsys.readouterr().err
+    assert "model=resnet18 is not a GPT model" in err
+    assert "model=gpt2 | gpt2_medium | gpt2_xl | gpt_small | gpt_tiny" in err
+    assert "run recipes/train_resnet.py model=resnet18" in err
+    assert "Traceback" not in err
+
+
+def test_the_recipe_tasks_hyperparameters_load_weights_only(monkeypatch, tmp_path):
+    """What a recipe's checkpoint holds besides tensors is plain data (no OmegaConf objects)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    from _common import build_task
+
+    from lightning_autopipe.config import compose
+
+    task = build_task(compose("train_gpt", []))
+    torch.save({"hyper_parameters": dict(task.hparams)}, tmp_path / "h.ckpt")
+    loaded = torch.load(tmp_path / "h.ckpt", weights_only=True)["hyper_parameters"]
+    assert loaded["betas"] == [0.9, 0.95]
+
+
+def test_plan_only_on_the_local_cluster_says_why_a_run_may_plan_otherwise(
+    tmp_path, monkeypatch, capsys
+):
+    out = _run_in_process(monkeypatch, capsys, "train_gpt", ["--plan-only", f"run_dir={tmp_path}"])
+    assert "a training run measures the links between its ranks" in out
+    assert f"strategy.plan={tmp_path / 'plan.json'}" in out
+
+
 def test_a_misspelt_override_is_one_line_with_the_fix(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
     from _common import run_recipe

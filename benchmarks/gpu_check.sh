@@ -26,7 +26,9 @@ case "${1:-}" in
   --cpu) MODE=cpu ;;
   --fetch-wheels)
     mkdir -p "$WHEELS"
-    exec "$PYTHON" -m pip download --no-deps -d "$WHEELS" \
+    # pure-Python wheels only (py3-none-any), usable by any interpreter from 3.10 on
+    exec "$PYTHON" -m pip download --no-deps -d "$WHEELS" --only-binary=:all: \
+      --platform any --implementation py --abi none --python-version 3.10 \
       pytest pluggy iniconfig packaging pygments exceptiongroup tomli pytest-timeout ;;
   -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
   *) echo "unknown argument '$1'; use --cpu, --fetch-wheels or none (see --help)" >&2; exit 2 ;;

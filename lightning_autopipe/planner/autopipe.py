@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import PlanError
-from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
+from lightning_autopipe.planner.costmodel import evaluate
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.mapping import rank_layouts, speed_order
 from lightning_autopipe.planner.partition import (
     autopipe_partition,

@@ -21,341 +21,23 @@ backtracking from the end gives the critical path. Any schedule the generators p
 therefore priced by the fast model and the simulator alike.
 """
 
+
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from itertools import accumulate
+from dataclasses import dataclass
 
-from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
-from lightning_autopipe.errors import ScheduleError
-from lightning_autopipe.planner.generators import SCHEDULES
-from lightning_autopipe.planner.pricing import (
-    allreduce_finish,
-    contended_gbps,
-    peak_memory_bytes,
-    reduce_ms_per_byte,
-    replica_pairs,
-    ring_costs,
-    ring_resources,
-    type_profiles,
-    unit_parts,
+from lightning_autopipe.planner.compiled import (
+    B,
+    Compiled,
+    compiled,
+    extrapolation_point,
+    inflight,
+    splits_backward,
 )
-from lightning_autopipe.planner.schedule import Kind, is_split, unit_sizes, units
-from lightning_autopipe.profile import Profile
+from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.pricing import allreduce_finish, peak_memory_bytes, unit_parts
 
-__all__ = [
-    "BlockCosts", "Layout", "Estimate", "evaluate", "inflight", "splits_backward", "stage_times",
-]
-
-
-@dataclass(frozen=True)
-class BlockCosts:
-    """Prefix sums of a Profile's per-block costs: any stage's cost is two lookups.
-
-    ``types`` holds the same sums for every device type of the cluster that has its own
-    profile (:func:`~.pricing.type_profiles`): a stage on such a device is priced from them at
-    speed 1 (:meth:`typed`), any other from these over the device's speed. Bytes (parameters,
-    activations, memory) are the reference profile's: the model is the same on every device.
-    """
-
-    fwd: tuple[float, ...]
-    bwd: tuple[float, ...]
-    params: tuple[int, ...]
-    mem: tuple[int, ...]
-    act: tuple[int, ...]  # activation_bytes of each block (what crosses a cut after it)
-    micro_batch_size: int
-    ffix: tuple[float, ...] = ()  # prefix sums of forward_fixed_ms (empty: all zero)
-    bfix: tuple[float, ...] = ()  # prefix sums of backward_fixed_ms
-    # a split backward (zero-bubble): prefix sums of its input and weight parts and their fixed
-    # parts (BlockProfile.split_backward)
-    bin: tuple[float, ...] = ()
-    bwt: tuple[float, ...] = ()
-    bfix_in: tuple[float, ...] = ()
-    bfix_wt: tuple[float, ...] = ()
-    types: Mapping[str, BlockCosts] = field(default_factory=dict, compare=False)
-
-    @classmethod
-    def from_profile(cls, profile: Profile, cluster: Cluster | None = None) -> BlockCosts:
-        """The reference ``profile``'s sums, with those of ``cluster``'s profiled device types.
-
-        Raises:
-            ClusterError: a device type's profile does not describe the same blocks.
-        """
-        types = type_profiles(profile, cluster) if cluster is not None else {}
-        own = {name: cls._sums(p) for name, p in types.items()}
-        return replace(cls._sums(profile), types=own)
-
-    @classmethod
-    def _sums(cls, profile: Profile) -> BlockCosts:
-        b = profile.blocks
-        return cls(
-            fwd=tuple(accumulate((x.forward_ms for x in b), initial=0.0)),
-            bwd=tuple(accumulate((x.backward_ms for x in b), initial=0.0)),
-            params=tuple(accumulate((x.param_bytes for x in b), initial=0)),
-            mem=tuple(accumulate((x.memory_bytes for x in b), initial=0)),
-            act=tuple(x.activation_bytes for x in b),
-            micro_batch_size=profile.micro_batch_size,
-            ffix=tuple(accumulate((x.forward_fixed_ms for x in b), initial=0.0)),
-            bfix=tuple(accumulate((x.backward_fixed_ms for x in b), initial=0.0)),
-            **{name: tuple(accumulate((x.split_backward()[i] for x in b), initial=0.0))
-               for i, name in enumerate(("bin", "bwt", "bfix_in", "bfix_wt"))},
-        )
-
-    def fixed(self, i: int, j: int) -> tuple[float, float]:
-        """Forward and backward ms of blocks ``[i, j)`` that do not scale with samples."""
-        if not self.ffix:
-            return 0.0, 0.0
-        return self.ffix[j] - self.ffix[i], self.bfix[j] - self.bfix[i]
-
-    def split(self, i: int, j: int) -> tuple[float, float, float, float]:
-        """Blocks ``[i, j)``'s split backward: (input ms, weight ms, their fixed parts)."""
-        return (self.bin[j] - self.bin[i], self.bwt[j] - self.bwt[i],
-                self.bfix_in[j] - self.bfix_in[i], self.bfix_wt[j] - self.bfix_wt[i])
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.act)
-
-    @functools.cached_property
-    def compute(self) -> list[float]:
-        """Prefix sums of forward + backward time."""
-        return [f + b for f, b in zip(self.fwd, self.bwd)]
-
-    def typed(self, key: str | None) -> BlockCosts:
-        """The sums that price a stage whose layout key is ``key`` (None: the reference)."""
-        return self if key is None else self.types[key]
-
-    def stage_work(self, layout: Layout) -> list[list[float]] | None:
-        """Per-stage compute prefix sums for the partitioner, or None when every stage is
-        priced from the reference profile (the partitioner then divides by the speeds)."""
-        if all(k is None for k in layout.keys):
-            return None
-        return [self.typed(k).compute for k in layout.keys]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each stage runs, reduced to the numbers the cost model needs (cut-independent)."""
-
-    groups: tuple[tuple[str, ...], ...]
-    speeds: tuple[float, ...]
-    capacity: tuple[int, ...]
-    overhead_ms: tuple[float, ...]
-    link_lat_ms: tuple[float, ...]  # cut s: stage s <-> s + 1
-    link_ms_per_byte: tuple[float, ...]
-    ar_lat_ms: tuple[float, ...]
-    ar_ms_per_byte: tuple[float, ...]  # uncontended ring, links only
-    optimistic: bool = False  # a lower bound of simulate(): no link queues, fastest replicas
-    ar_rings: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per stage: resources of each edge
-    ar_caps: tuple[float, ...] = ()  # bytes per ms of each resource
-    ar_reduce_ms_per_byte: tuple[float, ...] = ()  # per stage: the reduction's own work
-    keys: tuple[str | None, ...] = ()  # per stage: the device type whose profile prices it
-
-    def __post_init__(self) -> None:
-        if not self.keys:
-            object.__setattr__(self, "keys", (None,) * len(self.groups))
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.groups)
-
-    @property
-    def replicas(self) -> tuple[int, ...]:
-        return tuple(len(g) for g in self.groups)
-
-    def signature(self) -> tuple:
-        """Everything but the device names: layouts with equal signatures cost the same."""
-        return (self.replicas, self.speeds, self.keys, self.capacity, self.overhead_ms,
-                self.link_lat_ms, self.link_ms_per_byte, self.ar_lat_ms, self.ar_ms_per_byte,
-                self.ar_reduce_ms_per_byte)
-
-    @classmethod
-    def from_cluster(
-        cls, cluster: Cluster, groups: list[list[str]], *, optimistic: bool = False
-    ) -> Layout:
-        """Reduce ``groups`` (devices of each stage, in pipeline order) to cost-model numbers.
-
-        A stage is priced on its slowest replica (by ``speed``): from that device type's own
-        profile when it has one (``keys``, speed 1), else from the reference over its speed.
-        With ``optimistic=True`` every stage runs on its fastest replica over its fastest links
-        without contention: the result is a lower bound of :func:`simulate` (all event times of
-        a replay are monotone in the durations), which the exact search prunes with.
-        """
-        devs = [[cluster.device(n) for n in g] for g in groups]
-        lat, per_byte = [], []
-        for a, b in zip(groups, groups[1:]):
-            pairs = replica_pairs(list(a), list(b))
-            if optimistic:
-                lat.append(min(cluster.latency_us(x, y) for x, y in pairs) / 1e3)
-                bw = max(cluster.bandwidth_gbps(x, y) for x, y in pairs)
-            else:
-                lat.append(max(cluster.latency_us(x, y) for x, y in pairs) / 1e3)
-                bw = contended_gbps(cluster, pairs)
-            per_byte.append(1.0 / (bw * BYTES_PER_MS_PER_GBPS))
-        lists = [list(g) for g in groups]
-        ar_lat, ar_pb = ring_costs(cluster, lists, contended=False)
-        rings, caps = ring_resources(cluster, lists)
-        pick = max if optimistic else min
-        reps = [pick((d.spec for d in g), key=lambda spec: spec.speed) for g in devs]
-        return cls(
-            groups=tuple(tuple(g) for g in groups),
-            speeds=tuple(1.0 if r.profile is not None else r.speed for r in reps),
-            keys=tuple(r.name if r.profile is not None else None for r in reps),
-            capacity=tuple(min(d.spec.memory_bytes for d in g) for g in devs),
-            overhead_ms=tuple(
-                (min if optimistic else max)(d.spec.overhead_ms for d in g) for g in devs
-            ),
-            link_lat_ms=tuple(lat),
-            link_ms_per_byte=tuple(per_byte),
-            ar_lat_ms=tuple(ar_lat),
-            ar_ms_per_byte=tuple(ar_pb),
-            optimistic=optimistic,
-            ar_rings=rings,
-            ar_caps=caps,
-            ar_reduce_ms_per_byte=tuple(reduce_ms_per_byte(cluster, g) for g in lists),
-        )
-
-
-@dataclass(frozen=True)
-class _Compiled:
-    """A compute-only schedule flattened into dependency order (see :func:`_compile_lists`)."""
-
-    order: tuple[tuple[int, int, int, int, int], ...]  # stage, kind code, unit, prev, cross
-    last: tuple[int, ...]  # index of each stage's last action
-    inflight: tuple[float, ...]  # most micro-batches (fractions) in flight per stage
-    fracs: tuple[float, ...]  # size of each unit relative to a whole micro-batch
-    split: bool = False  # backward split into B (input gradient) and W (weight gradient)
-
-
-_F, _B, _W = 0, 1, 2  # kind codes of the compiled lists
-_CODE = {Kind.FORWARD: _F, Kind.BACKWARD: _B, Kind.WEIGHT: _W}
-
-
-def _compile_lists(lists: Sequence[Sequence[tuple[int, int]]], fracs: list[float]) -> _Compiled:
-    """Topological order of per-stage (kind code, unit) lists (worklist, linear time).
-
-    A forward waits for the previous stage's forward of its unit, a backward for the next
-    stage's backward; a weight backward only for its own stage's order.
-    """
-    num = len(lists)
-    nu = len(fracs)
-    done_f = [[-1] * nu for _ in range(num)]
-    done_b = [[-1] * nu for _ in range(num)]
-    pos = [0] * num
-    last = [-1] * num
-    order: list[tuple[int, int, int, int, int]] = []
-    work = list(range(num))
-    queued = [True] * num
-    while work:
-        s = work.pop()
-        queued[s] = False
-        acts = lists[s]
-        p = pos[s]
-        while p < len(acts):
-            code, u = acts[p]
-            if u >= nu:
-                raise ScheduleError(f"stage {s} runs an action of unknown unit {u}")
-            cross = -1
-            if code == _B and s < num - 1:
-                cross = done_b[s + 1][u]
-                if cross < 0:
-                    break
-            elif code == _F and s > 0:
-                cross = done_f[s - 1][u]
-                if cross < 0:
-                    break
-            n = len(order)
-            order.append((s, code, u, last[s], cross))
-            last[s] = n
-            if code != _W:
-                nb = s - 1 if code == _B else s + 1
-                (done_b if code == _B else done_f)[s][u] = n
-                if 0 <= nb < num and not queued[nb]:
-                    queued[nb] = True
-                    work.append(nb)
-            p += 1
-        pos[s] = p
-    stuck = [s for s in range(num) if pos[s] < len(lists[s])]
-    if stuck:
-        raise ScheduleError(f"schedule deadlocks: stages {stuck} wait for units never produced")
-    split = any(code == _W for acts in lists for code, _ in acts)
-    return _Compiled(tuple(order), tuple(last), _inflight(lists, fracs), tuple(fracs), split)
-
-
-@functools.lru_cache(maxsize=256)
-def _lists(
-    schedule: str, num_stages: int, m: int, k: int, j: int
-) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The generator's schedule for this shape as per-stage (kind code, unit index) lists."""
-    acts = SCHEDULES[schedule](num_stages, m, k, j)
-    index = {u: i for i, u in enumerate(units(m, k, j))}
-    return tuple(
-        tuple((_CODE[a.kind], index[(a.microbatch, a.slice)]) for a in acts[s])
-        for s in range(num_stages)
-    )
-
-
-@functools.lru_cache(maxsize=1024)
-def _compiled(
-    schedule: str,
-    num_stages: int,
-    num_microbatches: int,
-    startup_slices: int,
-    mb: int,
-    drain_slices: int = 1,
-) -> _Compiled:
-    """The generator's schedule for this shape, compiled for the replay."""
-    m, k, j = num_microbatches, startup_slices, drain_slices
-    fracs = [sz / mb for sz in unit_sizes(mb, m, k, j)]
-    return _compile_lists(_lists(schedule, num_stages, m, k, j), fracs)
-
-
-@functools.cache
-def splits_backward(schedule: str) -> bool:
-    """Whether the generator ``schedule`` splits backward into B and W (zero bubble)."""
-    return is_split(SCHEDULES[schedule](1, 1, 1, 1))
-
-
-def _inflight(lists: Sequence[Sequence[tuple[int, int]]], fracs: list[float]) -> tuple:
-    """Per stage, the most micro-batches held at once: from a unit's forward until its
-    backward, or until its weight backward when the backward is split (W still reads the
-    activations the forward saved)."""
-    split = any(code == _W for acts in lists for code, _ in acts)
-    release = _W if split else _B
-    out = []
-    for acts in lists:
-        cur = peak = 0.0
-        for code, u in acts:
-            if code == _F:
-                cur += fracs[u]
-                peak = max(peak, cur)
-            elif code == release:
-                cur -= fracs[u]
-        out.append(peak)
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=1024)
-def inflight(schedule: str, num_stages: int, num_microbatches: int, startup_slices: int, mb: int,
-             drain_slices: int = 1) -> tuple[float, ...]:
-    """Most micro-batches (slices as fractions) each stage holds in flight under ``schedule``.
-
-    A step longer than the extrapolation point is not generated whole: as with the replay
-    (:func:`evaluate`), the counts of two shorter steps past the warm-up are extended
-    linearly, which is exact for schedules whose in-flight count is constant (1F1B) or grows
-    by a fixed amount per micro-batch (GPipe) once they are in their steady phase.
-    """
-    m, k, j = num_microbatches, startup_slices, drain_slices
-    m0 = _extrapolation_point(num_stages)
-    if m <= m0 + num_stages + 1:
-        fracs = [sz / mb for sz in unit_sizes(mb, m, k, j)]
-        return _inflight(_lists(schedule, num_stages, m, k, j), fracs)
-    win = num_stages + 1
-    a = inflight(schedule, num_stages, m0, k, mb, j)
-    b = inflight(schedule, num_stages, m0 + win, k, mb, j)
-    return tuple(x + (y - x) / win * (m - m0) for x, y in zip(a, b))
+__all__ = ["Estimate", "evaluate", "stage_times"]
 
 
 @dataclass
@@ -404,11 +86,6 @@ def stage_times(
     return parts, scale
 
 
-def _extrapolation_point(num_stages: int) -> int:
-    """Micro-batch count beyond which a schedule is in its periodic steady phase (with margin)."""
-    return 2 * num_stages + 6
-
-
 def evaluate(
     costs: BlockCosts,
     layout: Layout,
@@ -447,18 +124,18 @@ def evaluate(
     ]
     grads = [float(costs.params[cuts[s + 1]] - costs.params[cuts[s]]) for s in range(num)]
     ar = [0.0] * num  # all-reduces are added after the replay, contending with each other
-    m0 = _extrapolation_point(num)
+    m0 = extrapolation_point(num)
     lat, queue = layout.link_lat_ms, not layout.optimistic
     if exact or m <= m0:
-        comp = _compiled(schedule, num, m, k, mb, j)
+        comp = compiled(schedule, num, m, k, mb, j)
         finish, end, via = _replay(comp, var, per_call, cut_ms, lat, ar, queue)
         finish = allreduce_finish(layout, finish, grads)
         total = max(finish)
     else:
         win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
-        first = _compiled(schedule, num, m0, k, mb, j)
+        first = compiled(schedule, num, m0, k, mb, j)
         f1, _, _ = _replay(first, var, per_call, cut_ms, lat, ar, queue)
-        comp = _compiled(schedule, num, m0 + win, k, mb, j)
+        comp = compiled(schedule, num, m0 + win, k, mb, j)
         finish, end, via = _replay(comp, var, per_call, cut_ms, lat, ar, queue)
         period = max(0.0, max(finish) - max(f1)) / win
         shift = (m - m0 - win) * period
@@ -488,7 +165,7 @@ def evaluate(
 
 
 def _replay(
-    comp: _Compiled,
+    comp: Compiled,
     var: list[list[float]],
     per_call: list[list[float]],
     cut_ms: list[float],
@@ -513,7 +190,7 @@ def _replay(
     for n, (s, code, u, prev, cross) in enumerate(order):
         t = end[prev] if prev >= 0 else 0.0
         if cross >= 0:
-            is_b = code == _B
+            is_b = code == B
             c = s if is_b else s - 1
             dur = cut_ms[c] * fracs[u]
             sent = end[cross]

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, PlanError
-from lightning_autopipe.planner.costmodel import BlockCosts, Estimate, Layout, evaluate
+from lightning_autopipe.planner.costmodel import Estimate, evaluate
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.partition import balanced_cuts, stage_limits
 
 __all__ = ["speed_order", "candidate_groupings", "rank_layouts", "MappingResult"]

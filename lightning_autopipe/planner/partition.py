@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.balance import StageLimits, balanced_cuts
-from lightning_autopipe.planner.costmodel import BlockCosts, Estimate, Layout, evaluate, inflight
+from lightning_autopipe.planner.compiled import inflight
+from lightning_autopipe.planner.costmodel import Estimate, evaluate
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 
 __all__ = [
     "balanced_cuts",

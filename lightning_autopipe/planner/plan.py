@@ -76,6 +76,7 @@ class Plan:
     model: str | None = None
     fingerprint: str | None = None
     drain_slices: int = 1
+    search_notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
@@ -159,6 +160,7 @@ class Plan:
             "balance": self.balance,
             "peak_memory_bytes": dict(self.peak_memory_bytes),
             "search_ms": self.search_ms,
+            **({"search_notes": list(self.search_notes)} if self.search_notes else {}),
         }
 
     @classmethod

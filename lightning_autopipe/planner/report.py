@@ -63,6 +63,7 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster | None = None) ->
         f"predicted iteration {plan.iteration_ms:.1f} ms | bubble {plan.bubble_fraction:.1%} | "
         f"balance {plan.balance:.3f} (max/mean stage ms) | search {plan.search_ms:.0f} ms"
     )
+    lines += [f"note: {n}" for n in plan.search_notes]
     return "\n".join(lines)
 
 

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner.autopipe import autopipe_proposals
 from lightning_autopipe.planner.baselines import propose
-from lightning_autopipe.planner.costmodel import BlockCosts
 from lightning_autopipe.planner.generators import schedule_generator
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
+from lightning_autopipe.planner.polish import polish, sweep_budget
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import Profile
 
@@ -89,11 +91,13 @@ def make_plan(
     pins = dict(num_stages=num_stages, replicas=replicas, num_microbatches=num_microbatches,
                 startup_slices=startup_slices, drain_slices=drain_slices)
     excluded = 0.0
+    notes: list[str] = []
     if planner == "autopipe":
         for name in schedules:
             schedule_generator(name)  # ScheduleError naming the known ones
         props = autopipe_proposals(costs, cluster, devs, global_batch_size, pins, use_all_devices,
                                    max_startup_slices, optimizer_factor, tuple(schedules))
+        notes = _polish_favourite(props, costs, cluster, global_batch_size, optimizer_factor)
     else:
         props, excluded = propose(
             planner, profile, costs, cluster, devs, global_batch_size, pins=pins,
@@ -132,7 +136,27 @@ def make_plan(
     if memory_check and not fitting:
         raise _memory_error(best, cluster, global_batch_size)
     best.search_ms = search_ms
+    best.search_notes = notes
     return best
+
+
+def _polish_favourite(
+    props: list[Proposal], costs: BlockCosts, cluster: Cluster, batch: int,
+    optimizer_factor: float,
+) -> list[str]:
+    """Walk the fast model's favourite to the local optimum :func:`~.polish.polish` reaches;
+    the simulator then judges it against the other finalists as usual. Returns what to note
+    on the plan (that the walk stopped at its sweep budget)."""
+    top = props[0]
+    layout = Layout.from_cluster(cluster, top.groups)
+    cuts, sweeps = polish(costs, layout, top.cuts, batch, top.num_microbatches,
+                          top.startup_slices, drain_slices=top.drain_slices,
+                          schedule=top.schedule, optimizer_factor=optimizer_factor)
+    props[0] = replace(top, cuts=cuts)
+    if sweeps >= sweep_budget(layout.num_stages):
+        return [f"the final local search over the cuts stopped at its budget of {sweeps} "
+                "sweeps (a better partition may lie further)"]
+    return []
 
 
 def finish_plan(

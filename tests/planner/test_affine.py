@@ -12,7 +12,8 @@ from torch import nn
 from lightning_autopipe import profile_blocks, split_model
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner import make_plan
-from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
+from lightning_autopipe.planner.costmodel import evaluate
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import BlockProfile, Profile, affine_ms, fit_affine

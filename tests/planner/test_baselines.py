@@ -12,7 +12,7 @@ from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.planner import PLANNERS, make_plan
 from lightning_autopipe.planner.baselines import parameter_cuts, time_cuts, uniform_cuts
 from lightning_autopipe.planner.baselines.dapple import _latency
-from lightning_autopipe.planner.costmodel import BlockCosts
+from lightning_autopipe.planner.layout import BlockCosts
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import BlockProfile, Profile

@@ -13,7 +13,8 @@ import yaml
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError
 from lightning_autopipe.planner import make_plan
-from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
+from lightning_autopipe.planner.costmodel import evaluate
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import BlockProfile, Profile

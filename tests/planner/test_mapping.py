@@ -10,7 +10,7 @@ from lightning_autopipe.planner import make_plan
 from lightning_autopipe.planner.analytic import analytic_profile
 from lightning_autopipe.planner.baselines import dapple_placement
 from lightning_autopipe.planner.baselines.dapple import POLICIES as DAPPLE_POLICIES
-from lightning_autopipe.planner.costmodel import BlockCosts, Layout
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.mapping import candidate_groupings, rank_layouts, speed_order
 from lightning_autopipe.planner.partition import partition_and_slice
 from lightning_autopipe.planner.plan import Proposal

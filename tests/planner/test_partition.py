@@ -11,11 +11,8 @@ import pytest
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner import make_plan
 from lightning_autopipe.planner.analytic import analytic_profile
-from lightning_autopipe.planner.costmodel import (
-    BlockCosts,
-    Layout,
-    evaluate,
-)
+from lightning_autopipe.planner.costmodel import evaluate
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.partition import (
     StageLimits,
     autopipe_partition,

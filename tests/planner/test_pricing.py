@@ -10,8 +10,9 @@ import random
 import pytest
 
 from lightning_autopipe.cluster import Cluster
-from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
+from lightning_autopipe.planner.costmodel import evaluate
 from lightning_autopipe.planner.generators import SCHEDULES
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.pricing import allreduce_finish, allreduce_ms, unit_ms
 from lightning_autopipe.planner.simulate import simulate
@@ -104,11 +105,39 @@ def test_allreduce_finish_ends_on_near_free_and_very_slow_links():
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_in_flight_memory_of_long_steps_equals_the_whole_replay(schedule: str):
     """Long steps are extrapolated from two shorter ones; the count must equal the full scan."""
-    from lightning_autopipe.planner.costmodel import _inflight, _lists, inflight
+    from lightning_autopipe.planner.compiled import inflight, inflight_of, lists
     from lightning_autopipe.planner.schedule import unit_sizes
 
     for stages, m, k, j in itertools.product((1, 2, 5), (30, 41, 97), (1, 3), (1, 2)):
         mb = 6
         fracs = [sz / mb for sz in unit_sizes(mb, m, k, j)]
-        whole = _inflight(_lists(schedule, stages, m, k, j), fracs)
+        whole = inflight_of(lists(schedule, stages, m, k, j), fracs)
         assert inflight(schedule, stages, m, k, mb, j) == pytest.approx(whole, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_the_vector_replay_prices_every_candidate_as_the_scalar_one(schedule):
+    """polish.evaluate_many is the fast model's replay on vectors: equal to it, to the bit."""
+    from lightning_autopipe.planner.polish import evaluate_many, neighbours
+
+    rng = random.Random(5)
+    prof = _profile(rng, 24)
+    cl = Cluster.from_dict({"name": "c", "network_gbps": 10, "servers": [
+        {"name": "s", "count": 2, "gpus": 4, "device": {"name": "d", "speed": 1.0,
+                                                        "memory_gb": 1, "reduce_gbps": 20},
+         "levels": [{"size": 4, "gbps": 50, "latency_us": 20}]}]})
+    costs = BlockCosts.from_profile(prof, cl)
+    devs = [d.name for d in cl.devices]
+    for stages, replicas, m, k, j in ((4, 2, 3, 2, 2), (8, 1, 30, 1, 3), (2, 4, 5, 3, 1)):
+        layout = Layout.from_cluster(cl, [devs[s * replicas:(s + 1) * replicas]
+                                          for s in range(stages)])
+        cuts = [0, *sorted(rng.sample(range(1, 24), stages - 1)), 24]
+        cands = [cuts, *neighbours(cuts)]
+        batch = replicas * m * 6
+        many = evaluate_many(costs, layout, cands, batch, m, k, drain_slices=j,
+                             schedule=schedule)
+        for c, (ms, fits) in zip(cands, many):
+            one = evaluate(costs, layout, c, batch, m, k, drain_slices=j, schedule=schedule,
+                           critical_path=False)
+            assert ms == one.iteration_ms
+            assert fits == one.fits

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner import make_plan
-from lightning_autopipe.planner.costmodel import BlockCosts, Layout
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.mapping import candidate_groupings
 from lightning_autopipe.planner.partition import autopipe_partition, step_budget
 from lightning_autopipe.profile import BlockProfile, Profile

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ScheduleError
-from lightning_autopipe.planner.costmodel import _inflight, _lists
+from lightning_autopipe.planner.compiled import inflight_of, lists
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.replay import ascii_timeline, validate
 from lightning_autopipe.planner.schedule import (
@@ -48,8 +48,8 @@ def test_every_w_follows_its_own_b_and_memory_stays_within_1f1b():
             # F/B order is 1F1B's
             assert [a for a in acts if a.kind is not Kind.WEIGHT] == base[st]
         fracs = [x / 12 for x in unit_sizes(12, m, k, j)]
-        held = _inflight(_lists("zb-h1", s, m, k, j), fracs)
-        held_1f1b = _inflight(_lists("1f1b", s, m, k, j), fracs)
+        held = inflight_of(lists("zb-h1", s, m, k, j), fracs)
+        held_1f1b = inflight_of(lists("1f1b", s, m, k, j), fracs)
         assert max(held) <= max(held_1f1b) + 1e-12, (s, m, k, j)
 
 

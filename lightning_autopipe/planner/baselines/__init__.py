@@ -40,7 +40,7 @@ from lightning_autopipe.planner.baselines.simple import (
     time_cuts,
     uniform_cuts,
 )
-from lightning_autopipe.planner.costmodel import BlockCosts
+from lightning_autopipe.planner.layout import BlockCosts
 from lightning_autopipe.planner.plan import Proposal
 from lightning_autopipe.profile import Profile
 

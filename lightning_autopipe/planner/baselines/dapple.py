@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.baselines.piper import coarse_boundaries
-from lightning_autopipe.planner.costmodel import BlockCosts
+from lightning_autopipe.planner.layout import BlockCosts
 from lightning_autopipe.planner.plan import Proposal
 from lightning_autopipe.planner.pricing import allreduce_ms, peak_memory_bytes
 

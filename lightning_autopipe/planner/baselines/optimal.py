@@ -8,7 +8,8 @@ import math
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.baselines.simple import rank_order_groups
-from lightning_autopipe.planner.costmodel import BlockCosts, Layout, evaluate
+from lightning_autopipe.planner.costmodel import evaluate
+from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.mapping import candidate_groupings
 from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
 from lightning_autopipe.planner.simulate import simulate

@@ -27,7 +27,7 @@ import numpy as np
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.balance import balanced_cuts
-from lightning_autopipe.planner.costmodel import BlockCosts
+from lightning_autopipe.planner.layout import BlockCosts
 from lightning_autopipe.planner.plan import Proposal
 from lightning_autopipe.planner.pricing import peak_memory_bytes, ring_latency_ms, ring_volume
 

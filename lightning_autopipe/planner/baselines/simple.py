@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.balance import balanced_cuts
-from lightning_autopipe.planner.costmodel import BlockCosts
+from lightning_autopipe.planner.layout import BlockCosts
 
 __all__ = ["uniform_cuts", "parameter_cuts", "time_cuts", "rank_order_groups"]
 

@@ -1,0 +1,163 @@
+"""The generators' schedules compiled for the fast model: dependency order, memory in flight.
+
+A compute-only schedule from :mod:`~.generators` becomes per-stage (kind code, unit) lists and a
+flat order in which every action's dependencies come first (so the replay is one pass), cached
+per (schedule, stages, micro-batches, slices).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_autopipe.errors import ScheduleError
+from lightning_autopipe.planner.generators import SCHEDULES
+from lightning_autopipe.planner.schedule import Kind, is_split, unit_sizes, units
+
+__all__ = ["F", "B", "W", "Compiled", "compiled", "inflight", "lists", "inflight_of",
+           "extrapolation_point", "splits_backward"]
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compute-only schedule flattened into dependency order (see :func:`_compile_lists`)."""
+
+    order: tuple[tuple[int, int, int, int, int], ...]  # stage, kind code, unit, prev, cross
+    last: tuple[int, ...]  # index of each stage's last action
+    inflight: tuple[float, ...]  # most micro-batches (fractions) in flight per stage
+    fracs: tuple[float, ...]  # size of each unit relative to a whole micro-batch
+    split: bool = False  # backward split into B (input gradient) and W (weight gradient)
+
+
+F, B, W = 0, 1, 2  # kind codes of the compiled lists
+_CODE = {Kind.FORWARD: F, Kind.BACKWARD: B, Kind.WEIGHT: W}
+
+
+def _compilelists(lists: Sequence[Sequence[tuple[int, int]]], fracs: list[float]) -> Compiled:
+    """Topological order of per-stage (kind code, unit) lists (worklist, linear time).
+
+    A forward waits for the previous stage's forward of its unit, a backward for the next
+    stage's backward; a weight backward only for its own stage's order.
+    """
+    num = len(lists)
+    nu = len(fracs)
+    done_f = [[-1] * nu for _ in range(num)]
+    done_b = [[-1] * nu for _ in range(num)]
+    pos = [0] * num
+    last = [-1] * num
+    order: list[tuple[int, int, int, int, int]] = []
+    work = list(range(num))
+    queued = [True] * num
+    while work:
+        s = work.pop()
+        queued[s] = False
+        acts = lists[s]
+        p = pos[s]
+        while p < len(acts):
+            code, u = acts[p]
+            if u >= nu:
+                raise ScheduleError(f"stage {s} runs an action of unknown unit {u}")
+            cross = -1
+            if code == B and s < num - 1:
+                cross = done_b[s + 1][u]
+                if cross < 0:
+                    break
+            elif code == F and s > 0:
+                cross = done_f[s - 1][u]
+                if cross < 0:
+                    break
+            n = len(order)
+            order.append((s, code, u, last[s], cross))
+            last[s] = n
+            if code != W:
+                nb = s - 1 if code == B else s + 1
+                (done_b if code == B else done_f)[s][u] = n
+                if 0 <= nb < num and not queued[nb]:
+                    queued[nb] = True
+                    work.append(nb)
+            p += 1
+        pos[s] = p
+    stuck = [s for s in range(num) if pos[s] < len(lists[s])]
+    if stuck:
+        raise ScheduleError(f"schedule deadlocks: stages {stuck} wait for units never produced")
+    split = any(code == W for acts in lists for code, _ in acts)
+    return Compiled(tuple(order), tuple(last), inflight_of(lists, fracs), tuple(fracs), split)
+
+
+@functools.lru_cache(maxsize=256)
+def lists(
+    schedule: str, num_stages: int, m: int, k: int, j: int
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The generator's schedule for this shape as per-stage (kind code, unit index) lists."""
+    acts = SCHEDULES[schedule](num_stages, m, k, j)
+    index = {u: i for i, u in enumerate(units(m, k, j))}
+    return tuple(
+        tuple((_CODE[a.kind], index[(a.microbatch, a.slice)]) for a in acts[s])
+        for s in range(num_stages)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def compiled(
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    startup_slices: int,
+    mb: int,
+    drain_slices: int = 1,
+) -> Compiled:
+    """The generator's schedule for this shape, compiled for the replay."""
+    m, k, j = num_microbatches, startup_slices, drain_slices
+    fracs = [sz / mb for sz in unit_sizes(mb, m, k, j)]
+    return _compilelists(lists(schedule, num_stages, m, k, j), fracs)
+
+
+@functools.cache
+def splits_backward(schedule: str) -> bool:
+    """Whether the generator ``schedule`` splits backward into B and W (zero bubble)."""
+    return is_split(SCHEDULES[schedule](1, 1, 1, 1))
+
+
+def inflight_of(lists: Sequence[Sequence[tuple[int, int]]], fracs: list[float]) -> tuple:
+    """Per stage, the most micro-batches held at once: from a unit's forward until its
+    backward, or until its weight backward when the backward is split (W still reads the
+    activations the forward saved)."""
+    split = any(code == W for acts in lists for code, _ in acts)
+    release = W if split else B
+    out = []
+    for acts in lists:
+        cur = peak = 0.0
+        for code, u in acts:
+            if code == F:
+                cur += fracs[u]
+                peak = max(peak, cur)
+            elif code == release:
+                cur -= fracs[u]
+        out.append(peak)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def inflight(schedule: str, num_stages: int, num_microbatches: int, startup_slices: int, mb: int,
+             drain_slices: int = 1) -> tuple[float, ...]:
+    """Most micro-batches (slices as fractions) each stage holds in flight under ``schedule``.
+
+    A step longer than the extrapolation point is not generated whole: as with the replay
+    (:func:`evaluate`), the counts of two shorter steps past the warm-up are extended
+    linearly, which is exact for schedules whose in-flight count is constant (1F1B) or grows
+    by a fixed amount per micro-batch (GPipe) once they are in their steady phase.
+    """
+    m, k, j = num_microbatches, startup_slices, drain_slices
+    m0 = extrapolation_point(num_stages)
+    if m <= m0 + num_stages + 1:
+        fracs = [sz / mb for sz in unit_sizes(mb, m, k, j)]
+        return inflight_of(lists(schedule, num_stages, m, k, j), fracs)
+    win = num_stages + 1
+    a = inflight(schedule, num_stages, m0, k, mb, j)
+    b = inflight(schedule, num_stages, m0 + win, k, mb, j)
+    return tuple(x + (y - x) / win * (m - m0) for x, y in zip(a, b))
+
+
+def extrapolation_point(num_stages: int) -> int:
+    """Micro-batch count beyond which a schedule is in its periodic steady phase (with margin)."""
+    return 2 * num_stages + 6

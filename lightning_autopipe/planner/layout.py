@@ -1,0 +1,194 @@
+"""What the fast model prices from: block cost prefix sums and a layout's per-stage numbers.
+
+:class:`BlockCosts` turns a profile (and the cluster's per-type profiles) into prefix sums, so
+any stage's cost is two lookups; :class:`Layout` reduces the devices of each stage to the
+speed, memory, overhead and link figures the replay needs, independent of the cuts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
+
+from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
+from lightning_autopipe.planner.pricing import (
+    contended_gbps,
+    reduce_ms_per_byte,
+    replica_pairs,
+    ring_costs,
+    ring_resources,
+    type_profiles,
+)
+from lightning_autopipe.profile import Profile
+
+__all__ = ["BlockCosts", "Layout"]
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """Prefix sums of a Profile's per-block costs: any stage's cost is two lookups.
+
+    ``types`` holds the same sums for every device type of the cluster that has its own
+    profile (:func:`~.pricing.type_profiles`): a stage on such a device is priced from them at
+    speed 1 (:meth:`typed`), any other from these over the device's speed. Bytes (parameters,
+    activations, memory) are the reference profile's: the model is the same on every device.
+    """
+
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    params: tuple[int, ...]
+    mem: tuple[int, ...]
+    act: tuple[int, ...]  # activation_bytes of each block (what crosses a cut after it)
+    micro_batch_size: int
+    ffix: tuple[float, ...] = ()  # prefix sums of forward_fixed_ms (empty: all zero)
+    bfix: tuple[float, ...] = ()  # prefix sums of backward_fixed_ms
+    # a split backward (zero-bubble): prefix sums of its input and weight parts and their fixed
+    # parts (BlockProfile.split_backward)
+    bin: tuple[float, ...] = ()
+    bwt: tuple[float, ...] = ()
+    bfix_in: tuple[float, ...] = ()
+    bfix_wt: tuple[float, ...] = ()
+    types: Mapping[str, BlockCosts] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_profile(cls, profile: Profile, cluster: Cluster | None = None) -> BlockCosts:
+        """The reference ``profile``'s sums, with those of ``cluster``'s profiled device types.
+
+        Raises:
+            ClusterError: a device type's profile does not describe the same blocks.
+        """
+        types = type_profiles(profile, cluster) if cluster is not None else {}
+        own = {name: cls._sums(p) for name, p in types.items()}
+        return replace(cls._sums(profile), types=own)
+
+    @classmethod
+    def _sums(cls, profile: Profile) -> BlockCosts:
+        b = profile.blocks
+        return cls(
+            fwd=tuple(accumulate((x.forward_ms for x in b), initial=0.0)),
+            bwd=tuple(accumulate((x.backward_ms for x in b), initial=0.0)),
+            params=tuple(accumulate((x.param_bytes for x in b), initial=0)),
+            mem=tuple(accumulate((x.memory_bytes for x in b), initial=0)),
+            act=tuple(x.activation_bytes for x in b),
+            micro_batch_size=profile.micro_batch_size,
+            ffix=tuple(accumulate((x.forward_fixed_ms for x in b), initial=0.0)),
+            bfix=tuple(accumulate((x.backward_fixed_ms for x in b), initial=0.0)),
+            **{name: tuple(accumulate((x.split_backward()[i] for x in b), initial=0.0))
+               for i, name in enumerate(("bin", "bwt", "bfix_in", "bfix_wt"))},
+        )
+
+    def fixed(self, i: int, j: int) -> tuple[float, float]:
+        """Forward and backward ms of blocks ``[i, j)`` that do not scale with samples."""
+        if not self.ffix:
+            return 0.0, 0.0
+        return self.ffix[j] - self.ffix[i], self.bfix[j] - self.bfix[i]
+
+    def split(self, i: int, j: int) -> tuple[float, float, float, float]:
+        """Blocks ``[i, j)``'s split backward: (input ms, weight ms, their fixed parts)."""
+        return (self.bin[j] - self.bin[i], self.bwt[j] - self.bwt[i],
+                self.bfix_in[j] - self.bfix_in[i], self.bfix_wt[j] - self.bfix_wt[i])
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.act)
+
+    @functools.cached_property
+    def compute(self) -> list[float]:
+        """Prefix sums of forward + backward time."""
+        return [f + b for f, b in zip(self.fwd, self.bwd)]
+
+    def typed(self, key: str | None) -> BlockCosts:
+        """The sums that price a stage whose layout key is ``key`` (None: the reference)."""
+        return self if key is None else self.types[key]
+
+    def stage_work(self, layout: Layout) -> list[list[float]] | None:
+        """Per-stage compute prefix sums for the partitioner, or None when every stage is
+        priced from the reference profile (the partitioner then divides by the speeds)."""
+        if all(k is None for k in layout.keys):
+            return None
+        return [self.typed(k).compute for k in layout.keys]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each stage runs, reduced to the numbers the cost model needs (cut-independent)."""
+
+    groups: tuple[tuple[str, ...], ...]
+    speeds: tuple[float, ...]
+    capacity: tuple[int, ...]
+    overhead_ms: tuple[float, ...]
+    link_lat_ms: tuple[float, ...]  # cut s: stage s <-> s + 1
+    link_ms_per_byte: tuple[float, ...]
+    ar_lat_ms: tuple[float, ...]
+    ar_ms_per_byte: tuple[float, ...]  # uncontended ring, links only
+    optimistic: bool = False  # a lower bound of simulate(): no link queues, fastest replicas
+    ar_rings: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per stage: resources of each edge
+    ar_caps: tuple[float, ...] = ()  # bytes per ms of each resource
+    ar_reduce_ms_per_byte: tuple[float, ...] = ()  # per stage: the reduction's own work
+    keys: tuple[str | None, ...] = ()  # per stage: the device type whose profile prices it
+
+    def __post_init__(self) -> None:
+        if not self.keys:
+            object.__setattr__(self, "keys", (None,) * len(self.groups))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.groups)
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return tuple(len(g) for g in self.groups)
+
+    def signature(self) -> tuple:
+        """Everything but the device names: layouts with equal signatures cost the same."""
+        return (self.replicas, self.speeds, self.keys, self.capacity, self.overhead_ms,
+                self.link_lat_ms, self.link_ms_per_byte, self.ar_lat_ms, self.ar_ms_per_byte,
+                self.ar_reduce_ms_per_byte)
+
+    @classmethod
+    def from_cluster(
+        cls, cluster: Cluster, groups: list[list[str]], *, optimistic: bool = False
+    ) -> Layout:
+        """Reduce ``groups`` (devices of each stage, in pipeline order) to cost-model numbers.
+
+        A stage is priced on its slowest replica (by ``speed``): from that device type's own
+        profile when it has one (``keys``, speed 1), else from the reference over its speed.
+        With ``optimistic=True`` every stage runs on its fastest replica over its fastest links
+        without contention: the result is a lower bound of :func:`simulate` (all event times of
+        a replay are monotone in the durations), which the exact search prunes with.
+        """
+        devs = [[cluster.device(n) for n in g] for g in groups]
+        lat, per_byte = [], []
+        for a, b in zip(groups, groups[1:]):
+            pairs = replica_pairs(list(a), list(b))
+            if optimistic:
+                lat.append(min(cluster.latency_us(x, y) for x, y in pairs) / 1e3)
+                bw = max(cluster.bandwidth_gbps(x, y) for x, y in pairs)
+            else:
+                lat.append(max(cluster.latency_us(x, y) for x, y in pairs) / 1e3)
+                bw = contended_gbps(cluster, pairs)
+            per_byte.append(1.0 / (bw * BYTES_PER_MS_PER_GBPS))
+        lists = [list(g) for g in groups]
+        ar_lat, ar_pb = ring_costs(cluster, lists, contended=False)
+        rings, caps = ring_resources(cluster, lists)
+        pick = max if optimistic else min
+        reps = [pick((d.spec for d in g), key=lambda spec: spec.speed) for g in devs]
+        return cls(
+            groups=tuple(tuple(g) for g in groups),
+            speeds=tuple(1.0 if r.profile is not None else r.speed for r in reps),
+            keys=tuple(r.name if r.profile is not None else None for r in reps),
+            capacity=tuple(min(d.spec.memory_bytes for d in g) for g in devs),
+            overhead_ms=tuple(
+                (min if optimistic else max)(d.spec.overhead_ms for d in g) for g in devs
+            ),
+            link_lat_ms=tuple(lat),
+            link_ms_per_byte=tuple(per_byte),
+            ar_lat_ms=tuple(ar_lat),
+            ar_ms_per_byte=tuple(ar_pb),
+            optimistic=optimistic,
+            ar_rings=rings,
+            ar_caps=caps,
+            ar_reduce_ms_per_byte=tuple(reduce_ms_per_byte(cluster, g) for g in lists),
+        )

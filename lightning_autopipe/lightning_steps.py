@@ -209,9 +209,10 @@ class StepRunner:
         loss = _loss_of(out)
         if hook == "training_step":
             if not isinstance(loss, Tensor) or loss.numel() != 1:
-                got = "None" if out is None else type(out).__name__
+                got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
+                       else "None" if out is None else f"a {type(out).__name__}")
                 raise StepContractError(
-                    f"training_step returned {got if loss is None else tuple(loss.shape)}; under "
+                    f"training_step returned {got}; under "
                     "AutoPipeStrategy every micro-batch slice must return its mean loss as a "
                     "one-element tensor (or a dict with 'loss'): a step cannot be skipped by "
                     f"returning None in one slice, {WAY_OUT}"

@@ -78,13 +78,28 @@ def _launch(world: int, out: Path) -> dict[str, list[dict]]:
             for c in CASES[world]}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2x1", "2x2"])
-def runs(request, tmp_path_factory):
-    world = request.param
+def _runs(world: int, tmp_path_factory) -> SimpleNamespace:
     out = tmp_path_factory.mktemp(f"w{world}")
     torch.set_num_threads(1)
     return SimpleNamespace(world=world, replicas=world // 2, out=out,
                            auto=_auto(out / "auto", world // 2), ranks=_launch(world, out))
+
+
+@pytest.fixture(scope="module")
+def runs2(tmp_path_factory):
+    """2 stages x 1 replica."""
+    return _runs(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory):
+    """2 stages x 2 replicas."""
+    return _runs(4, tmp_path_factory)
+
+
+@pytest.fixture(params=["runs2", "runs4"], ids=["2x1", "2x2"])
+def runs(request):
+    return request.getfixturevalue(request.param)
 
 
 def _close(actual, expected, what: str) -> None:
@@ -196,9 +211,10 @@ MISTAKES = {"twice": "called self(...) twice", "never": "returned without callin
 
 
 def test_contract_mistakes_raise_their_message_on_every_rank_without_a_hang(runs):
-    for case, phrase in MISTAKES.items():
-        if case not in runs.ranks:
-            continue
+    cases = [c for c in MISTAKES if c in runs.ranks]
+    assert cases == [c for c in CASES[runs.world] if c in MISTAKES]
+    for case in cases:
+        phrase = MISTAKES[case]
         for rec in runs.ranks[case]:
             assert "error" in rec, f"{case}: rank {rec['rank']} raised nothing"
             kind, message = rec["error"]
@@ -209,9 +225,8 @@ def test_contract_mistakes_raise_their_message_on_every_rank_without_a_hang(runs
             assert rec["elapsed"] < ERROR_TIMEOUT, (case, rec["rank"], rec["elapsed"])
 
 
-def test_crafted_checkpoint_is_refused_by_fit_and_read_model_state_and_runs_no_code(runs):
-    if runs.world != 2:
-        pytest.skip("the crafted checkpoint is fitted on 2 ranks")
+def test_crafted_checkpoint_is_refused_by_fit_and_read_model_state_and_runs_no_code(runs2):
+    runs = runs2
     path, marker = runs.out / "crafted.ckpt", runs.out / "code_ran"
     for rec in runs.ranks["crafted"]:
         kind, message = rec["error"]
@@ -229,12 +244,10 @@ def test_crafted_checkpoint_is_refused_by_fit_and_read_model_state_and_runs_no_c
 
 
 # --------------------------------------------------------------------------------- README
-def test_readme_contract_example_runs_on_two_ranks_and_learns(runs):
-    if runs.world != 2:
-        pytest.skip("the README example asks for 2 devices")
+def test_readme_contract_example_runs_on_two_ranks_and_learns(runs2):
     from torch.nn import functional as F
 
-    ranks = runs.ranks["readme"]
+    ranks = runs2.ranks["readme"]
     for rec in ranks:
         assert "error" not in rec, rec.get("error")
         assert rec["steps"] == 50

@@ -52,6 +52,8 @@ class Module(pl.LightningModule):
             self.log("median", loss, reduce_fx=torch.median)
         if self.mistake == "bug":
             raise KeyError("a bug of the step itself")
+        if self.mistake == "skip":  # skipping a batch, as one may under strategy="auto"
+            return None
         return {"loss": loss}
 
 
@@ -117,6 +119,7 @@ def test_evaluation_returns_the_sample_weighted_loss():
         ("vector", r"got a tensor of shape \(3,\)"),
         ("custom", r"only 'mean', 'sum', 'max' and 'min'"),
         ("submodule", r"raised TypeError: linear\(\).*before calling self"),
+        ("skip", r"training_step returned None.*cannot be skipped"),
     ],
 )
 def test_mistakes_are_raised_after_the_step_naming_pipeline_loss(mistake, phrase):

@@ -326,7 +326,7 @@ class AutoPipeStrategy(ParallelStrategy):
             # The module's own steps are not run to profile the loss: they may update metrics.
             example_batch=example_batch if runner.uses_pipeline_loss else None,
             num_nodes=self.num_nodes,
-            run_dir=Path(trainer.default_root_dir) / "autopipe",
+            run_dir=_run_dir(trainer),
             loss_fn=runner,
         )
         self._held.hold(self, pipe, module, runner)
@@ -622,3 +622,10 @@ def _check_trainer(trainer: Any, precision_plugin: Any) -> None:
             f"precision {precision!r} is not supported by AutoPipeStrategy; use one of "
             f"{list(_SUPPORTED_PRECISION)}"
         )
+
+
+def _run_dir(trainer: Any) -> Path:
+    """Where a run's discovered cluster is written: ``autopipe/`` in the logger's version
+    folder (next to its metrics and checkpoints), else in ``default_root_dir``."""
+    log_dir = getattr(trainer, "log_dir", None)
+    return Path(log_dir or trainer.default_root_dir) / "autopipe"

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.generators import build_schedule
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.schedule import lower_communication
+from lightning_autopipe.runtime.discover import device_names, host_name
 from lightning_autopipe.runtime.groups import layout_for_rank
 from tests.runtime import _cases as C
 
@@ -34,6 +34,8 @@ CASES = {
         "cnn_bn-2s-k2-j2",
         "gpt-2s-k2-bf16",
         "hfgpt-2s-k2",
+        "hfgpt-2s-k2-zb",
+        "gpt-2s-k2-j2-zb",
         "hfbert-2s-k2",
         "cnn-2s-k1-validate",
         "string",
@@ -47,6 +49,7 @@ CASES = {
         "cnn_bn-4s-k2",
         "gpt-2s-k1",
         "gpt-2s-k2-clip",
+        "gpt-2s-k2-zb",
         "cnn-2s-k1",
         "cnn-2s-k2",
         "cnn_bn-2s-k2",
@@ -158,9 +161,12 @@ def _load_buffers(net, bufs):
 
 def _check_case(case: str, ranks: list[dict], world: int) -> None:
     model, stages, k = case.split("-")[0], int(case.split("-")[1][:-1]), int(case.split("-")[2][1:])
+    zb = "zb" in case.split("-")
     replicas = world // stages
     plan = Plan.from_json(ranks[0]["plan"])
     assert (plan.num_stages, plan.replicas, plan.startup_slices) == (stages, replicas, k)
+    if zb:
+        assert plan.schedule == "zb-h1"
     num = C.REPLICA_BATCH * C.STEPS * replicas
     losses, val, states = _reference(
         model,
@@ -171,7 +177,7 @@ def _check_case(case: str, ranks: list[dict], world: int) -> None:
         j=plan.drain_slices,
         clip=0.05 if "clip" in case else None,
     )
-    names = [d.name for d in Cluster.local(world).devices]
+    names = device_names([host_name()] * world)  # the discovered cluster's, in rank order
     expected_trace = lower_communication(build_schedule(plan))
     for rec in ranks:
         assert "error" not in rec, rec.get("error")
@@ -209,6 +215,13 @@ def _check_case(case: str, ranks: list[dict], world: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES[2] if c.count("-") == 2])
 def test_two_stages_one_replica_equals_single_process(world2, case):
+    _check_case(case, world2[case], 2)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES[2] if c.endswith("-zb")])
+def test_zero_bubble_through_the_trainer_equals_single_process(world2, case):
+    """ZB-H1 pinned (split backward, tied embeddings in hfgpt, drain slices): losses, logged
+    values, final parameters and each rank's executed trace as the planner's action list."""
     _check_case(case, world2[case], 2)
 
 

@@ -2,8 +2,9 @@
 
     python tests/runtime/_lightning_run.py OUT_DIR WORLD CASE [CASE ...]
 
-CASE is ``<model>-<stages>s-k<slices>[-j2][-bf16][-clip][-validate][-ckpt]`` (``j2``: two drain
-slices, else the planner's choice) (model: gpt, hfgpt, hfbert, cnn, cnn_bn;
+CASE is ``<model>-<stages>s-k<slices>[-j2][-zb][-bf16][-clip][-validate][-ckpt]`` (``j2``: two
+drain slices, else the planner's choice; ``zb``: the zero-bubble ZB-H1 schedule pinned, else the
+planner's choice of schedule) (model: gpt, hfgpt, hfbert, cnn, cnn_bn;
 ``validate`` runs ``Trainer.validate`` only), ``string`` (``Trainer(strategy="autopipe")`` with
 every option on auto) or ``untraceable``. Lightning's
 popen launcher re-runs this script in every rank, so every rank runs every case in order and
@@ -106,6 +107,7 @@ def run_case(case: str, world: int, out: Path) -> None:
             num_microbatches=4,
             startup_slices=k,
             drain_slices=2 if "j2" in parts else "auto",
+            schedule="zb-h1" if "zb" in parts else "auto",
             profile_repeats=1,
             timeout=60,
         )
@@ -129,6 +131,7 @@ def run_case(case: str, world: int, out: Path) -> None:
         enable_model_summary=True,
         num_sanity_val_steps=0,
         gradient_clip_val=clip,
+        default_root_dir=out / "root",
     )
     record: dict = {"case": case}
     try:

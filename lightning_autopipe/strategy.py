@@ -326,7 +326,7 @@ class AutoPipeStrategy(ParallelStrategy):
             # The module's own steps are not run to profile the loss: they may update metrics.
             example_batch=example_batch if runner.uses_pipeline_loss else None,
             num_nodes=self.num_nodes,
-            run_dir=_run_dir(trainer),
+            run_dir=_run_dir(trainer) if self.global_rank == 0 else None,
             loss_fn=runner,
         )
         self._held.hold(self, pipe, module, runner)
@@ -625,7 +625,9 @@ def _check_trainer(trainer: Any, precision_plugin: Any) -> None:
 
 
 def _run_dir(trainer: Any) -> Path:
-    """Where a run's discovered cluster is written: ``autopipe/`` in the logger's version
-    folder (next to its metrics and checkpoints), else in ``default_root_dir``."""
-    log_dir = getattr(trainer, "log_dir", None)
+    """Where rank 0 writes the discovered cluster: ``autopipe/`` in the logger's version folder
+    (next to its metrics and checkpoints), else in ``default_root_dir``. Read from the logger
+    itself: ``Trainer.log_dir`` is a collective, which only rank 0 reaching here would hang."""
+    logger = getattr(trainer, "logger", None)
+    log_dir = getattr(logger, "log_dir", None) if logger is not None else None
     return Path(log_dir or trainer.default_root_dir) / "autopipe"

@@ -21,11 +21,11 @@ from lightning_autopipe.checkpoint import read_model_state
 from lightning_autopipe.errors import UnsafeCheckpointError
 from lightning_autopipe.planner.plan import Plan
 from tests.lightning import _module as M
-from tests.lightning._run import ERROR_TIMEOUT, readme_inputs
+from tests.lightning._run import NO_HANG_S, readme_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "lightning" / "_run.py"
-CASES = {2: ["ordinary", "twice", "never", "metric", "crafted", "readme"],
+CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "crafted", "readme"],
          4: ["ordinary", "twice-replica1"]}
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -205,6 +205,19 @@ def test_fit_again_continues_like_auto_and_best_and_last_checkpoints_load(runs):
         _close(state[name], value, f"parameter {name} after fitting again")
 
 
+def test_sharded_checkpoints_load_as_best_and_last_after_fit(runs2):
+    """``ckpt_path="best"`` / ``"last"`` of DCP directories: each rank reads its stage only."""
+    auto = runs2.auto
+    for rec in runs2.ranks["sharded"]:
+        assert "error" not in rec, rec.get("error")
+        assert rec["best"][0] == auto["best"][0]
+        for call in ("test_best", "validate_last"):
+            for got, want in zip(rec[call], auto[call], strict=True):
+                for key, value in want.items():
+                    _close(got[key], value, f"sharded, rank {rec['rank']} {call} {key}")
+    assert (runs2.out / "ckpt-sharded" / "last.ckpt" / ".metadata").is_file()
+
+
 # --------------------------------------------------------------------------------- errors
 MISTAKES = {"twice": "called self(...) twice", "never": "returned without calling self(...)",
             "metric": "logs a torchmetrics Metric", "twice-replica1": "called self(...) twice"}
@@ -221,8 +234,8 @@ def test_contract_mistakes_raise_their_message_on_every_rank_without_a_hang(runs
             assert kind == "StepContractError", (case, rec["rank"], rec["error"])
             assert phrase in message, message
             assert "pipeline_loss" in message, message
-            # a rank left waiting for its peer would only stop at the strategy's timeout
-            assert rec["elapsed"] < ERROR_TIMEOUT, (case, rec["rank"], rec["elapsed"])
+            # a rank left waiting for its peer would only stop at the strategy's timeout (120 s)
+            assert rec["elapsed"] < NO_HANG_S, (case, rec["rank"], rec["elapsed"])
 
 
 def test_crafted_checkpoint_is_refused_by_fit_and_read_model_state_and_runs_no_code(runs2):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_autopipe.errors import PlanError
+from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.planner.generators import schedule_generator
 
 __all__ = ["StagePlan", "Plan", "Proposal"]
@@ -59,7 +60,8 @@ class Plan:
     into ``startup_slices`` even slices and, with two or more micro-batches, the last one into
     ``drain_slices`` (1 = whole; plans written before drain slicing existed load with 1).
     ``schedule`` names the generator (``"1f1b"`` or ``"gpipe"``). The predicted figures
-    (``iteration_ms`` …) come from the simulator.
+    (``iteration_ms`` …) come from the simulator. ``recompute[s]`` marks a stage that recomputes
+    its activations in backward (empty: none; plans written before it existed load so).
     """
 
     planner: str
@@ -77,11 +79,18 @@ class Plan:
     fingerprint: str | None = None
     drain_slices: int = 1
     search_notes: list[str] = field(default_factory=list)
+    recompute: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
+        self.recompute = [bool(r) for r in self.recompute]
+        if self.recompute and len(self.recompute) != len(self.stages):
+            raise PlanError(
+                f"recompute has {len(self.recompute)} entries for {len(self.stages)} stages; "
+                "give one flag per stage (or none: no stage recomputes)"
+            )
         for a, b in zip(self.stages, self.stages[1:]):
             if a.blocks[1] != b.blocks[0]:
                 raise PlanError(
@@ -95,6 +104,12 @@ class Plan:
             dup = sorted({d for d in used if used.count(d) > 1})
             raise PlanError(f"devices {dup} are assigned to more than one stage")
         schedule_generator(self.schedule)  # ScheduleError naming the known ones
+        if any(self.recompute) and splits_backward(self.schedule):
+            raise PlanError(
+                f"schedule {self.schedule!r} splits the backward, so a recomputing stage would "
+                "hold its recomputed activations until each weight backward; recompute under "
+                "'1f1b' or 'gpipe'"
+            )
         if min(self.num_microbatches, self.startup_slices, self.drain_slices) < 1:
             raise PlanError(
                 f"num_microbatches ({self.num_microbatches}), startup_slices "
@@ -104,6 +119,10 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def recomputes(self, stage: int) -> bool:
+        """Whether ``stage`` recomputes its activations in backward."""
+        return bool(self.recompute) and self.recompute[stage]
 
     @property
     def num_blocks(self) -> int:
@@ -161,6 +180,7 @@ class Plan:
             "peak_memory_bytes": dict(self.peak_memory_bytes),
             "search_ms": self.search_ms,
             **({"search_notes": list(self.search_notes)} if self.search_notes else {}),
+            **({"recompute": list(self.recompute)} if any(self.recompute) else {}),
         }
 
     @classmethod

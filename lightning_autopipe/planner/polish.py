@@ -15,7 +15,7 @@ keeps the search's bookkeeping (critical path, start causes) out of the vector v
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -72,16 +72,9 @@ def neighbours(cuts: Sequence[int]) -> list[list[int]]:
 
 
 def evaluate_many(
-    costs: BlockCosts,
-    layout: Layout,
-    cuts_list: Sequence[Sequence[int]],
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int = 1,
-    *,
-    drain_slices: int = 1,
-    schedule: str = "1f1b",
-    optimizer_factor: float = 2.0,
+    costs: BlockCosts, layout: Layout, cuts_list: Sequence[Sequence[int]], batch: int,
+    num_microbatches: int, startup_slices: int = 1, *, drain_slices: int = 1,
+    schedule: str = "1f1b", optimizer_factor: float = 2.0,
 ) -> list[tuple[float, bool]]:
     """``(iteration_ms, fits)`` of :func:`~.costmodel.evaluate` for every cut list, one replay."""
     num, c = layout.num_stages, len(cuts_list)
@@ -157,35 +150,24 @@ def _replay_many(
 
 
 def polish(
-    costs: BlockCosts,
-    layout: Layout,
-    cuts: Sequence[int],
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int = 1,
-    *,
-    drain_slices: int = 1,
-    schedule: str = "1f1b",
-    optimizer_factor: float = 2.0,
+    cuts: Sequence[int], price: Callable[[list[list[int]]], list[tuple[float, bool]]]
 ) -> tuple[list[int], int]:
     """The best cuts a walk over :func:`neighbours` reaches from ``cuts``, and the sweeps taken.
 
-    Each sweep moves to the fastest neighbour (plans that fit memory first) while it beats the
-    current cuts by more than rounding; it stops at a local optimum of these moves or after
-    :func:`sweep_budget` sweeps.
+    ``price`` gives ``(iteration_ms, fits)`` of each cut list (:func:`evaluate_many` with the
+    plan's layout and shape bound). Each sweep moves to the fastest neighbour (plans that fit
+    memory first) while it beats the current cuts by more than rounding; it stops at a local
+    optimum of these moves or after :func:`sweep_budget` sweeps.
     """
-    kw = dict(drain_slices=drain_slices, schedule=schedule, optimizer_factor=optimizer_factor)
     cur = list(cuts)
-    (best_ms, best_fit), = evaluate_many(costs, layout, [cur], batch, num_microbatches,
-                                         startup_slices, **kw)
+    (best_ms, best_fit), = price([cur])
     sweeps = 0
-    while sweeps < sweep_budget(layout.num_stages):
+    while sweeps < sweep_budget(len(cur) - 1):
         cands = neighbours(cur)
         if not cands:
             break
         sweeps += 1
-        scores = evaluate_many(costs, layout, cands, batch, num_microbatches, startup_slices,
-                               **kw)
+        scores = price(cands)
         i = min(range(len(cands)), key=lambda x: (not scores[x][1], scores[x][0]))
         ms, fit = scores[i]
         if (fit, -ms) <= (best_fit, -best_ms * (1 - 1e-9)):

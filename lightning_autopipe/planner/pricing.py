@@ -19,6 +19,9 @@ through these functions, so a change to how something costs is a change in one p
 * **Peak memory of a stage**: parameter bytes x (weights + gradients + ``optimizer_factor``)
   plus the activation memory of the micro-batches it holds in flight
   (:func:`peak_memory_bytes`).
+* **Activation recomputation** of a stage (chosen only when nothing fits otherwise): each unit
+  in flight holds only the stage's inputs, one micro-batch's activations live again while its
+  backward runs, and the backward pays the recomputed forward (:func:`recomputed`).
 
 Pure functions over numbers and a :class:`~lightning_autopipe.cluster.Cluster`; no torch.
 """
@@ -38,6 +41,7 @@ __all__ = [
     "device_profile",
     "param_state_factor",
     "peak_memory_bytes",
+    "recomputed",
     "reduce_ms_per_byte",
     "replica_pairs",
     "ring_costs",
@@ -163,15 +167,34 @@ def param_state_factor(optimizer_factor: float) -> float:
 
 
 def peak_memory_bytes(
-    param_bytes: Any, activation_bytes: Any, inflight: Any, optimizer_factor: float
+    param_bytes: Any, activation_bytes: Any, inflight: Any, optimizer_factor: float,
+    once_bytes: Any = 0.0,
 ) -> Any:
     """A stage's peak: parameter state plus ``inflight`` micro-batches of activation memory.
 
     ``activation_bytes`` is the memory one micro-batch holds for its backward on the stage;
     ``inflight`` the most micro-batches (fractions for slices) held at once under the
-    schedule. Works on numbers and on numpy arrays alike.
+    schedule; ``once_bytes`` what is held once on top (a recomputing stage's backward, see
+    :func:`recomputed`). Works on numbers and on numpy arrays alike.
     """
-    return param_bytes * param_state_factor(optimizer_factor) + activation_bytes * inflight
+    return (param_bytes * param_state_factor(optimizer_factor) + activation_bytes * inflight
+            + once_bytes)
+
+
+def recomputed(
+    forward: float, backward: float, memory_bytes: float, input_bytes: float
+) -> tuple[float, float, float]:
+    """A stage that recomputes its activations: (backward cost, bytes one unit holds in flight,
+    bytes held once).
+
+    The backward runs the forward again first (``forward`` is added: its ms, or its fixed
+    part, since the recomputed forward is a whole forward of the unit); a unit in flight
+    keeps only the stage's ``input_bytes`` (the boundary tensors it received); while one
+    backward runs, one micro-batch's ``memory_bytes`` live again. For schedules whose
+    backward is not split: a split one would hold the recomputed activations until each
+    weight backward.
+    """
+    return backward + forward, input_bytes, memory_bytes
 
 
 # ---------------------------------------------------------------------------- links (fast model)

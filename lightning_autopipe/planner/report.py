@@ -64,6 +64,10 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster | None = None) ->
         f"balance {plan.balance:.3f} (max/mean stage ms) | search {plan.search_ms:.0f} ms"
     )
     lines += [f"note: {n}" for n in plan.search_notes]
+    redone = [s for s in range(plan.num_stages) if plan.recomputes(s)]
+    if redone:
+        lines.append(f"note: stages {redone} recompute their activations in backward (no plan "
+                     "fits device memory without; priced as one more forward per unit)")
     return "\n".join(lines)
 
 
@@ -84,4 +88,6 @@ def plan_table(plan: Plan, profile: Profile | None, cluster: Cluster | None = No
         f"{plan.num_microbatches} micro-batches, {plan.startup_slices} startup / "
         f"{plan.drain_slices} drain slices, predicted {plan.iteration_ms:.1f} ms/step"
     )
-    return "\n".join([head, *rows])
+    redone = [s for s in range(plan.num_stages) if plan.recomputes(s)]
+    tail = [f"  stages {redone} recompute their activations in backward"] if redone else []
+    return "\n".join([head, *rows, *tail])

@@ -11,6 +11,11 @@ otherwise the fast model's favourite stands.
 ``search_ms`` is the time to choose the plan; simulating the chosen plan to fill its predicted
 figures is not part of it (unless the simulator took part in choosing).
 
+Activation recomputation is the last resort: only when no finalist fits device memory are
+its stages that do not fit made to recompute their activations (under a schedule that does
+not split the backward), priced by the same simulator; :func:`search_plan` prefers any depth
+that fits without it.
+
 AutoPipe gives every stage the same replica count (what the runtime executes); DAPPLE and Piper
 may replicate stages unevenly unless ``uniform_replicas``. Every planner's result is scored by
 the same simulator and returned as the same :class:`Plan`.
@@ -18,6 +23,7 @@ the same simulator and returned as the same :class:`Plan`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -26,10 +32,11 @@ from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner.autopipe import autopipe_proposals
 from lightning_autopipe.planner.baselines import propose
+from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.planner.generators import schedule_generator
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
-from lightning_autopipe.planner.polish import polish, sweep_budget
+from lightning_autopipe.planner.polish import evaluate_many, polish, sweep_budget
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import Profile
 
@@ -132,6 +139,11 @@ def make_plan(
         plans = [finish_plan(props[0], planner, profile, cluster, global_batch_size,
                              optimizer_factor)]
     fitting = [p for p in plans if _fits(p, cluster)]
+    if not fitting:  # recomputation only when nothing fits without it
+        redone = [r for p in plans if (r := _recomputing(p, profile, cluster, global_batch_size,
+                                                         optimizer_factor, schedules, planner))]
+        fitting = [p for p in redone if _fits(p, cluster)]
+        plans = redone or plans
     best = min(fitting or plans, key=lambda p: p.iteration_ms)
     if memory_check and not fitting:
         raise _memory_error(best, cluster, global_batch_size)
@@ -149,14 +161,34 @@ def _polish_favourite(
     on the plan (that the walk stopped at its sweep budget)."""
     top = props[0]
     layout = Layout.from_cluster(cluster, top.groups)
-    cuts, sweeps = polish(costs, layout, top.cuts, batch, top.num_microbatches,
-                          top.startup_slices, drain_slices=top.drain_slices,
-                          schedule=top.schedule, optimizer_factor=optimizer_factor)
+    cuts, sweeps = polish(top.cuts, functools.partial(
+        evaluate_many, costs, layout, batch=batch, num_microbatches=top.num_microbatches,
+        startup_slices=top.startup_slices, drain_slices=top.drain_slices,
+        schedule=top.schedule, optimizer_factor=optimizer_factor))
     props[0] = replace(top, cuts=cuts)
     if sweeps >= sweep_budget(layout.num_stages):
         return [f"the final local search over the cuts stopped at its budget of {sweeps} "
                 "sweeps (a better partition may lie further)"]
     return []
+
+
+def _recomputing(
+    plan: Plan, profile: Profile, cluster: Cluster, batch: int, optimizer_factor: float,
+    schedules: Sequence[str], planner: str,
+) -> Plan | None:
+    """``plan`` with every stage that does not fit memory recomputing its activations, under
+    1F1B when its own schedule splits the backward (None when that is not allowed)."""
+    over = [any(plan.peak_memory_bytes.get(d, 0) > cluster.device(d).spec.memory_bytes
+                for d in st.devices) for st in plan.stages]
+    schedule = plan.schedule
+    if splits_backward(schedule):
+        if planner == "autopipe" and "1f1b" not in schedules:
+            return None
+        schedule = "1f1b"
+    prop = Proposal([list(st.devices) for st in plan.stages], plan.cuts, plan.num_microbatches,
+                    plan.startup_slices, plan.drain_slices, schedule)
+    return finish_plan(prop, plan.planner, profile, cluster, batch, optimizer_factor,
+                       recompute=over)
 
 
 def finish_plan(
@@ -166,13 +198,16 @@ def finish_plan(
     cluster: Cluster,
     batch: int,
     optimizer_factor: float = 2.0,
+    recompute: Sequence[bool] = (),
 ) -> Plan:
-    """Turn a proposal into a Plan carrying the simulator's predictions."""
+    """Turn a proposal into a Plan carrying the simulator's predictions (``recompute``: the
+    stages that recompute their activations)."""
     cuts = prop.cuts
     stages = [StagePlan((cuts[s], cuts[s + 1]), list(g)) for s, g in enumerate(prop.groups)]
     plan = Plan(planner, batch, prop.num_microbatches, prop.startup_slices, stages,
                 model=profile.model, fingerprint=profile.fingerprint,
-                drain_slices=prop.drain_slices, schedule=prop.schedule)
+                drain_slices=prop.drain_slices, schedule=prop.schedule,
+                recompute=list(recompute) if any(recompute) else [])
     res = simulate(plan, profile, cluster, optimizer_bytes_per_param_byte=optimizer_factor)
     for st, ms in zip(plan.stages, res.stage_ms):
         st.stage_ms = ms
@@ -210,25 +245,17 @@ def search_plan(
             "stage needs the same number of replicas: pick a divisor of the world size"
         )
     depths = [num_stages] if num_stages else [s for s in range(1, world + 1) if world % s == 0]
-    best: tuple[float, Plan] | None = None
+    best: tuple[bool, float, Plan] | None = None  # (fits without recomputation, rate, plan)
     failures: list[str] = []
     kinds: set[type] = set()
     for depth in depths:
         replicas = world // depth
         try:
             plan = make_plan(
-                profile,
-                cluster,
-                replica_batch * replicas,
-                planner=planner,
-                num_stages=depth,
-                replicas=replicas,
-                num_microbatches=num_microbatches,
-                startup_slices=startup_slices,
-                drain_slices=drain_slices,
-                devices=list(devices),
-                uniform_replicas=True,
-                use_all_devices=True,
+                profile, cluster, replica_batch * replicas, planner=planner, num_stages=depth,
+                replicas=replicas, num_microbatches=num_microbatches,
+                startup_slices=startup_slices, drain_slices=drain_slices,
+                devices=list(devices), uniform_replicas=True, use_all_devices=True,
                 schedules=schedules,
             )
         except PlanError as exc:
@@ -236,12 +263,13 @@ def search_plan(
             kinds.add(type(exc))
             continue
         rate = replica_batch * replicas / max(plan.iteration_ms, 1e-9)
-        if best is None or rate > best[0]:
-            best = (rate, plan)
+        key = (not any(plan.recompute), rate, plan)
+        if best is None or key[:2] > best[:2]:
+            best = key
     if best is None:
         cls = kinds.pop() if len(kinds) == 1 else PlanError  # e.g. MemoryPlanError everywhere
         raise cls("no plan fits the launched devices: " + " | ".join(failures))
-    return best[1]
+    return best[2]
 
 
 
@@ -322,8 +350,10 @@ def _memory_error(plan: Plan, cluster: Cluster, batch: int) -> MemoryPlanError:
                key=lambda d: plan.peak_memory_bytes[d] / cluster.device(d).spec.memory_bytes)
     need, have = plan.peak_memory_bytes[over], cluster.device(over).spec.memory_bytes
     s = next(i for i, st in enumerate(plan.stages) if over in st.devices)
+    redone = [i for i, r in enumerate(plan.recompute) if r]
     return MemoryPlanError(
-        f"no plan fits device memory: the best plan ({plan.num_stages} stages, "
+        f"no plan fits device memory{f' even with stages {redone} recomputing' if redone else ''}"
+        f": the best plan ({plan.num_stages} stages, "
         f"{[st.replicas for st in plan.stages][0]} replicas, {plan.num_microbatches} "
         f"micro-batches of global batch {batch}) needs {need / GiB:.2f} GiB on {over} (stage {s}, "
         f"blocks {list(plan.stages[s].blocks)}) which has {have / GiB:.2f} GiB; use more "

@@ -32,6 +32,9 @@ Cost model (the one every planner here is judged by):
   :func:`~.pricing.peak_memory_bytes` with the largest sum of ``memory_bytes`` (scaled by
   samples) of units forwarded but not yet backwarded. Optimizer
   step time and intra-server links crossed by network traffic are not modelled.
+* **Recomputation.** A stage the plan recomputes is priced by :func:`~.pricing.recomputed`:
+  its backward adds its forward, a unit in flight holds its inputs only, and one whole
+  micro-batch's activations are held once on top.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
@@ -50,6 +53,7 @@ from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.pricing import (
     device_profile,
     peak_memory_bytes,
+    recomputed,
     reduce_ms_per_byte,
     ring_latency_ms,
     ring_volume,
@@ -157,10 +161,12 @@ class StageCost:
     backward_fixed_ms: float = 0.0  # with samples (see pricing.unit_parts)
     # a split backward (BlockProfile.split_backward): input part, weight part, their fixed parts
     split: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    once_bytes: int = 0  # held once at the peak (a recomputing stage's backward)
 
 
 def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
-    """Sum the profile's block costs over each stage's block range."""
+    """Sum the profile's block costs over each stage's block range (a recomputing stage's
+    priced by :func:`~.pricing.recomputed`)."""
     if plan.num_blocks > len(profile.blocks):
         raise PlanError(
             f"plan covers blocks [0, {plan.num_blocks}) but the profile of {profile.model!r} has "
@@ -181,6 +187,15 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
                 split=tuple(sum(x) for x in zip(*(b.split_backward() for b in bl))),
             )
         )
+    for s, st in enumerate(plan.stages):
+        if plan.recomputes(s):
+            c, i = out[s], st.blocks[0]
+            inputs = profile.blocks[i - 1].activation_bytes if i > 0 else 0
+            back, held, once = recomputed(c.forward_ms, c.backward_ms, c.memory_bytes, inputs)
+            out[s] = replace(
+                c, backward_ms=back, memory_bytes=held, once_bytes=once,
+                backward_fixed_ms=recomputed(c.forward_fixed_ms, c.backward_fixed_ms, 0, 0)[0],
+            )
     return out
 
 
@@ -444,7 +459,8 @@ def simulate(
                 + unit_ms(parts[1], parts[3], per, speed, ovh) if split
                 else unit_ms(c.backward_ms, c.backward_fixed_ms, per, speed, ovh)))
         stage_ms.append(max(ms))
-    peak = _peak_memory(schedule, costs, gsamples, reps, uidx, mbs, optimizer_bytes_per_param_byte)
+    peak = _peak_memory(schedule, costs, gsamples, reps, uidx, mbs, optimizer_bytes_per_param_byte,
+                        whole)
     return SimResult(
         iteration_ms=iteration,
         bubble_fraction=bubble,
@@ -467,10 +483,12 @@ def _peak_memory(
     uidx: dict,
     mbs: float,
     opt: float,
+    whole: float,
 ) -> list[int]:
     """Per stage: parameter state plus the most activation memory held in flight (a unit's
     activations are held from its forward to its backward, or to its weight backward when the
-    backward is split: W still reads what the forward saved)."""
+    backward is split: W still reads what the forward saved), plus what a stage holds once
+    (``once_bytes`` of a whole micro-batch of ``whole`` global samples)."""
     release = Kind.WEIGHT if is_split(schedule) else Kind.BACKWARD
     out = []
     for s, c in enumerate(costs):
@@ -482,5 +500,6 @@ def _peak_memory(
                 peak = max(peak, held)
             elif a.kind is release:
                 held -= per_sample * gsamples[uidx[a.unit]]
-        out.append(int(round(peak_memory_bytes(c.param_bytes, peak, 1.0, opt))))
+        once = c.once_bytes / mbs / reps[s] * whole
+        out.append(int(round(peak_memory_bytes(c.param_bytes, peak, 1.0, opt, once))))
     return out

@@ -8,6 +8,7 @@ what keep SymInts, shapes and parameters from ever crossing a stage boundary.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from torch import fx, nn
 
 from lightning_autopipe.errors import InputError
-from lightning_autopipe.graph.trace import Traced, _short
+from lightning_autopipe.graph.trace import Traced, _short, has_meta, on_meta
 
 __all__ = ["GraphInfo", "ValueMeta", "analyze"]
 
@@ -183,8 +184,10 @@ def _record(traced: Traced, flat: tuple[torch.Tensor, ...], dropped: set[fx.Node
     feeds.update(traced.constant_inputs)
     recorder = _Recorder(traced.gm, feeds, dropped)
     snapshot = _buffers_snapshot(traced.gm) + _buffers_snapshot(traced.model)
+    # A model built on the meta device runs on shapes alone (values are not needed here).
+    deferred = has_meta(traced.gm) or has_meta(traced.model)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), on_meta() if deferred else nullcontext():
             recorder.run()
     except Exception as exc:  # noqa: BLE001 - reported as an input problem with the node
         node = recorder.current

@@ -11,16 +11,18 @@ import inspect
 import os
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_autopipe.errors import InputError, TraceError
 
-__all__ = ["Inputs", "Traced", "normalize_inputs", "trace"]
+__all__ = ["Inputs", "Traced", "has_meta", "normalize_inputs", "on_meta", "trace"]
 
 Inputs = tuple[Any, ...] | dict[str, Any]
 TRACERS = ("auto", "fx", "export")
@@ -62,6 +64,26 @@ class Traced:
     example_shapes: list[tuple[int, ...]]
     dynamic_batch: bool = True
     notes: list[str] = field(default_factory=list)
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether ``module`` holds a parameter or buffer on the meta device (built deferred)."""
+    tensors = [*module.parameters(), *(b for b in module.buffers() if b is not None)]
+    return any(t.device.type == "meta" for t in tensors)
+
+
+class on_meta(TorchFunctionMode):  # noqa: N801 - used as a context manager, like torch.device
+    """Every tensor an op sees is moved to the meta device first: a model whose parameters
+    are on the meta device (and whose buffers or inputs are not) runs on shapes alone, as the
+    graph layer's example run needs (factories follow, since ``x.device`` answers ``meta``)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def meta(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.device.type != "meta":
+                return v.to("meta")
+            return v
+
+        return func(*pytree.tree_map(meta, args), **pytree.tree_map(meta, kwargs or {}))
 
 
 def normalize_inputs(example_inputs: Any) -> Inputs:
@@ -226,6 +248,28 @@ def _export(model: nn.Module, inputs: Inputs, dynamic: bool) -> Any:
     return export(model, args, kwargs or None, strict=False, dynamic_shapes=shapes)
 
 
+def _forget_real_tensors(gm: fx.GraphModule) -> None:
+    """Drop the export's fake-tensor caches keyed by the model's tensors.
+
+    The fake mode stays alive through the graph's ``meta["val"]`` and keeps a weak reference
+    to every parameter it saw; a weakly referenced tensor cannot later be given storage in
+    place (``torch.utils.swap_tensors``), which is how a meta-device model is materialised.
+    The caches only speed up converting the same tensors again, which never happens.
+    """
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    modes = {id(m): m for n in gm.graph.nodes
+             if (m := getattr(n.meta.get("val"), "fake_mode", None)) is not None}
+    for mode in modes.values():
+        converter = getattr(mode, "fake_tensor_converter", None)
+        describer = getattr(getattr(converter, "meta_converter", None), "describer", None)
+        for holder, name in ((describer, "lookup_tensor"), (describer, "lookup_storage"),
+                              (converter, "tensor_memo")):
+            if holder is not None and isinstance(getattr(holder, name, None),
+                                                 WeakIdKeyDictionary):
+                setattr(holder, name, WeakIdKeyDictionary())
+
+
 def _trace_export(model: nn.Module, inputs: Inputs) -> Traced:
     notes = []
     try:
@@ -236,6 +280,8 @@ def _trace_export(model: nn.Module, inputs: Inputs) -> Traced:
         ep = _export(model, inputs, dynamic=False)
         dynamic = False
     gm = ep.module()
+    if has_meta(model):
+        _forget_real_tensors(gm)
     in_spec = gm._in_spec
     out_spec = gm._out_spec
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -293,7 +339,7 @@ def _trace_export(model: nn.Module, inputs: Inputs) -> Traced:
 def _eager_check(model: nn.Module, inputs: Inputs) -> None:
     """Tell bad inputs apart from an untraceable model: run the model itself once."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), on_meta() if has_meta(model) else nullcontext():
             model(**inputs) if isinstance(inputs, dict) else model(*inputs)
     except Exception as exc:  # noqa: BLE001 - re-raised as InputError with context
         raise InputError(

@@ -3,6 +3,12 @@
 Each block runs as its own stage on the real values that reach it, forward then backward, on
 the device it will train on; the data type it fills lives in ``lightning_autopipe.profile`` so
 that reading a profile (the planner does) needs no torch.
+
+A model built on the meta device (:mod:`lightning_autopipe.runtime.materialize`) is profiled
+block by block: a block's parameters are materialised on the device (by the model's
+initialisers; random values would do for timing, these keep activations in range), the block
+is timed alone and its parameters go back to the meta device before the next one, so
+profiling never holds more than one block's parameters, gradients and activations.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,7 +143,7 @@ class _BlockRun:
     values: tuple[Any, ...]
     loss: LossFn | None
     memory: int
-    outputs: tuple[Any, ...]
+    out_bytes: int  # what the block's outputs hold (what crosses a cut after it)
     f_ms: float = 0.0
     b_ms: float = 0.0
     f_fix: float = 0.0
@@ -169,11 +176,10 @@ def _split_backward(
         _sync(dev)
         return 0.0, (time.perf_counter() - t0) * 1e3
     if loss is not None:
-        outs, grads = [loss], None
-    else:
-        outs = _grad_targets(outputs)
-        grads = [torch.ones_like(t) for t in outs]
-    _, groups = stage_backward_input(outs, grads, list(args), iter(params))
+        outs = [loss]
+    else:  # backward of ones, from one scalar: an output that is a view cannot be detached
+        outs = [torch.stack([t.sum() for t in _grad_targets(outputs)]).sum()]
+    _, groups = stage_backward_input(outs, None, list(args), iter(params))
     _sync(dev)
     t1 = time.perf_counter()
     stage_backward_weight(iter(params), groups)
@@ -330,6 +336,49 @@ def _time_chain(
             run.b_fix = fit_affine(batch // 2, t[1], batch, run.b_ms)
 
 
+def _deferred(model: Any) -> bool:
+    from lightning_autopipe.graph.trace import has_meta
+
+    return has_meta(model)
+
+
+@contextmanager
+def _materialized(model: Any, stage: Any, dev: torch.device) -> Iterator[None]:
+    """A meta-device block's parameters (and meta buffers) on ``dev`` while it is profiled;
+    its real buffers are moved there too and back afterwards."""
+    from lightning_autopipe.runtime.materialize import Materializer, retarget_devices
+
+    retarget_devices(stage, dev)
+    buffers = [t for t in stage.buffers() if t is not None]
+    moved = [(t, t.to(dev)) for t in buffers if t.device.type not in ("meta", dev.type)]
+    for t, there in moved:
+        torch.utils.swap_tensors(t, there)
+    try:
+        with Materializer(model, seed=0, strict=False).holding(
+            [*stage.parameters(), *buffers], dev
+        ):
+            yield
+    finally:
+        for t, here in moved:
+            torch.utils.swap_tensors(t, here)
+
+
+def _measure_block(
+    blocks: Any, b: int, stage: Any, values: tuple[Any, ...], dev: torch.device, batch: int,
+    loss_fn: LossFn | None,
+) -> tuple[_BlockRun, tuple[Any, ...]]:
+    """Block ``b``'s saved-activation memory on ``values``; its run and the next block's inputs
+    (detached: nothing of this block's autograd graph is kept)."""
+    grads = [v.requires_grad for v in blocks.boundary(b)]
+    skip = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    loss = loss_fn if b == len(blocks) - 1 else None
+    memory, outputs, scalar = _saved_bytes(stage, _prepare(values, grads), skip, loss, batch)
+    _run_backward(outputs, scalar)  # free the graph of the memory run
+    out_bytes = sum(o.numel() * o.element_size() for o in outputs if isinstance(o, torch.Tensor))
+    nxt = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+    return _BlockRun(stage, grads, values, loss, int(memory), out_bytes), nxt
+
+
 def profile_blocks(
     blocks: Any,
     example_inputs: Any,
@@ -381,6 +430,10 @@ def profile_blocks(
             weight-gradient parts, run one after the other (``backward_input_ms`` /
             ``backward_weight_ms``), which zero-bubble schedules execute as two actions.
 
+    A model whose parameters are on the meta device is profiled one block at a time (see the
+    module docstring), each block alone, whatever ``in_chain`` says: a chain pass would hold
+    every block's parameters at once.
+
     Returns:
         A :class:`Profile` with ``fingerprint = blocks.fingerprint``. Parameter gradients and
         buffers (e.g. batch-norm statistics) of the model are restored afterwards.
@@ -391,33 +444,27 @@ def profile_blocks(
     flat = blocks.flatten_inputs(example_inputs)
     batch = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
     model = blocks.model
+    deferred = _deferred(model)
     saved_grads = [(p, p.grad) for p in model.parameters()]
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
     values: tuple[Any, ...] = tuple(t.to(dev) for t in flat)
-    chain = dev.type == "cpu" if in_chain is None else in_chain
+    chain = (dev.type == "cpu" if in_chain is None else in_chain) and not deferred
     runs: list[_BlockRun] = []
     out: list[BlockProfile] = []
     try:
         for b in range(len(blocks)):
             stage = blocks.stage(b, b + 1)
-            if dev.type != "cpu":
+            holding = _materialized(model, stage, dev) if deferred else nullcontext()
+            if dev.type != "cpu" and not deferred:
                 stage = copy.deepcopy(stage).to(dev)
-            grads = [v.requires_grad for v in blocks.boundary(b)]
-            skip = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-            loss = loss_fn if b == len(blocks) - 1 else None
-            memory, outputs, scalar = _saved_bytes(
-                stage, _prepare(values, grads), skip, loss, batch
-            )
-            _run_backward(outputs, scalar)  # free the graph of the memory run
-            del scalar
-            run = _BlockRun(stage, grads, values, loss, int(memory), outputs)
-            if not chain:  # one block on the device at a time: time it now, then let it go
-                _time_isolated(run, dev, warmup, repeats, batch, fit_fixed)
-                if split_backward:
-                    _time_split([run], dev, repeats, batch)
-                run.stage = None
+            with holding:
+                run, values = _measure_block(blocks, b, stage, values, dev, batch, loss_fn)
+                if not chain:  # one block on the device at a time: time it now, then let it go
+                    _time_isolated(run, dev, warmup, repeats, batch, fit_fixed)
+                    if split_backward:
+                        _time_split([run], dev, repeats, batch)
+                    run.stage, run.values = None, ()
             runs.append(run)
-            values = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
         if chain:
             _time_chain(runs, dev, warmup, repeats, batch, fit_fixed)
             if split_backward:
@@ -430,11 +477,7 @@ def profile_blocks(
                     forward_ms=run.f_ms,
                     backward_ms=run.b_ms,
                     param_bytes=params,
-                    activation_bytes=sum(
-                        o.numel() * o.element_size()
-                        for o in run.outputs
-                        if isinstance(o, torch.Tensor)
-                    ),
+                    activation_bytes=run.out_bytes,
                     memory_bytes=run.memory,
                     forward_fixed_ms=run.f_fix,
                     backward_fixed_ms=run.b_fix,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,8 @@ class PipelineExecutor:
         check_batch: every tensor of a batch must hold the inputs' sample count.
         timeout_s: the process groups' timeout (quoted in failure messages).
         drain_slices: slices of the last micro-batch (the plan's ``j``).
+        memory: measures this rank's peak memory in a training step
+            (:class:`~lightning_autopipe.runtime.memory.MemoryMeter`); None measures nothing.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class PipelineExecutor:
         check_batch: bool = True,
         timeout_s: float | None = None,
         drain_slices: int = 1,
+        memory: Any = None,
     ) -> None:
         if layout.world_size > 1 and groups is None:
             raise PipelineRuntimeError("a multi-rank pipeline needs its process groups")
@@ -138,6 +141,7 @@ class PipelineExecutor:
         self.timeline: list[tuple[Action, float, float]] = []
         self._schedules: dict[tuple[bool, int, int, int], list[Action]] = {}
         self._params = [p for p in stage.parameters() if p.requires_grad]
+        self.memory = memory
         self._dp_sync: GradientSync | None = None
         if layout.num_replicas > 1 and self._params:
             assert groups is not None
@@ -157,9 +161,13 @@ class PipelineExecutor:
         """
         self.step, self._training = step, True
         self.stage.train()
+        if self.memory is not None:
+            self.memory.begin_step()
         loss = self._run(batch, train=True)
         with self._watch("gradient all-reduce", None, communication=True):
             self._sync_gradients()
+        if self.memory is not None:
+            self.memory.end_step()
         return loss
 
     @torch.no_grad()
@@ -316,7 +324,8 @@ class PipelineExecutor:
                         inputs: list[Tensor | None] = [t[start:stop] for t in flat]
                     else:
                         inputs = received.pop(unit)
-                    outs = self.stage(*inputs)
+                    with self._saving(train):  # what the forward saves for backward
+                        outs = self.stage(*inputs)
                     outs = tuple(outs) if isinstance(outs, list | tuple) else (outs,)
                     for o in outs:
                         if o.is_floating_point():
@@ -326,7 +335,9 @@ class PipelineExecutor:
                             )
                     if layout.is_last:
                         part = slice_batch(batch, start, stop, size)
-                        loss = self._loss_fn(self._unflatten(outs), part) * ((stop - start) / size)
+                        with self._saving(train):
+                            loss = self._loss_fn(self._unflatten(outs), part) * (
+                                (stop - start) / size)
                         loss_sum += loss.detach().float()
                         if train:
                             saved[unit] = (inputs, loss)
@@ -378,6 +389,9 @@ class PipelineExecutor:
         self.timeline = timeline
         with self._watch("loss broadcast", layout.last_stage_rank, communication=True):
             return self._global_loss(loss_sum)
+
+    def _saving(self, train: bool) -> Any:
+        return self.memory.saving() if train and self.memory is not None else nullcontext()
 
     @staticmethod
     def _backward_full(a: Action, result: Any, grads: list[Tensor | None] | None) -> None:

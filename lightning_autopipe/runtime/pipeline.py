@@ -19,7 +19,8 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_autopipe import errors, profiler
-from lightning_autopipe.errors import PipelineRuntimeError, PlanError
+from lightning_autopipe.errors import InputError, PipelineRuntimeError, PlanError
+from lightning_autopipe.graph.trace import has_meta
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.plan import Plan
@@ -49,6 +50,9 @@ from lightning_autopipe.runtime.groups import (
     layout_for_rank,
 )
 from lightning_autopipe.runtime.local_stage import as_call_args, bind_local_stage, model_inputs
+from lightning_autopipe.runtime.materialize import Materializer, retarget_devices
+from lightning_autopipe.runtime.memory import MemoryMeter
+from lightning_autopipe.runtime.recompute import Recomputed
 from lightning_autopipe.runtime.units import slice_batch
 
 __all__ = ["LocalPipeline", "build_local_pipeline", "resolve_cluster"]
@@ -226,6 +230,8 @@ def build_local_pipeline(
     num_nodes: int = 1,
     run_dir: str | Path | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    initial_state: Any = None,
+    measure_memory: bool = True,
 ) -> LocalPipeline:
     """Trace on every rank, profile on every rank, plan on rank 0, keep only the local stage.
 
@@ -258,12 +264,35 @@ def build_local_pipeline(
 
     ``loss_fn``, when given, is the last stage's loss per slice instead of
     ``module.pipeline_loss`` (the strategy passes its runner of the module's own steps).
+
+    A module whose parameters are on the meta device (built under
+    :func:`~lightning_autopipe.runtime.materialize.deferred_init`, e.g. in ``configure_model``)
+    is traced on shapes, profiled block by block (one block's parameters materialised at a
+    time; none with a given plan) and only the local stage is materialised, on ``device``:
+    read by original name from ``initial_state`` (a mapping such as a memory-mapped
+    checkpoint's ``state_dict``, or a sharded checkpoint's reader: only this stage's keys are
+    read), else initialised by the model's own initialisers from rank 0's
+    ``torch.initial_seed()`` (the same weights under any layout, see
+    :mod:`~lightning_autopipe.runtime.materialize`). ``initial_state`` is refused for a
+    module built for real (it already holds its weights).
+
+    With ``measure_memory`` the executor measures this rank's peak memory in the second
+    training step and rank 0 logs every rank's beside the plan's prediction
+    (:mod:`~lightning_autopipe.runtime.memory`). A stage the plan recomputes runs its forward
+    under activation checkpointing (its backward recomputes it).
     """
     from lightning_autopipe.graph import split_model
 
     if loss_fn is None:
         check_loss_contract(module)
         loss_fn = module.pipeline_loss
+    deferred = has_meta(module)
+    if initial_state is not None and not deferred:
+        raise InputError(
+            "initial_state is for a model built on the meta device (its stage is read from "
+            "it); this module already holds its weights: load them into it before the "
+            "pipeline is built, or build it under deferred_init() / trainer.init_module()"
+        )
     planning = options.plan is None  # else the given plan is used as it is
     distributed = dist.is_available() and dist.is_initialized() and world_size > 1
     discovering = planning and options.cluster is None and distributed
@@ -324,7 +353,9 @@ def build_local_pipeline(
                 plan = options.given_plan()
                 _check_fingerprint(plan, blocks)
                 check_plan_for_run(plan, replica_batch, cluster)
-            payload = ("ok", plan.to_json(), profile.to_json() if profile is not None else None)
+            seed = torch.initial_seed()  # every rank initialises its stage from rank 0's seed
+            payload = ("ok", plan.to_json(), profile.to_json() if profile is not None else None,
+                       seed)
         except Exception as exc:  # every rank must learn of it, or they would wait forever
             failure = exc
             payload = ("error", type(exc).__name__, str(exc))
@@ -342,13 +373,19 @@ def build_local_pipeline(
         )
     plan = Plan.from_json(payload[1])
     profile = Profile.from_json(payload[2]) if payload[2] is not None else None
+    seed = int(payload[3]) if len(payload) > 3 else torch.initial_seed()
 
     layout = layout_for_rank(plan, names, rank)
     s = layout.stage
     i, j = plan.stages[s].blocks
     # Tie groups first: they look at every stage, which binding strips of foreign parameters.
     ties = list(blocks.tie_groups(plan.cuts))
-    stage = blocks.stage(i, j).to(device)
+    stage = blocks.stage(i, j)
+    if deferred:  # only this stage ever gets storage on this rank
+        retarget_devices(stage, device)
+        Materializer(module, seed, source=initial_state).materialize(
+            [*stage.parameters(), *(b for b in stage.buffers() if b is not None)], device)
+    stage = stage.to(device)
     bind_local_stage(module, stage, stage.param_names)
 
     tie_sets = [sorted(_tie_locals(t)) for t in ties]
@@ -366,8 +403,14 @@ def build_local_pipeline(
 
     gen = SCHEDULES[plan.schedule]
     num_stages = plan.num_stages
+    recompute = plan.recomputes(s)
+    meter = None
+    if measure_memory:
+        predicted = plan.peak_memory_bytes.get(names[rank], 0) if rank < len(names) else 0
+        meter = MemoryMeter(list(stage.parameters()), device, predicted=predicted, rank=rank,
+                            stage=s)
     executor = PipelineExecutor(
-        stage,
+        Recomputed(stage) if recompute else stage,
         layout,
         groups,
         num_microbatches=plan.num_microbatches,
@@ -385,6 +428,7 @@ def build_local_pipeline(
         failures=FailureBoard.for_current_group(),
         check_batch=options.check_batch,
         timeout_s=timeout.total_seconds(),
+        memory=meter,
     )
     return LocalPipeline(
         plan=plan,

@@ -1,0 +1,253 @@
+"""Each rank's peak memory in training, measured and logged beside the plan's prediction.
+
+The plan predicts a stage's peak as parameter bytes x (weights + gradients + optimizer state)
+plus the activations of the micro-batches it holds in flight
+(:func:`~lightning_autopipe.planner.pricing.peak_memory_bytes`). A :class:`MemoryMeter` measures
+the same figure on the rank during one training step (the second: the optimizer's state exists
+only after its first step):
+
+* **CUDA**: the caching allocator's peak over the step (``torch.cuda.max_memory_allocated``,
+  reset when the step starts): everything the step held, temporaries and message buffers too.
+* **CPU** (no allocator statistics): the tensor bytes held, counted by storage, each storage
+  once: the stage's parameters, their gradients and the optimizer state at the end of the step,
+  plus the peak of the activations autograd saved for backward. Those are counted with
+  saved-tensor hooks around every forward (stage and loss): a saved storage counts from the
+  moment it is saved until the autograd graph lets it go, which is what the profiler's
+  ``memory_bytes`` measures per block, so prediction and measurement count alike. Not seen:
+  temporaries freed within an op, the messages in transit, and the activations a recomputing
+  stage re-creates during one backward (its saved inputs are counted).
+
+After the measured step every rank's reading is gathered (a collective inside the step, which
+every rank runs) and rank 0 logs one table; :attr:`MemoryMeter.readings` keeps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+__all__ = ["MemoryMeter", "MemoryReading", "format_readings"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """One rank's measured peak beside its predicted one (bytes)."""
+
+    rank: int
+    stage: int
+    device: str
+    predicted: int
+    measured: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # CPU: peak saved activations; CUDA: measured minus the three above
+    how: str
+
+    @property
+    def ratio(self) -> float:
+        return self.measured / self.predicted if self.predicted else float("nan")
+
+
+def _storage_key(t: Tensor) -> tuple[int, int] | None:
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # no storage (e.g. a sparse tensor)
+        return None
+    return storage.data_ptr(), storage.nbytes()
+
+
+class _Saved:
+    """A tensor autograd saved, counted until the graph drops it."""
+
+    __slots__ = ("meter", "ptr", "tensor")
+
+    def __init__(self, tensor: Tensor, ptr: int, meter: MemoryMeter) -> None:
+        self.tensor, self.ptr, self.meter = tensor, ptr, meter
+
+    def __del__(self) -> None:
+        self.meter._drop(self.ptr)
+
+
+class MemoryMeter:
+    """Measures this rank's peak in its ``measure_step``-th training step and reports it.
+
+    Args:
+        params: the stage's parameters.
+        device: the stage's device (CUDA: the allocator's peak; else tensor bytes).
+        predicted: the plan's peak for this rank's device.
+        rank, stage: quoted in the report.
+        measure_step: which training step (1-based) to measure; the second by default, when
+            the optimizer holds its state.
+        report: called on rank 0 with the report text (default: Lightning's rank-0 info).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        device: torch.device,
+        *,
+        predicted: int,
+        rank: int,
+        stage: int,
+        measure_step: int = 2,
+        report: Callable[[str], None] | None = None,
+    ) -> None:
+        self.params = list(params)
+        self.device = torch.device(device)
+        self.predicted = int(predicted)
+        self.rank, self.stage = rank, stage
+        self.measure_step = measure_step
+        self._report = report
+        self.readings: list[MemoryReading] | None = None
+        self._step = 0
+        self._active = False
+        self._held: dict[int, list[int]] = {}  # storage ptr -> [bytes, saves alive]
+        self._current = self._peak = 0
+        self._skip: set[int] = set()
+        self._optimizer_bytes = 0
+        ids = {id(p) for p in self.params}
+        self._hook = register_optimizer_step_post_hook(
+            lambda opt, args, kwargs: self._optimizer_stepped(opt, ids)
+        )
+
+    # --------------------------------------------------------------------------- the step
+    @property
+    def measuring(self) -> bool:
+        return self._active
+
+    def begin_step(self) -> None:
+        """A training step starts (the executor calls this)."""
+        self._step += 1
+        self._active = self.readings is None and self._step == self.measure_step
+        if not self._active:
+            return
+        self._held, self._current, self._peak = {}, 0, 0
+        self._skip = {k[0] for p in self.params if (k := _storage_key(p)) is not None}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a forward: count what autograd saves for backward (CPU accounting)."""
+        if not self._active or self.device.type == "cuda":
+            yield
+            return
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield
+
+    def end_step(self) -> None:
+        """The step's gradients are final: take the reading and report it (collective)."""
+        if not self._active:
+            return
+        self._active = False
+        params, grads, optimizer = self._state_bytes()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            measured = int(torch.cuda.max_memory_allocated(self.device))
+            how = "CUDA allocator peak over the step"
+            activations = max(measured - params - grads - optimizer, 0)
+        else:
+            activations = self._peak
+            measured = params + grads + optimizer + activations
+            how = ("tensor bytes held: parameters + gradients + optimizer state + peak saved "
+                   "activations (saved-tensor hooks)")
+        mine = MemoryReading(self.rank, self.stage, str(self.device), self.predicted, measured,
+                             params, grads, optimizer, activations, how)
+        readings: list[Any] = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            readings = [None] * dist.get_world_size()
+            dist.all_gather_object(readings, mine)
+        self.readings = list(readings)
+        self.close()
+        if self.rank == 0:
+            text = format_readings(self.readings, self.measure_step)
+            if self._report is not None:
+                self._report(text)
+            else:
+                from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+                rank_zero_info(text)
+
+    def close(self) -> None:
+        """Remove the optimizer hook (a meter that never reports must not outlive its run)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # ---------------------------------------------------------------------------- internals
+    def _pack(self, t: Tensor) -> Any:
+        key = _storage_key(t)
+        if key is None or key[0] in self._skip or key[1] == 0:
+            return t
+        ptr, nbytes = key
+        entry = self._held.get(ptr)
+        if entry is None:
+            self._held[ptr] = [nbytes, 1]
+            self._current += nbytes
+            self._peak = max(self._peak, self._current)
+        else:
+            entry[1] += 1
+        return _Saved(t, ptr, self)
+
+    def _drop(self, ptr: int) -> None:
+        entry = self._held.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._current -= entry[0]
+            del self._held[ptr]
+
+    def _optimizer_stepped(self, optimizer: Any, ids: set[int]) -> None:
+        mine = [p for g in optimizer.param_groups for p in g["params"] if id(p) in ids]
+        if not mine:
+            return
+        seen: dict[int, int] = {}
+        for p in mine:
+            for value in optimizer.state.get(p, {}).values():
+                if isinstance(value, Tensor) and (k := _storage_key(value)) is not None:
+                    seen[k[0]] = k[1]
+        self._optimizer_bytes = sum(seen.values())
+
+    def _state_bytes(self) -> tuple[int, int, int]:
+        storages: dict[int, int] = {}
+        for p in self.params:
+            if (k := _storage_key(p)) is not None:
+                storages[k[0]] = k[1]
+        params = sum(storages.values())
+        grads: dict[int, int] = {}
+        for p in self.params:
+            if p.grad is not None and (k := _storage_key(p.grad)) is not None:
+                grads[k[0]] = k[1]
+        return params, sum(grads.values()), self._optimizer_bytes
+
+
+def _unpack(saved: Any) -> Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+def format_readings(readings: Sequence[MemoryReading], step: int) -> str:
+    """The report: one row per rank, predicted and measured peak side by side."""
+    how = readings[0].how if readings else ""
+    head = (f"{'rank':>4} {'stage':>5} {'device':<8} {'predicted':>10} {'measured':>10} "
+            f"{'meas/pred':>9} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11}")
+    lines = [f"peak memory per rank in training step {step}, predicted by the plan and "
+             f"measured ({how}), GiB:", head, "-" * len(head)]
+    for r in sorted(readings, key=lambda x: x.rank):
+        lines.append(
+            f"{r.rank:>4} {r.stage:>5} {r.device:<8} {r.predicted / GiB:>10.4f} "
+            f"{r.measured / GiB:>10.4f} {r.ratio:>9.3f} {r.params / GiB:>9.4f} "
+            f"{r.grads / GiB:>9.4f} {r.optimizer / GiB:>9.4f} {r.activations / GiB:>11.4f}"
+        )
+    return "\n".join(lines)

@@ -58,7 +58,8 @@ properties, each marked ``@override``); every hook stays a few lines that delega
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,7 @@ from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.checks import check_microbatches
 from lightning_autopipe.runtime.example import _example
 from lightning_autopipe.runtime.failure import describe, watch_launcher
+from lightning_autopipe.runtime.materialize import deferred_init, is_deferred
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline
 
 __all__ = ["AutoPipeStrategy"]
@@ -154,6 +156,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._summaries: list[Any] = []
         self._grads: list[Tensor | None] | None = None
         self._hidden_example: Any = None
+        self._initial_state: Any = None  # a checkpoint's weights for a meta-device module
         # Filled by setup (the recipes' plan report reads them):
         self.plan: Plan | None = None
         self.profile: Any = None
@@ -222,6 +225,19 @@ class AutoPipeStrategy(ParallelStrategy):
     @property
     def _runner(self) -> StepRunner | None:
         return self._held.runner
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Modules built here (``configure_model``, ``trainer.init_module()``) get their
+        parameters on the meta device, buffers real: each rank materialises only its own stage
+        (:mod:`lightning_autopipe.runtime.materialize`). ``empty_init=False`` builds for real."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init=False):
+                yield
+            return
+        with deferred_init(), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def _configure_launcher(self) -> None:
@@ -328,7 +344,9 @@ class AutoPipeStrategy(ParallelStrategy):
             num_nodes=self.num_nodes,
             run_dir=_run_dir(trainer) if self.global_rank == 0 else None,
             loss_fn=runner,
+            initial_state=self._initial_state,
         )
+        self._initial_state = None
         self._held.hold(self, pipe, module, runner)
         self._checkpoint = ckpt.PipelineCheckpoint(
             pipe.layout, param_order, state_order, self.options.checkpoint_format
@@ -526,6 +544,9 @@ class AutoPipeStrategy(ParallelStrategy):
         strategy, and then only this rank's stage is read from a sharded directory.
         """
         weights_only = True if weights_only is None else weights_only
+        if self._deferred():  # built on the meta device: each rank reads its stage later
+            return ckpt.load_for_stage(checkpoint_path, weights_only=weights_only,
+                                       no_dist=not _distributed_is_initialized())
         with ckpt.refusing_unsafe(checkpoint_path):
             if not ckpt.is_sharded(checkpoint_path):
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -540,6 +561,9 @@ class AutoPipeStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """A whole-model ``state_dict`` into a module this strategy split: its stage's part."""
         module = self.lightning_module
+        if self._deferred():  # read by name when the local stage is materialised
+            self._initial_state = checkpoint["state_dict"]
+            return
         if module is None or not self._held.is_split(module):
             super().load_model_state_dict(checkpoint, strict=strict)
             return
@@ -549,6 +573,11 @@ class AutoPipeStrategy(ParallelStrategy):
         module.load_state_dict(
             ckpt.stage_model_state(checkpoint["state_dict"], local, strict=strict), strict=strict
         )
+
+    def _deferred(self) -> bool:
+        """The module is whole but on the meta device (built in ``configure_model``)."""
+        module = self.lightning_module
+        return module is not None and not self._held.is_split(module) and is_deferred(module)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

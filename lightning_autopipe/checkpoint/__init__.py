@@ -35,8 +35,10 @@ from lightning_autopipe.checkpoint.safe import (
     unsafe_message,
 )
 from lightning_autopipe.checkpoint.sharded import (
+    ShardedModelState,
     ShardedOptimizerState,
     is_sharded,
+    load_for_stage,
     load_sharded,
     load_sharded_optimizer,
     read_model_state,
@@ -47,10 +49,12 @@ __all__ = [
     "AtomicCheckpointIO",
     "PipelineCheckpoint",
     "SafeFileSystemReader",
+    "ShardedModelState",
     "ShardedOptimizerState",
     "atomic_torch_save",
     "group_names",
     "is_sharded",
+    "load_for_stage",
     "load_sharded",
     "load_sharded_optimizer",
     "local_optimizer_state",

@@ -28,8 +28,10 @@ from lightning_autopipe.checkpoint.safe import SafeFileSystemReader, refusing_un
 from lightning_autopipe.errors import PlanError
 
 __all__ = [
+    "ShardedModelState",
     "ShardedOptimizerState",
     "is_sharded",
+    "load_for_stage",
     "load_sharded",
     "load_sharded_optimizer",
     "read_model_state",
@@ -240,3 +242,53 @@ def read_model_state(path: str | Path) -> dict[str, Tensor]:
         _load(template, path, no_dist=True)
         return {k[len(_MODEL) :]: v for k, v in template.items()}
     return safe_load(path, map_location="cpu")["state_dict"]
+
+
+class ShardedModelState:
+    """A sharded checkpoint's model tensors, read only when asked for, only the names asked for.
+
+    What a model built on the meta device is loaded from: each rank reads its own stage's
+    names (:class:`~lightning_autopipe.runtime.materialize.Materializer` calls
+    :meth:`load_into` with them), straight into the stage's tensors.
+    """
+
+    def __init__(self, path: str | Path, no_dist: bool = False) -> None:
+        self.path = str(path)
+        self.no_dist = no_dist
+        meta = _metadata(path)
+        self._keys = [k[len(_MODEL) :] for k in meta if k.startswith(_MODEL)]
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def load_into(self, targets: Mapping[str, Tensor]) -> None:
+        """Read ``targets``' names into them (CPU targets directly, others via the host)."""
+        template = {
+            f"{_MODEL}{k}": t if t.device.type == "cpu" else torch.empty_like(t, device="cpu")
+            for k, t in targets.items()
+        }
+        _load(template, self.path, self.no_dist)
+        for k, t in targets.items():
+            if t.device.type != "cpu":
+                with torch.no_grad():
+                    t.copy_(template[f"{_MODEL}{k}"])
+
+
+def load_for_stage(
+    path: str | Path, *, no_dist: bool = False, weights_only: bool = True
+) -> dict[str, Any]:
+    """Lightning's checkpoint dict for a model built on the meta device, its weights unread.
+
+    A consolidated file is memory-mapped (``torch.load(mmap=True)``: a tensor's bytes are read
+    when it is copied into a stage, so each rank reads only its stage's); a sharded directory's
+    ``state_dict`` is a :class:`ShardedModelState`. Either way no rank reads the whole model.
+
+    Raises:
+        UnsafeCheckpointError: the file holds a pickled object other than plain data.
+    """
+    if is_sharded(path):
+        out = load_sharded(path, {}, no_dist=no_dist, partial=True, weights_only=weights_only)
+        out["state_dict"] = ShardedModelState(path, no_dist=no_dist)
+        return out
+    with refusing_unsafe(path):
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)

@@ -1,0 +1,116 @@
+"""Activation recomputation as a planner choice: priced alike by the fast model and the
+simulator, chosen only when nothing fits memory without it, optional in plan files."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import MemoryPlanError, PlanError
+from lightning_autopipe.planner.costmodel import evaluate
+from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.planner.search import make_plan, search_plan
+from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.profile import BlockProfile, Profile
+
+MB = 2**20
+
+
+def _profile(n: int = 8, seed: int = 0, params: int = 4 * MB) -> Profile:
+    """Blocks of ``params`` bytes whose activations (8 MB a micro-batch) dominate memory."""
+    rng = random.Random(seed)
+    blocks = [BlockProfile(f"b{i}", rng.uniform(1, 2), rng.uniform(2, 4), params, MB // 4,
+                           8 * MB, forward_fixed_ms=0.1, backward_fixed_ms=0.2)
+              for i in range(n)]
+    return Profile("p", 4, "ref", blocks)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_fast_model_prices_recomputation_as_the_simulator(schedule):
+    prof = _profile()
+    costs = BlockCosts.from_profile(prof)
+    rng = random.Random(1)
+    for stages, m in itertools.product((1, 2, 4), (1, 3, 6)):
+        cluster = Cluster.local(stages, gbps=1e6, latency_us=1)
+        groups = [[d.name] for d in cluster.devices]
+        cuts = [0, *sorted(rng.sample(range(1, 8), stages - 1)), 8]
+        flags = [rng.random() < 0.5 for _ in range(stages)]
+        plan = Plan("t", 4 * m, m, 1, [StagePlan((cuts[s], cuts[s + 1]), groups[s])
+                                      for s in range(stages)],
+                    schedule=schedule, recompute=flags)
+        sim = simulate(plan, prof, cluster)
+        est = evaluate(costs, Layout.from_cluster(cluster, groups), cuts, 4 * m, m,
+                       schedule=schedule, exact=True, recompute=flags)
+        plain = simulate(Plan("t", 4 * m, m, 1, plan.stages, schedule=schedule), prof, cluster)
+        case = (schedule, stages, m, flags)
+        assert est.iteration_ms == pytest.approx(sim.iteration_ms, rel=1e-9), case
+        assert est.stage_ms == pytest.approx(sim.stage_ms, rel=1e-9), case
+        for s, st in enumerate(plan.stages):
+            dev = st.devices[0]
+            assert est.peak_bytes[s] == pytest.approx(sim.peak_memory_bytes[dev], abs=1.0)
+            i, j = st.blocks
+            fwd = sum(b.forward_ms for b in prof.blocks[i:j])
+            if flags[s]:  # one more forward per unit; only the inputs held in flight
+                assert sim.stage_ms[s] == pytest.approx(plain.stage_ms[s] + fwd, rel=1e-9)
+                inputs = prof.blocks[i - 1].activation_bytes if i else 0
+                params = sum(b.param_bytes for b in prof.blocks[i:j])
+                mem = sum(b.memory_bytes for b in prof.blocks[i:j])
+                assert sim.peak_memory_bytes[dev] < plain.peak_memory_bytes[dev] or m == 1
+                assert sim.peak_memory_bytes[dev] <= 4 * params + inputs * m + mem + 1
+            else:
+                assert sim.stage_ms[s] == pytest.approx(plain.stage_ms[s], rel=1e-9)
+
+
+def test_recomputation_is_chosen_only_when_nothing_fits_without_it():
+    prof = _profile()
+    roomy = make_plan(prof, Cluster.local(2, memory_gb=16), 32, num_stages=2, replicas=1,
+                      num_microbatches=8, schedules=("gpipe",))
+    assert not roomy.recompute
+    need = max(roomy.peak_memory_bytes.values())
+    # GPipe holds all 8 micro-batches: no cut fits 60% of that, recomputing stages do
+    tight = make_plan(prof, Cluster.local(2, memory_gb=0.6 * need / 2**30), 32, num_stages=2,
+                      replicas=1, num_microbatches=8, schedules=("gpipe",))
+    assert any(tight.recompute)
+    assert max(tight.peak_memory_bytes.values()) <= 0.6 * need
+    assert tight.iteration_ms > roomy.iteration_ms  # it costs the recomputed forwards
+    with pytest.raises(MemoryPlanError, match="even with stages"):
+        make_plan(prof, Cluster.local(2, memory_gb=8 * MB / 2**30), 32, num_stages=2,
+                  replicas=1, num_microbatches=8, schedules=("gpipe",))
+
+
+def test_search_prefers_a_depth_that_fits_without_recomputation():
+    """4 devices with 37 MB each, 2 micro-batches per step: 1 stage x 4 fits nothing, 2 x 2
+    fits only by recomputing its first stage (and would train more samples per ms), 4 x 1
+    fits as it is: the search takes 4 x 1."""
+    prof = _profile(params=MB // 4)
+    cluster = Cluster.local(4, memory_gb=37 * MB / 2**30)
+    pins = {"num_microbatches": 2, "startup_slices": 1, "drain_slices": 1,
+            "schedules": ("1f1b",), "use_all_devices": True, "uniform_replicas": True}
+    two = make_plan(prof, cluster, 16, num_stages=2, replicas=2, **pins)
+    four = make_plan(prof, cluster, 8, num_stages=4, replicas=1, **pins)
+    assert two.recompute == [True, False]
+    assert not four.recompute
+    assert 16 / two.iteration_ms > 8 / four.iteration_ms
+    names = [d.name for d in cluster.devices]
+    plan = search_plan(prof, cluster, names, 8, num_microbatches=2, startup_slices=1,
+                       drain_slices=1, schedules=("1f1b",))
+    assert (plan.num_stages, plan.recompute) == (4, [])
+
+
+def test_plans_without_recompute_load_and_split_schedules_refuse_it():
+    stages = [StagePlan((0, 2), ["a"]), StagePlan((2, 4), ["b"])]
+    plan = Plan("t", 8, 2, 1, stages, recompute=[True, False])
+    data = plan.to_dict()
+    assert data["recompute"] == [True, False]
+    assert Plan.from_dict(data).recomputes(0)
+    old = {k: v for k, v in data.items() if k != "recompute"}  # a plan file from before
+    assert not Plan.from_dict(old).recomputes(0)
+    assert "recompute" not in Plan("t", 8, 2, 1, stages).to_dict()
+    with pytest.raises(PlanError, match="splits the backward"):
+        Plan("t", 8, 2, 1, stages, schedule="zb-h1", recompute=[True, False])
+    with pytest.raises(PlanError, match="one flag per stage"):
+        Plan("t", 8, 2, 1, stages, recompute=[True])

@@ -31,6 +31,7 @@ tensors are read by name instead; only those keys are read.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import hashlib
 import inspect
@@ -171,8 +172,8 @@ def _sentinel(t: Tensor) -> None:
 
 
 def _untouched(t: Tensor) -> bool:
-    if t.is_floating_point() or t.is_complex():
-        return bool(torch.isnan(t).any())
+    if t.is_floating_point() or t.is_complex():  # in chunks: no parameter-sized mask
+        return any(bool(torch.isnan(c).any()) for c in t.detach().reshape(-1).split(1 << 20))
     if t.dtype is torch.bool:
         return False
     return bool((t == torch.iinfo(t.dtype).min).all()) and t.numel() > 0
@@ -255,15 +256,21 @@ class Materializer:
         return sum(t.numel() * t.element_size() for t in todo)
 
     def release(self, tensors: Iterable[Tensor]) -> None:
-        """Send ``tensors`` back to the meta device (their storage is freed)."""
+        """Send ``tensors`` back to the meta device (their storage is freed, and host memory
+        handed back to the system: see :func:`_give_back_host_memory`)."""
+        host = False
         for t in _unique(tensors):
             if t.device.type == "meta":
                 continue
+            host = host or t.device.type == "cpu"
             if isinstance(t, nn.Parameter):
                 t.grad = None
             meta = self._empty_like(t, torch.device("meta"))
             meta.__dict__.update(t.__dict__)
             _swap(t, meta)
+            del meta
+        if host:
+            _give_back_host_memory()
 
     @contextmanager
     def holding(self, tensors: Iterable[Tensor], device: torch.device) -> Iterator[int]:
@@ -375,6 +382,28 @@ def _takes_nothing(fn: Any) -> bool:
                                                            p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         return False
+
+
+def _give_back_host_memory() -> None:
+    """Return freed heap memory to the system (glibc ``malloc_trim``; elsewhere nothing).
+
+    After the first large tensor is freed glibc raises its mmap threshold, so the next blocks'
+    parameters come from the heap, whose freed chunks stay resident: profiling block after
+    block would then keep up to the whole model resident although one block is alive. Trimming
+    after each released block keeps the resident set to what is alive.
+    """
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - glibc only
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
 
 
 def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:

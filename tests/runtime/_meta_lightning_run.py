@@ -1,0 +1,130 @@
+"""Launched by tests/runtime/test_meta_lightning.py: a GPT built in ``configure_model``, then
+the same GPT built eagerly, through ``Trainer(strategy=AutoPipeStrategy(...))``.
+
+    python tests/runtime/_meta_lightning_run.py OUT_DIR WORLD
+
+Lightning's popen launcher re-runs this script in every rank. For each build every rank
+resets its peak resident set (``/proc/self/clear_refs``, then ``VmHWM`` is the peak since)
+right before the LightningModule is built and reads the peak when training starts (after the
+strategy's setup: trace, profile or given plan, local stage). ``WORLD`` 2 plans from the ranks'
+profiles (2 stages); 4 runs a given 4-stage plan. Writes ``OUT_DIR/<build>.rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_autopipe  # noqa: E402
+from lightning_autopipe.cluster import Cluster  # noqa: E402
+from lightning_autopipe.models import TinyGPT  # noqa: E402
+from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
+from lightning_autopipe.runtime.materialize import _give_back_host_memory  # noqa: E402
+from tests.runtime import _cases as C  # noqa: E402
+
+SIZES = {"vocab": 512, "seq_len": 16, "d_model": 1024, "n_layers": 8, "n_heads": 8}
+BATCH = 4
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` figure in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> int:
+    """Make the peak resident set the current one; returns it."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmHWM")
+
+
+class Task(pl.LightningModule):
+    def __init__(self, deferred: bool) -> None:
+        super().__init__()
+        self.net = None if deferred else TinyGPT(**SIZES)
+        self.peak: int | None = None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.net is None:  # under the strategy's tensor_init_context: on the meta device
+            self.net = TinyGPT(**SIZES)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return C.loss_fn(self(batch[0]), batch)
+
+    def on_fit_start(self) -> None:
+        self.peak = _status("VmHWM")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, SIZES["vocab"], (BATCH, SIZES["seq_len"] + 1), generator=g)
+        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH)
+
+
+def _strategy(world: int) -> lightning_autopipe.AutoPipeStrategy:
+    cluster = Cluster.local(world)
+    common = {"cluster": cluster, "timeout": 300, "profile_repeats": 1}
+    if world == 2:
+        return lightning_autopipe.AutoPipeStrategy(
+            num_stages=2, num_microbatches=2, startup_slices=1, drain_slices=1,
+            schedule="1f1b", **common)
+    # blocks: embeddings, (attn, mlp) per layer, lm_head: two layers per stage
+    cuts = [0, 5, 9, 13, 18]
+    names = [d.name for d in cluster.devices]
+    plan = Plan("given", BATCH, 2, 1, [StagePlan((cuts[s], cuts[s + 1]), [names[s]])
+                                       for s in range(4)])
+    return lightning_autopipe.AutoPipeStrategy(plan=plan, **common)
+
+
+def run(build: str, world: int, out: Path) -> None:
+    trainer = pl.Trainer(
+        strategy=_strategy(world), accelerator="cpu", devices=world, max_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out / "root",
+    )
+    base = reset_peak()
+    task = Task(deferred=build == "meta")
+    trainer.fit(task)
+    stage = trainer.strategy.pipeline.stage
+    record = {
+        "growth": task.peak - base,
+        "largest_block": max((b.param_bytes for b in trainer.strategy.profile.blocks), default=0)
+        if trainer.strategy.profile is not None else 0,
+        "stage_bytes": sum(p.numel() * p.element_size() for p in stage.parameters()),
+        "losses": task.losses,
+        "stage": trainer.strategy.pipeline.layout.stage,
+    }
+    torch.save(record, out / f"{build}.rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    out, world = Path(sys.argv[1]), int(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    for build in ("meta", "eager"):
+        run(build, world, out)
+        gc.collect()  # hand the finished run's heap back, so the next one starts from none
+        _give_back_host_memory()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""A GPT built in ``configure_model`` under ``Trainer(strategy=AutoPipeStrategy(...))`` holds
+its stage only: each rank's peak host memory growth during setup, meta-device vs eager build.
+
+Measured with the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` right before the LightningModule is built, read when training
+starts): everything the rank touched, not only tensors. The model's fp32 weights are 389 MiB.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_autopipe.models import TinyGPT
+from lightning_autopipe.runtime.materialize import deferred_init
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "runtime" / "_meta_lightning_run.py"
+MiB = 2**20
+SLACK = 32 * MiB  # process groups, the plan, Lightning's own setup: not the model
+
+
+def _clear_refs_works() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _clear_refs_works(),
+                                reason="needs Linux /proc/self/clear_refs to reset VmHWM")
+
+
+def _launch(world: int, out: Path) -> dict[str, list[dict]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(world)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        pytest.fail(f"launch of {world} ranks failed:\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-6000:]}")
+    return {b: [torch.load(out / f"{b}.rank{r}.pt") for r in range(world)]
+            for b in ("meta", "eager")}
+
+
+def _whole_model_bytes() -> int:
+    from tests.runtime._meta_lightning_run import SIZES
+
+    with deferred_init():
+        net = TinyGPT(**SIZES)
+    return sum(p.numel() * p.element_size() for p in net.parameters())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_holds_its_stage_not_the_model_while_the_eager_build_holds_the_model(
+        world, tmp_path):
+    """2 ranks plan from block-by-block profiles: growth < stage + one block's parameters and
+    gradients + slack; 4 ranks run a given plan (nothing profiled): growth < stage + slack and
+    < 0.35 x the model. The eager build of the same model grows by the whole model and more."""
+    runs = _launch(world, tmp_path)
+    whole = _whole_model_bytes()
+    for meta, eager in zip(runs["meta"], runs["eager"]):
+        stage = meta["stage_bytes"]
+        assert stage < 0.7 * whole  # a stage of a split model, not the model
+        block = 2 * meta["largest_block"] if world == 2 else 0
+        bound = stage + block + SLACK
+        assert meta["growth"] < bound, (meta, bound / MiB)
+        if world == 4:
+            assert meta["growth"] < 0.35 * whole, meta
+        assert eager["growth"] > whole > bound, (eager, whole / MiB)
+        assert len(meta["losses"]) == 1  # the step ran
+        assert math.isfinite(meta["losses"][0])
+    # one global loss: every rank of the step agrees
+    assert len({round(m["losses"][0], 6) for m in runs["meta"]}) == 1

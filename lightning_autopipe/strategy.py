@@ -622,6 +622,11 @@ class AutoPipeStrategy(ParallelStrategy):
             self._failed = False
         if self._watch is not None:
             self._watch.disarm()
+        if self._deferred():  # a meta-device module that never got its stage: not movable
+            self._lightning_module, held = None, self._lightning_module
+            super().teardown()
+            self._lightning_module = held
+            return
         super().teardown()
 
 

@@ -33,7 +33,8 @@ The LightningModule contract
   running those slices one after another would).
 * ``accumulate_grad_batches`` must be 1: micro-batching is the plan's ``num_microbatches``.
 * Gradient clipping by norm uses the norm over all stages (tied copies counted once).
-* Precision ``32-true`` and ``bf16-mixed``.
+* Precision ``32-true``, ``bf16-mixed`` and ``16-mixed`` (fp16 loss scaling decided over every
+  stage and replica at once, :mod:`lightning_autopipe.precision`); others are refused.
 
 Checkpoints and failures
 ------------------------
@@ -92,6 +93,7 @@ from lightning_autopipe.held_pipeline import HeldPipeline
 from lightning_autopipe.lightning_steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.precision import check_precision, install_loss_scaling
 from lightning_autopipe.runtime.checks import check_microbatches
 from lightning_autopipe.runtime.example import _example
 from lightning_autopipe.runtime.failure import describe, watch_launcher
@@ -99,8 +101,6 @@ from lightning_autopipe.runtime.materialize import deferred_init, is_deferred
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline
 
 __all__ = ["AutoPipeStrategy"]
-
-_SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
 
 
 class AutoPipeStrategy(ParallelStrategy):
@@ -306,6 +306,7 @@ class AutoPipeStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             self._check_optimizers()
         self.setup_precision_plugin()
+        install_loss_scaling(self.precision_plugin, self._pipe.executor)  # 16-mixed only
         if fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         executor = self._pipe.executor
@@ -650,12 +651,7 @@ def _check_trainer(trainer: Any, precision_plugin: Any) -> None:
             "AutoPipeStrategy; the pipeline already accumulates over micro-batches: raise "
             "num_microbatches or the batch size instead"
         )
-    precision = getattr(precision_plugin, "precision", "32-true")
-    if precision not in _SUPPORTED_PRECISION:
-        raise PlanError(
-            f"precision {precision!r} is not supported by AutoPipeStrategy; use one of "
-            f"{list(_SUPPORTED_PRECISION)}"
-        )
+    check_precision(precision_plugin)
 
 
 def _run_dir(trainer: Any) -> Path:

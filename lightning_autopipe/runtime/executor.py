@@ -84,6 +84,12 @@ class PipelineExecutor:
         drain_slices: slices of the last micro-batch (the plan's ``j``).
         memory: measures this rank's peak memory in a training step
             (:class:`~lightning_autopipe.runtime.memory.MemoryMeter`); None measures nothing.
+
+    Attributes:
+        loss_scale: None, or ``loss -> scaled loss`` applied to each unit's weighted loss on
+            the last stage before its backward (fp16 loss scaling: ``scaler.scale`` of a
+            :class:`~lightning_autopipe.runtime.scaler.PipelineGradScaler`); every gradient
+            of the step then carries the scale. The returned loss stays unscaled.
     """
 
     def __init__(
@@ -142,6 +148,7 @@ class PipelineExecutor:
         self._schedules: dict[tuple[bool, int, int, int], list[Action]] = {}
         self._params = [p for p in stage.parameters() if p.requires_grad]
         self.memory = memory
+        self.loss_scale: Callable[[Tensor], Tensor] | None = None
         self._dp_sync: GradientSync | None = None
         if layout.num_replicas > 1 and self._params:
             assert groups is not None
@@ -340,7 +347,8 @@ class PipelineExecutor:
                                 (stop - start) / size)
                         loss_sum += loss.detach().float()
                         if train:
-                            saved[unit] = (inputs, loss)
+                            scale = self.loss_scale
+                            saved[unit] = (inputs, loss if scale is None else scale(loss))
                     else:
                         outputs[unit] = outs
                         if train:

@@ -82,9 +82,9 @@ class Task(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def plugin() -> MixedPrecision:
-    """fp16 autocast on the CPU with a plain scaler (Lightning would pick bf16 on a CPU)."""
-    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **SCALER))
+def plugin(device: str = "cpu") -> MixedPrecision:
+    """fp16 autocast with a plain scaler of these settings (Lightning picks bf16 on a CPU)."""
+    return MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(device, **SCALER))
 
 
 def loader(samples: int, seed: int) -> DataLoader:
@@ -94,21 +94,24 @@ def loader(samples: int, seed: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=REPLICA_BATCH)
 
 
-def reference(batches, state=None, scaler_state=None) -> dict:
+def reference(batches, state=None, scaler_state=None, device: str = "cpu") -> dict:
     """One process over the global ``batches``: autocast fp16, the same scaler settings,
-    ``unscale_`` then norm clipping, SGD; every step's loss, norm, scale and weights."""
+    ``unscale_`` then norm clipping, SGD; every step's loss, norm, scale and (CPU) weights."""
     net = Net()
     if state is not None:
         net.load_state_dict({k.removeprefix("net."): v for k, v in state.items()})
+    net = net.to(device)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
-    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    kind = torch.device(device).type
+    scaler = torch.amp.GradScaler(kind, **SCALER)
     if scaler_state is not None:
         scaler.load_state_dict(scaler_state)
     out: dict = {"start_scale": scaler.get_scale(), "losses": [], "norms": [], "scales": [],
                  "skipped": [], "states": []}
     for x, y in batches:
+        x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+        with torch.autocast(kind, dtype=torch.float16, cache_enabled=False):
             loss = F.mse_loss(net(x), y)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
@@ -120,5 +123,6 @@ def reference(batches, state=None, scaler_state=None) -> dict:
         out["norms"].append(float(norm))
         out["scales"].append(scaler.get_scale())
         out["skipped"].append(scaler.get_scale() < before)
-        out["states"].append({f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()})
+        out["states"].append({f"net.{k}": v.detach().cpu().clone()
+                              for k, v in net.state_dict().items()})
     return out

@@ -63,8 +63,8 @@ class Record(pl.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.rows.append({**self._step, "loss": float(loss),
                           "scale": trainer.precision_plugin.scaler.get_scale(),
-                          "batch": [t.clone() for t in batch],
-                          "state": {k: v.detach().clone()
+                          "batch": [t.cpu().clone() for t in batch],
+                          "state": {k: v.detach().cpu().clone()
                                     for k, v in pl_module.state_dict().items()}})
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import PlanError
+from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.plan import Plan
 
@@ -107,6 +108,13 @@ class AutoPipeOptions:
     """Every tensor of a batch must hold as many samples as the inputs; False hands a
     non-per-sample tensor (e.g. class weights) to ``pipeline_loss`` whole."""
 
+    compile: bool | str = False
+    """``torch.compile`` each local stage once, its batch dimension dynamic, so slices and
+    short batches reuse the one graph (:mod:`~lightning_autopipe.runtime.compiled_stage`):
+    True compiles with inductor, a string names another backend (``"aot_eager"``...). The
+    profile is corrected to the compiled speed. A compiled stage's backward cannot be split,
+    so ``schedule="auto"`` plans 1F1B and ``"zb-h1"`` is refused."""
+
     def __post_init__(self) -> None:
         if self.start_method not in START_METHODS:
             raise ValueError(
@@ -134,6 +142,19 @@ class AutoPipeOptions:
         if self.nonfinite_loss not in NONFINITE_LOSS:
             raise ValueError(
                 f"nonfinite_loss must be one of {NONFINITE_LOSS}, not {self.nonfinite_loss!r}"
+            )
+        if isinstance(self.compile, str) and not self.compile.strip():
+            raise ValueError("compile must be True, False or a torch.compile backend name, "
+                             "not an empty string")
+        if not isinstance(self.compile, bool | str):
+            raise ValueError(f"compile must be True, False or a torch.compile backend name "
+                             f"(e.g. 'inductor'), not {self.compile!r}")
+        if self.compile and self.schedule != "auto" and splits_backward(self.schedule):
+            raise ValueError(
+                f"compile={self.compile!r} with schedule={self.schedule!r}: a compiled stage "
+                "computes input and weight gradients in one graph, so its backward cannot be "
+                "split as zero-bubble schedules need; use schedule='auto' (plans 1F1B when "
+                "compiling) or '1f1b', or compile=False"
             )
         for name, value in (
             ("timeout", seconds),
@@ -186,8 +207,17 @@ class AutoPipeOptions:
 
     @property
     def schedules(self) -> tuple[str, ...]:
-        """The schedules the planner may choose among."""
-        return ("1f1b", "zb-h1") if self.schedule == "auto" else (self.schedule,)
+        """The schedules the planner may choose among (compiled stages: 1F1B only)."""
+        if self.schedule != "auto":
+            return (self.schedule,)
+        return ("1f1b",) if self.compile else ("1f1b", "zb-h1")
+
+    @property
+    def compile_backend(self) -> str | None:
+        """The ``torch.compile`` backend of ``compile`` (None: stages run eagerly)."""
+        if self.compile is False:
+            return None
+        return "inductor" if self.compile is True else str(self.compile)
 
     @property
     def timeout_delta(self) -> timedelta:

@@ -33,6 +33,7 @@ from lightning_autopipe.runtime.checks import (
     check_num_stages,
     check_plan_for_run,
 )
+from lightning_autopipe.runtime.compiled_stage import compiled_stage, profile_for
 from lightning_autopipe.runtime.discover import (
     compare_with_declared,
     device_names,
@@ -280,6 +281,10 @@ def build_local_pipeline(
     training step and rank 0 logs every rank's beside the plan's prediction
     (:mod:`~lightning_autopipe.runtime.memory`). A stage the plan recomputes runs its forward
     under activation checkpointing (its backward recomputes it).
+
+    With ``options.compile`` the executor runs the local stage compiled once
+    (:mod:`~lightning_autopipe.runtime.compiled_stage`; a plan whose schedule splits the
+    backward is refused) and each rank's profile is corrected to the compiled speed.
     """
     from lightning_autopipe.graph import split_model
 
@@ -318,7 +323,8 @@ def build_local_pipeline(
     repeats = options.profile_repeats
     if planning and (distributed or rank != 0):
         try:
-            mine = _profile(blocks, example, example_batch, loss_fn, device, repeats)
+            mine = profile_for(options.compile_backend, _profile(
+                blocks, example, example_batch, loss_fn, device, repeats), blocks, example, device)
         except Exception as exc:
             if not distributed:  # a pretend world: only load for rank 0's profile
                 load_failure = exc
@@ -342,8 +348,10 @@ def build_local_pipeline(
         try:
             if planning:
                 if profile is None:
-                    profile = mine if distributed else _profile(
-                        blocks, example, example_batch, loss_fn, device, repeats)
+                    profile = mine if distributed else profile_for(
+                        options.compile_backend, _profile(
+                            blocks, example, example_batch, loss_fn, device, repeats),
+                        blocks, example, device)
                 plan = search_plan(
                     profile, cluster, names, replica_batch, planner=options.planner,
                     schedules=options.schedules, **pins
@@ -410,7 +418,7 @@ def build_local_pipeline(
         meter = MemoryMeter(list(stage.parameters()), device, predicted=predicted, rank=rank,
                             stage=s)
     executor = PipelineExecutor(
-        Recomputed(stage) if recompute else stage,
+        _compiled(Recomputed(stage) if recompute else stage, plan, options),
         layout,
         groups,
         num_microbatches=plan.num_microbatches,
@@ -440,6 +448,12 @@ def build_local_pipeline(
         executor=executor,
         table=plan_table(plan, profile, cluster),
     )
+
+
+def _compiled(stage: nn.Module, plan: Plan, options: AutoPipeOptions) -> nn.Module:
+    """The stage as the executor runs it: compiled with ``options.compile``'s backend, if any."""
+    backend = options.compile_backend
+    return stage if backend is None else compiled_stage(stage, plan.schedule, backend)
 
 
 def _info(text: str) -> None:

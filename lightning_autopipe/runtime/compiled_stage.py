@@ -1,0 +1,222 @@
+"""``compile=True``: each local stage runs as one ``torch.compile`` graph, whatever the unit size.
+
+Why one graph: a stage sees units of several sizes in every step (startup and drain slices,
+full micro-batches, the short last batch of an epoch), and a compile per size would recompile
+constantly. :class:`CompiledStage` marks dim 0 (the batch) of every input *unbacked*
+(``torch._dynamo.decorators.mark_unbacked``): Dynamo then traces the batch as a symbol with
+no guard on its value, so one graph serves every size, size 1 included (a merely dynamic,
+"backed" batch is specialised at 0 and 1, so one-sample slices would get a second graph).
+What a run compiles, counted in :attr:`CompiledStage.compilations` (graphs handed to the
+backend):
+
+* the first training step: one graph per stage (train mode, autograd on; AOTAutograd derives
+  its backward from it);
+* the first evaluation step: one more (eval mode under ``no_grad`` is another graph);
+* every later step, of any unit sizes: none. A stage whose code branches on the batch size
+  graph-breaks there and compiles its pieces once per branch taken (still bounded).
+
+Why not zero bubble: a compiled stage's backward is one opaque autograd node that computes the
+input and the weight gradients together, so ZB-H1's split into ``B`` (input gradient) and ``W``
+(weight gradient, :mod:`~lightning_autopipe.runtime.executor`) has no graph nodes to split at:
+``stage_backward_weight`` would have to run the whole backward again (twice the work) and
+``torch.distributed.pipelining`` refuses the split under ``torch.compile`` for this reason.
+Compiled runs are therefore 1F1B (or GPipe): ``AutoPipeOptions`` plans ``schedule="auto"`` as
+1F1B and refuses a pinned ``"zb-h1"``; :func:`compiled_stage` refuses a given plan that splits.
+Compilation removes the per-operator overhead that dominates small units, which is also most
+of what the extra ``W`` actions of ZB-H1 cost.
+
+Profiles: blocks are profiled eagerly (compiling every block on its own would cost a compile
+per block). :func:`compiled_profile` then times the whole model eagerly and compiled at the
+profile's sample count and at half of it, splits both into a fixed and a per-sample part as
+the profiler does, and scales every block's fixed and per-sample parts by the compiled/eager
+ratios (forward and backward apart): the planner prices the stages as they will run. The loss
+on the last block (eager in training too) is scaled with it; it is a small part of that block.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_autopipe.errors import PlanError
+from lightning_autopipe.planner.compiled import splits_backward
+from lightning_autopipe.profile import Profile, fit_affine
+
+__all__ = ["CompiledStage", "compiled_profile", "compiled_stage", "profile_for"]
+
+
+class CompiledStage(nn.Module):
+    """``stage`` compiled once with an unbacked batch dimension (see the module docstring).
+
+    Its parameters and buffers are the stage's own (``self.stage``), so optimizers, gradient
+    hooks and ``state_dict`` names are those of the eager stage.
+
+    Args:
+        stage: the module to compile (``stage(*tensors)``).
+        backend: a ``torch.compile`` backend name (``"inductor"``, ``"aot_eager"``...).
+
+    Attributes:
+        compilations: graphs compiled so far (Dynamo's first compile and every recompile).
+        compiled_shapes: the input shapes each graph was compiled for (``u``-symbols print as
+            the sizes seen first).
+    """
+
+    def __init__(self, stage: nn.Module, backend: str = "inductor") -> None:
+        super().__init__()
+        self.stage = stage
+        self.backend = backend
+        self.compilations = 0
+        self.compiled_shapes: list[list[tuple[int, ...]]] = []
+        inner = torch._dynamo.lookup_backend(backend)
+
+        def counted(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+            self.compilations += 1
+            self.compiled_shapes.append(
+                [tuple(t.shape) for t in example_inputs if isinstance(t, Tensor)]
+            )
+            return inner(gm, example_inputs)
+
+        # kept out of the module tree: its parameters are the stage's, registered once
+        object.__setattr__(self, "_compiled", torch.compile(stage, backend=counted))
+
+    def forward(self, *inputs: Any) -> Any:
+        for t in inputs:
+            if isinstance(t, Tensor) and t.dim() > 0:
+                torch._dynamo.decorators.mark_unbacked(t, 0)
+        return self._compiled(*inputs)
+
+
+def compiled_stage(stage: nn.Module, schedule: str, backend: str) -> CompiledStage:
+    """``stage`` compiled for a run under ``schedule``.
+
+    Raises:
+        PlanError: the schedule splits the backward (ZB-H1), which a compiled stage cannot.
+    """
+    if splits_backward(schedule):
+        raise PlanError(
+            f"schedule {schedule!r} splits each backward into input and weight gradients, "
+            "which a compiled stage computes together (one graph); compile=True runs 1F1B: "
+            "re-plan with schedule='auto' or '1f1b', or pass compile=False to keep "
+            f"{schedule!r}"
+        )
+    return CompiledStage(stage, backend)
+
+
+def profile_for(
+    backend: str | None, profile: Profile, blocks: Any, example: Any, device: torch.device,
+    repeats: int = 3,
+) -> Profile:
+    """The profile the planner should use: ``profile`` itself for eager stages (``backend``
+    None) and for a model on the meta device (it cannot run whole; its eager costs are kept,
+    with a warning), else :func:`compiled_profile` (the ratios logged on rank 0)."""
+    if backend is None:
+        return profile
+    from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+    if any(p.is_meta for p in blocks.stage(0, len(blocks)).parameters()):
+        rank_zero_warn("compile: a model on the meta device is planned from its eager profile "
+                       "(its whole forward cannot be timed compiled)")
+        return profile
+    corrected, r = compiled_profile(profile, blocks, example, device, backend, repeats)
+    rank_zero_info(
+        f"compile ({backend}): block costs scaled by the whole model's compiled/eager time, "
+        f"forward x{r['forward']:.2f} (fixed x{r['forward_fixed']:.2f}, per sample "
+        f"x{r['forward_per_sample']:.2f}), backward x{r['backward']:.2f} (fixed "
+        f"x{r['backward_fixed']:.2f}, per sample x{r['backward_per_sample']:.2f})"
+    )
+    return corrected
+
+
+def compiled_profile(
+    profile: Profile,
+    blocks: Any,
+    example: Any,
+    device: torch.device,
+    backend: str = "inductor",
+    repeats: int = 3,
+) -> tuple[Profile, dict[str, float]]:
+    """``profile`` (measured eagerly) as the compiled stages will run: see the module docstring.
+
+    Compiles the whole model once (a copy of its blocks, so the stages compile afresh later).
+    Returns the corrected profile and the ratios applied (compiled / eager time of the fixed
+    and per-sample parts of forward and backward).
+    """
+    whole = copy.deepcopy(blocks.stage(0, len(blocks))).to(device)
+    flat = tuple(blocks.flatten_inputs(example))
+    n = next((int(t.shape[0]) for t in flat if isinstance(t, Tensor) and t.dim() > 0), 1)
+    sizes = [n, n // 2] if n >= 2 else [n]
+    compiled = CompiledStage(whole, backend)
+    times = {}
+    for name, fn in (("eager", whole), ("compiled", compiled)):
+        for size in sizes:
+            inputs = tuple(t[:size] if isinstance(t, Tensor) and t.dim() > 0 else t
+                           for t in flat)
+            times[name, size] = _timed(fn, inputs, device, repeats)
+    ratios = {}
+    for k, part in enumerate(("forward", "backward")):
+        e_full, c_full = times["eager", n][k], times["compiled", n][k]
+        if len(sizes) == 2:
+            half = sizes[1]
+            e_fix = fit_affine(half, times["eager", half][k], n, e_full)
+            c_fix = fit_affine(half, times["compiled", half][k], n, c_full)
+        else:
+            e_fix = c_fix = 0.0
+        whole_ratio = c_full / e_full
+        ratios[f"{part}_fixed"] = c_fix / e_fix if e_fix > 0 else whole_ratio
+        ratios[f"{part}_per_sample"] = (
+            (c_full - c_fix) / (e_full - e_fix) if e_full > e_fix else whole_ratio
+        )
+        ratios[part] = whole_ratio
+    out = [
+        replace(
+            b,
+            **_scaled(b.forward_ms, b.forward_fixed_ms, ratios, "forward"),
+            **_scaled(b.backward_ms, b.backward_fixed_ms, ratios, "backward"),
+            backward_input_ms=_times(b.backward_input_ms, ratios["backward"]),
+            backward_weight_ms=_times(b.backward_weight_ms, ratios["backward"]),
+        )
+        for b in profile.blocks
+    ]
+    return replace(profile, blocks=out), ratios
+
+
+def _scaled(ms: float, fixed: float, ratios: dict[str, float], part: str) -> dict[str, float]:
+    new_fixed = fixed * ratios[f"{part}_fixed"]
+    return {f"{part}_ms": new_fixed + (ms - fixed) * ratios[f"{part}_per_sample"],
+            f"{part}_fixed_ms": new_fixed}
+
+
+def _times(value: float | None, ratio: float) -> float | None:
+    return None if value is None else value * ratio
+
+
+def _timed(fn: Callable, inputs: tuple[Any, ...], device: torch.device,
+           repeats: int) -> tuple[float, float]:
+    """Median (forward ms, backward ms) of ``fn`` on ``inputs``, after one untimed pass."""
+    fwd, bwd = [], []
+    for i in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = fn(*inputs)
+        _sync(device)
+        t1 = time.perf_counter()
+        outs = outs if isinstance(outs, tuple | list) else (outs,)
+        floats = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
+        torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
+        _sync(device)
+        if i:  # the first pass compiles (and warms the caches)
+            fwd.append((t1 - t0) * 1e3)
+            bwd.append((time.perf_counter() - t1) * 1e3)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,100 @@
+"""Launched by tests/lightning/test_compile.py: the same 2-stage run eager and compiled.
+
+    python tests/lightning/_compile_run.py OUT_DIR CASE [CASE ...]
+
+Two ranks, a fixed 1F1B plan (blocks 0-3 | 4-6 of the tiny GPT whose LM head is tied to its
+embedding, so the tie spans the stages), two micro-batches of 4, the first in two startup
+slices; an epoch of 19 samples in batches of 8 (the last batch of 3 runs as units of 1 and 2),
+then a validation of 9 samples (8, then 1). Cases ``eager`` and ``compiled``
+(``compile=True``: inductor). Every rank writes ``OUT_DIR/<case>.rank<r>.pt`` (the step losses,
+the validation loss, its stage's weights and, compiled, how many graphs its stage compiled
+after training and after validation); rank 0's checkpoint is ``OUT_DIR/<case>.ckpt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import lightning_autopipe  # noqa: E402
+from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
+from tests.reliability import _task as T  # noqa: E402
+
+CUT, BLOCKS, BATCH = 4, 7, 8
+TRAIN_SAMPLES, VAL_SAMPLES = 19, 9
+
+
+class Task(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = T.build_net()
+        self.losses: list[float] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def pipeline_loss(self, outputs, batch):
+        return T.lm_loss(outputs, batch)
+
+    def training_step(self, batch, batch_idx):  # Lightning's check; the strategy runs the above
+        return self.pipeline_loss(self(batch[0]), batch)
+
+    def validation_step(self, batch, batch_idx):  # likewise: the strategy logs val_loss
+        return self.pipeline_loss(self(batch[0]), batch)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def plan() -> Plan:
+    stages = [StagePlan((0, CUT), ["local:0"]), StagePlan((CUT, BLOCKS), ["local:1"])]
+    return Plan("fixed", BATCH, 2, 2, stages, schedule="1f1b")
+
+
+def run_case(case: str, out: Path) -> None:
+    strategy = lightning_autopipe.AutoPipeStrategy(plan=plan(), timeout=300,
+                                                   compile=case == "compiled")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         default_root_dir=str(out / "root"))
+    task = Task()
+    train = DataLoader(T.dataset(TRAIN_SAMPLES, seed=1), batch_size=BATCH)
+    val = DataLoader(T.dataset(VAL_SAMPLES, seed=2), batch_size=BATCH)
+    trainer.fit(task, train)
+    stage = trainer.strategy.pipeline.executor.stage
+    after_fit = getattr(stage, "compilations", None)
+    validated = trainer.validate(task, val, verbose=False)
+    trainer.save_checkpoint(out / f"{case}.ckpt")
+    torch.save({
+        "losses": task.losses,
+        "val_loss": validated[0]["val_loss"],
+        "state": {k: v.detach().clone() for k, v in task.state_dict().items()},
+        "compiled_class": type(stage).__name__,
+        "compilations_after_fit": after_fit,
+        "compilations_after_validate": getattr(stage, "compilations", None),
+        "compiled_shapes": getattr(stage, "compiled_shapes", None),
+    }, out / f"{case}.rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    for case in sys.argv[2:]:
+        run_case(case, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""``compile=True`` through the Trainer on 2 gloo ranks equals the eager pipeline, compiling each
+stage once for training and once for evaluation whatever the unit sizes.
+
+One launch of ``tests/lightning/_compile_run.py`` runs the same fixed 1F1B plan (tied
+embedding across the stages, startup slices, a short last batch) eager, then compiled with
+inductor; units of 4, 2 and 1 samples pass through every stage.
+
+Tolerance: inductor fuses operators and may sum in another order than eager kernels do, so
+activations differ by a few float32 roundings (``~1e-7`` relative per operation, more through
+the reductions of layer norm, softmax and the matrix products); ``rtol=1e-5, atol=1e-6`` is the
+suite's float32 tolerance for sums taken in another order (pipeline vs one process). Measured
+here: losses equal to the printed digits, weights within ``6e-8``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_autopipe.runtime.units import fit_units, unit_bounds
+from tests.lightning import _compile_run as R
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "lightning" / "_compile_run.py"
+RTOL, ATOL = 1e-5, 1e-6
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("compile")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, str(SCRIPT), str(out), "eager", "compiled"]
+    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        pytest.fail(f"the launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return {case: [torch.load(out / f"{case}.rank{r}.pt", weights_only=False) for r in (0, 1)]
+            for case in ("eager", "compiled")} | {"out": out}
+
+
+def _unit_sizes(batch: int) -> set[int]:
+    m, k, j = fit_units(batch, 2, 2, 1)
+    return {b - a for a, b in unit_bounds(batch, m, k, j).values()}
+
+
+def test_the_compiled_pipeline_trains_and_validates_like_the_eager_one(runs):
+    for eager, compiled in zip(runs["eager"], runs["compiled"]):
+        assert (eager["compiled_class"], compiled["compiled_class"]) == ("StageModule",
+                                                                         "CompiledStage")
+        assert len(compiled["losses"]) == 3
+        torch.testing.assert_close(torch.tensor(compiled["losses"]),
+                                   torch.tensor(eager["losses"]), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(compiled["val_loss"], eager["val_loss"], rtol=RTOL, atol=ATOL)
+        assert list(compiled["state"]) == list(eager["state"])
+        for name, value in compiled["state"].items():
+            torch.testing.assert_close(value, eager["state"][name], rtol=RTOL, atol=ATOL,
+                                       msg=lambda s, n=name: f"{n}: {s}")
+    # the weights did move: the comparison is not of two untouched models
+    start = R.Task().state_dict()
+    assert any(not torch.equal(v, start[k]) for k, v in runs["compiled"][0]["state"].items())
+
+
+def test_each_stage_compiles_once_for_training_and_once_for_evaluation(runs):
+    train_sizes = _unit_sizes(R.BATCH) | _unit_sizes(R.TRAIN_SAMPLES % R.BATCH)
+    assert train_sizes == {1, 2, 4}  # startup slices, micro-batches, the short last batch
+    for rank in runs["compiled"]:
+        assert rank["compilations_after_fit"] == 1, rank["compiled_shapes"]
+        assert rank["compilations_after_validate"] == 2, rank["compiled_shapes"]
+
+
+def test_the_checkpoint_keeps_the_model_names_and_loads_into_the_plain_model(runs):
+    eager = torch.load(runs["out"] / "eager.ckpt", weights_only=True)["state_dict"]
+    saved = torch.load(runs["out"] / "compiled.ckpt", weights_only=True)["state_dict"]
+    plain = R.Task()
+    assert list(saved) == list(plain.state_dict()) == list(eager)
+    plain.load_state_dict(saved, strict=True)
+    trained = {k: v for rank in runs["compiled"] for k, v in rank["state"].items()}
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0)

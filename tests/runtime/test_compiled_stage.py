@@ -1,0 +1,198 @@
+"""``CompiledStage``: one graph for every unit size, eager numerics, bounded compiles; compiled
+runs refuse a split backward; the compiled profile scales each block as the whole model sped up.
+
+Graph counts are Dynamo's (which graphs it traces and when its guards force a recompile) and do
+not depend on the backend that compiles each graph, so these in-process tests use
+``aot_eager`` (Dynamo + AOTAutograd, no code generation: seconds instead of minutes); the
+multi-process test (``tests/lightning/test_compile.py``) and the profile correction below run
+inductor.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_autopipe.runtime.compiled_stage as cs
+from lightning_autopipe.errors import PlanError
+from lightning_autopipe.graph import split_model
+from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.profile import BlockProfile, Profile
+from lightning_autopipe.runtime.compiled_stage import CompiledStage, compiled_profile
+from lightning_autopipe.runtime.pipeline import build_local_pipeline
+from tests.reliability import _task as T
+
+
+def _gpt_stage() -> tuple[nn.Module, int]:
+    """The middle of the tiny tied GPT (blocks 2..4: a transformer layer), and its width."""
+    blocks = split_model(T.build_net(), (torch.zeros(2, T.SEQ, dtype=torch.long),))
+    return blocks.stage(2, 4), 16
+
+
+def _run(stage: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.clone().requires_grad_(True)
+    out = stage(x)
+    out = out[0] if isinstance(out, tuple | list) else out
+    out.pow(2).mean().backward()
+    grads = [x.grad, *(p.grad.clone() for p in stage.parameters())]
+    for p in stage.parameters():
+        p.grad = None
+    return out.detach(), grads
+
+
+def test_every_unit_size_reuses_one_graph_and_equals_eager():
+    eager, width = _gpt_stage()
+    compiled = CompiledStage(copy.deepcopy(eager), backend="aot_eager")
+    assert [n for n, _ in compiled.named_parameters()] == [
+        f"stage.{n}" for n, _ in eager.named_parameters()]  # the stage's own parameters
+    g = torch.Generator().manual_seed(0)
+    for size in (4, 2, 1, 3, 4, 1):  # slices, micro-batches, a short last batch
+        x = torch.randn(size, T.SEQ, width, generator=g)
+        want, want_grads = _run(eager, x)
+        got, got_grads = _run(compiled, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert compiled.compilations == 1, compiled.compiled_shapes
+    compiled.eval()
+    with torch.no_grad():  # evaluation: one more graph, then none for any size
+        for size in (4, 1, 3):
+            x = torch.randn(size, T.SEQ, width, generator=g)
+            torch.testing.assert_close(compiled(x), eager.eval()(x), rtol=1e-5, atol=1e-6)
+    assert compiled.compilations == 2
+    compiled.train()
+    eager.train()
+    _run(compiled, torch.randn(5, T.SEQ, width, generator=g))
+    assert compiled.compilations == 2  # back to training: the first graph again
+
+
+def test_a_backed_batch_would_compile_one_sample_slices_again():
+    """Why the batch is unbacked: a dynamic (backed) batch specialises size 1."""
+    eager, width = _gpt_stage()
+    seen = []
+
+    def counted(gm, example_inputs):
+        seen.append(1)
+        return gm.forward
+
+    backed = torch.compile(copy.deepcopy(eager), backend=counted)
+    for size in (4, 2, 1):
+        x = torch.randn(size, T.SEQ, width)
+        torch._dynamo.mark_dynamic(x, 0)
+        backed(x)
+    assert len(seen) == 2
+
+
+def test_compiled_runs_refuse_a_split_backward():
+    with pytest.raises(ValueError, match=r"compile=True with schedule='zb-h1'.*'1f1b'"):
+        AutoPipeOptions(compile=True, schedule="zb-h1")
+    assert AutoPipeOptions(compile=True).schedules == ("1f1b",)
+    assert AutoPipeOptions().schedules == ("1f1b", "zb-h1")
+    assert AutoPipeOptions(compile="aot_eager").compile_backend == "aot_eager"
+    assert AutoPipeOptions(compile=True).compile_backend == "inductor"
+    with pytest.raises(ValueError, match="compile must be True, False or a torch.compile"):
+        AutoPipeOptions(compile=1)
+    with pytest.raises(PlanError, match="splits each backward.*compile=True runs 1F1B"):
+        cs.compiled_stage(nn.Linear(2, 2), "zb-h1", "aot_eager")
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = T.build_net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def pipeline_loss(self, outputs, batch):
+        return T.lm_loss(outputs, batch)
+
+
+def test_a_given_zero_bubble_plan_is_refused_when_compiling():
+    n = len(split_model(T.build_net(), (torch.zeros(2, T.SEQ, dtype=torch.long),)))
+    plan = Plan("pinned", 8, 2, 1, [StagePlan((0, n), ["local:0"])], schedule="zb-h1")
+    with pytest.raises(PlanError, match="splits each backward"):
+        build_local_pipeline(_Model(), (torch.zeros(8, T.SEQ, dtype=torch.long),), 8,
+                             AutoPipeOptions(plan=plan, compile="aot_eager"), rank=0,
+                             world_size=1, device=torch.device("cpu"),
+                             broadcast=lambda obj, src: obj)
+
+
+def _profile() -> Profile:
+    blocks = [BlockProfile(f"b{i}", forward_ms=10.0 + i, backward_ms=20.0 + i, param_bytes=1,
+                           activation_bytes=1, memory_bytes=1, forward_fixed_ms=4.0,
+                           backward_fixed_ms=6.0) for i in range(3)]
+    return Profile("toy", 4, "cpu", blocks)
+
+
+def test_the_correction_scales_fixed_and_per_sample_parts_by_the_measured_ratios(monkeypatch):
+    """Eager whole model: forward 4 + 2n ms, backward 6 + 4n; compiled: forward 1 + 1.5n,
+    backward 3 + 3n (n = 4 and 2 samples). Each block's fixed part must scale by 1/4 (forward)
+    and 1/2 (backward), its per-sample part by 3/4 (both)."""
+    lines = {"eager": ((4, 2), (6, 4)), "compiled": ((1, 1.5), (3, 3))}
+
+    def timed(fn, inputs, device, repeats):
+        n = inputs[0].shape[0]
+        kind = "compiled" if isinstance(fn, CompiledStage) else "eager"
+        return tuple(a + b * n for a, b in lines[kind])
+
+    monkeypatch.setattr(cs, "_timed", timed)
+    blocks = split_model(T.build_net(), (torch.zeros(4, T.SEQ, dtype=torch.long),))
+    prof = _profile()
+    got, ratios = compiled_profile(prof, blocks, (torch.zeros(4, T.SEQ, dtype=torch.long),),
+                                   torch.device("cpu"), backend="aot_eager")
+    assert ratios["forward_fixed"] == pytest.approx(0.25)
+    assert ratios["backward_fixed"] == pytest.approx(0.5)
+    assert ratios["forward_per_sample"] == pytest.approx(0.75)
+    assert ratios["backward_per_sample"] == pytest.approx(0.75)
+    for old, new in zip(prof.blocks, got.blocks):
+        assert new.forward_fixed_ms == pytest.approx(old.forward_fixed_ms * 0.25)
+        assert new.forward_ms == pytest.approx(
+            old.forward_fixed_ms * 0.25 + (old.forward_ms - old.forward_fixed_ms) * 0.75)
+        assert new.backward_ms == pytest.approx(
+            old.backward_fixed_ms * 0.5 + (old.backward_ms - old.backward_fixed_ms) * 0.75)
+        assert (new.name, new.param_bytes, new.memory_bytes) == (old.name, 1, 1)
+
+
+class _Pointwise(nn.Module):
+    """Forty pointwise ops on a tiny tensor: eager pays ~20 us per op, inductor fuses them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        for _ in range(20):
+            x = torch.tanh(x * self.scale) + 0.1
+        return x
+
+
+class _Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _Pointwise(), _Pointwise()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+    def pipeline_loss(self, outputs, batch):
+        return outputs.pow(2).mean()
+
+
+def test_inductor_measures_the_fused_model_faster_and_the_profile_follows():
+    model = _Chain()
+    example = (torch.randn(4, 8),)
+    blocks = split_model(model, example)
+    prof = _profile()
+    prof = Profile("chain", 4, "cpu", prof.blocks[: len(blocks)])
+    got, ratios = compiled_profile(prof, blocks, example, torch.device("cpu"),
+                                   backend="inductor", repeats=5)
+    assert ratios["forward"] < 0.7, ratios  # eager: 80 dispatched ops; compiled: one kernel
+    for old, new in zip(prof.blocks, got.blocks):
+        assert new.forward_ms == pytest.approx(
+            old.forward_fixed_ms * ratios["forward_fixed"]
+            + (old.forward_ms - old.forward_fixed_ms) * ratios["forward_per_sample"])

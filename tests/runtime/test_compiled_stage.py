@@ -24,6 +24,7 @@ from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.profile import BlockProfile, Profile
 from lightning_autopipe.runtime.compiled_stage import CompiledStage, compiled_profile
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
+from lightning_autopipe.runtime.recompute import Recomputed
 from tests.reliability import _task as T
 
 
@@ -44,11 +45,12 @@ def _run(stage: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Te
     return out.detach(), grads
 
 
-def test_every_unit_size_reuses_one_graph_and_equals_eager():
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recomputed"])
+def test_every_unit_size_reuses_one_graph_and_equals_eager(recompute):
     eager, width = _gpt_stage()
-    compiled = CompiledStage(copy.deepcopy(eager), backend="aot_eager")
-    assert [n for n, _ in compiled.named_parameters()] == [
-        f"stage.{n}" for n, _ in eager.named_parameters()]  # the stage's own parameters
+    inner = copy.deepcopy(eager)
+    compiled = CompiledStage(Recomputed(inner) if recompute else inner, backend="aot_eager")
+    assert list(compiled.parameters()) == list(inner.parameters())  # the stage's own
     g = torch.Generator().manual_seed(0)
     for size in (4, 2, 1, 3, 4, 1):  # slices, micro-batches, a short last batch
         x = torch.randn(size, T.SEQ, width, generator=g)
@@ -122,6 +124,28 @@ def test_a_given_zero_bubble_plan_is_refused_when_compiling():
                              broadcast=lambda obj, src: obj)
 
 
+def test_a_planned_compiled_run_profiles_plans_1f1b_and_trains_like_eager():
+    """The whole path of ``build_local_pipeline`` in one process: eager profile, compiled
+    correction, a 1F1B plan, the compiled stage; its step equals the eager model's."""
+    module = _Model()
+    reference = copy.deepcopy(module)
+    x, y = T.dataset(8, seed=4).tensors
+    pipe = build_local_pipeline(module, (x,), 8, AutoPipeOptions(
+        compile="aot_eager", num_stages=1, num_microbatches=2, startup_slices=2,
+        profile_repeats=1), rank=0, world_size=1, device=torch.device("cpu"),
+        broadcast=lambda obj, src: obj)
+    assert pipe.plan.schedule == "1f1b"
+    assert isinstance(pipe.executor.stage, CompiledStage)
+    loss = pipe.executor.train_step((x, y))
+    want = reference.pipeline_loss(reference(x), (x, y))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6)
+    assert pipe.executor.stage.compilations == 1  # units of 2, 2 and 4 samples
+
+
 def _profile() -> Profile:
     blocks = [BlockProfile(f"b{i}", forward_ms=10.0 + i, backward_ms=20.0 + i, param_bytes=1,
                            activation_bytes=1, memory_bytes=1, forward_fixed_ms=4.0,
@@ -190,7 +214,7 @@ def test_inductor_measures_the_fused_model_faster_and_the_profile_follows():
     prof = _profile()
     prof = Profile("chain", 4, "cpu", prof.blocks[: len(blocks)])
     got, ratios = compiled_profile(prof, blocks, example, torch.device("cpu"),
-                                   backend="inductor", repeats=5)
+                                   backend="inductor", repeats=11)
     assert ratios["forward"] < 0.7, ratios  # eager: 80 dispatched ops; compiled: one kernel
     for old, new in zip(prof.blocks, got.blocks):
         assert new.forward_ms == pytest.approx(

@@ -8,6 +8,8 @@ resets its peak resident set (``/proc/self/clear_refs``, then ``VmHWM`` is the p
 right before the LightningModule is built and reads the peak when training starts (after the
 strategy's setup: trace, profile or given plan, local stage). ``WORLD`` 2 plans from the ranks'
 profiles (2 stages); 4 runs a given 4-stage plan. Writes ``OUT_DIR/<build>.rank<r>.pt``.
+With 2 ranks a tiny GPT is first trained, saved and resumed into a ``configure_model`` build
+(``OUT_DIR/resume.rank<r>.pt``, and the checkpoint ``OUT_DIR/tiny.ckpt``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from lightning_autopipe.runtime.materialize import _give_back_host_memory  # noq
 from tests.runtime import _cases as C  # noqa: E402
 
 SIZES = {"vocab": 512, "seq_len": 16, "d_model": 1024, "n_layers": 8, "n_heads": 8}
+TINY = {"vocab": C.VOCAB, "seq_len": C.SEQ, "d_model": 16, "n_layers": 2, "n_heads": 2}
 BATCH = 4
 
 
@@ -50,15 +53,16 @@ def reset_peak() -> int:
 
 
 class Task(pl.LightningModule):
-    def __init__(self, deferred: bool) -> None:
+    def __init__(self, deferred: bool, sizes: dict | None = None) -> None:
         super().__init__()
-        self.net = None if deferred else TinyGPT(**SIZES)
+        self.sizes = sizes or SIZES
+        self.net = None if deferred else TinyGPT(**self.sizes)
         self.peak: int | None = None
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
         if self.net is None:  # under the strategy's tensor_init_context: on the meta device
-            self.net = TinyGPT(**SIZES)
+            self.net = TinyGPT(**self.sizes)
 
     def forward(self, x):
         return self.net(x)
@@ -73,12 +77,19 @@ class Task(pl.LightningModule):
         self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
 
     def configure_optimizers(self):
+        if self.sizes is TINY:  # resumed from a checkpoint: its Adam state must carry over
+            return torch.optim.Adam(self.parameters(), lr=0.01)
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, SIZES["vocab"], (BATCH, SIZES["seq_len"] + 1), generator=g)
-        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH)
+        return DataLoader(TensorDataset(*batch(self.sizes)), batch_size=BATCH)
+
+
+def batch(sizes: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole dataset: one batch (every epoch's batch holds the same samples)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, sizes["vocab"], (BATCH, sizes["seq_len"] + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
 
 
 def _strategy(world: int) -> lightning_autopipe.AutoPipeStrategy:
@@ -117,9 +128,40 @@ def run(build: str, world: int, out: Path) -> None:
     torch.save(record, out / f"{build}.rank{trainer.global_rank}.pt")
 
 
+def resume(world: int, out: Path) -> None:
+    """A tiny GPT trains 2 Adam steps eagerly and is saved; the same GPT built in
+    ``configure_model`` resumes from the file (``ckpt_path``) for 2 more steps."""
+    def trainer(steps: int) -> pl.Trainer:
+        strategy = lightning_autopipe.AutoPipeStrategy(
+            plan=_tiny_plan(world), cluster=Cluster.local(world), timeout=120)
+        return pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps,
+                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, default_root_dir=out / "root")
+
+    torch.manual_seed(0)
+    first = Task(deferred=False, sizes=TINY)
+    t = trainer(2)
+    t.fit(first)
+    t.save_checkpoint(out / "tiny.ckpt")
+    resumed = Task(deferred=True, sizes=TINY)
+    t = trainer(4)
+    t.fit(resumed, ckpt_path=out / "tiny.ckpt")
+    torch.save({"first": first.losses, "resumed": resumed.losses, "step": t.global_step},
+               out / f"resume.rank{t.global_rank}.pt")
+
+
+def _tiny_plan(world: int) -> Plan:
+    names = [d.name for d in Cluster.local(world).devices]
+    cuts = [0, 4, 7]  # wte, wpe, h.0.attn, h.0.mlp | h.1.attn, h.1.mlp, lm_head
+    return Plan("given", BATCH, 2, 1, [StagePlan((cuts[s], cuts[s + 1]), [names[s]])
+                                       for s in range(world)])
+
+
 def main() -> None:
     out, world = Path(sys.argv[1]), int(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
+    if world == 2:
+        resume(world, out)
     for build in ("meta", "eager"):
         run(build, world, out)
         gc.collect()  # hand the finished run's heap back, so the next one starts from none

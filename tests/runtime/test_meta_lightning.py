@@ -80,3 +80,36 @@ def test_a_rank_holds_its_stage_not_the_model_while_the_eager_build_holds_the_mo
         assert math.isfinite(meta["losses"][0])
     # one global loss: every rank of the step agrees
     assert len({round(m["losses"][0], 6) for m in runs["meta"]}) == 1
+    if world == 2:
+        _check_resumed(tmp_path)
+
+
+def _check_resumed(out: Path) -> None:
+    """``fit(ckpt_path=...)`` into the ``configure_model`` build (its stage read from the
+    memory-mapped file, the Adam state re-sharded) continues as one process resuming the same
+    checkpoint: steps 3 and 4's losses, rtol 1e-5."""
+    from lightning_autopipe.checkpoint import safe_load
+    from tests.runtime import _cases as C
+    from tests.runtime._meta_lightning_run import TINY, batch
+
+    ranks = [torch.load(out / f"resume.rank{r}.pt") for r in range(2)]
+    ckpt = safe_load(out / "tiny.ckpt", map_location="cpu")
+    net = TinyGPT(**TINY)
+    state = {k[len("net."):]: v for k, v in ckpt["state_dict"].items()}
+    net.load_state_dict(state, strict=True)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    # the whole model's Adam state in its parameter order (names aside): loads as it is
+    saved = ckpt["optimizer_states"][0]
+    opt.load_state_dict({k: v for k, v in saved.items() if k != "param_names"})
+    want = []
+    x, y = batch(TINY)
+    for _ in range(2):
+        loss = C.loss_fn(net(x), (x, y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(loss.detach()))
+    for r in ranks:
+        assert r["step"] == 4
+        assert len(r["first"]) == 2
+        torch.testing.assert_close(r["resumed"], want, rtol=1e-5, atol=0)

@@ -7,11 +7,20 @@ teardown and releases it (executor hooks first, then the process groups) exactly
 strategy builds another, after a failed run, when the strategy is collected, or at exit, before
 Lightning's own exit handler destroys the default group (a gloo group that outlives
 ``destroy_process_group`` can abort the interpreter as it exits).
+
+Releasing closes the executor at once but only queues its process groups: every rank destroys
+the queued groups together, between two barriers, when the next pipeline is built
+(:func:`destroy_released_groups`), or at exit. Destroying a gloo group is not safe at an
+arbitrary moment: a strategy is usually collected by the cyclic garbage collector, at a
+different time on every rank, and a rank that destroyed its groups while the others were
+already in the next ``fit``'s first collective broke the default group (every rank timed out
+in Lightning's ``log_dir`` broadcast).
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import weakref
 from typing import Any
 
@@ -20,10 +29,13 @@ import torch.distributed as dist
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.runtime.groups import destroy_groups
 
-__all__ = ["HeldPipeline"]
+__all__ = ["HeldPipeline", "destroy_released_groups"]
 
 # Modules whose parameters a pipeline has bound to one stage (the others released).
 _SPLIT: weakref.WeakSet[Any] = weakref.WeakSet()
+# Process groups of released pipelines, waiting for every rank to destroy them together.
+_RELEASED: list[Any] = []
+_EXIT_HOOK: list[bool] = []
 
 
 class HeldPipeline:
@@ -68,6 +80,9 @@ class HeldPipeline:
         _SPLIT.add(module)
         self._box.append(pipe)
         self.module, self.runner = module, runner
+        if not _EXIT_HOOK:  # registered before the finalizers, so it runs after them
+            _EXIT_HOOK.append(True)
+            atexit.register(_destroy_released)
         if self._finalizer is None:
             self._finalizer = weakref.finalize(owner, _release, self._box)
             atexit.register(self._finalizer)
@@ -78,9 +93,34 @@ class HeldPipeline:
         self.module = self.runner = None
 
 
+def destroy_released_groups() -> None:
+    """Destroy the process groups of every released pipeline: every rank calls it at the same
+    point (before building a pipeline); a collective over the default group.
+
+    A full garbage collection first releases the pipelines of strategies nothing refers to any
+    more, alike on every rank (the program is the same everywhere), so every rank destroys the
+    same groups; the barriers keep any rank from destroying while another still uses them or
+    already runs the next collective.
+    """
+    gc.collect()
+    if not (dist.is_available() and dist.is_initialized()):
+        _RELEASED.clear()
+        return
+    dist.barrier()
+    _destroy_released()
+    dist.barrier()
+
+
 def _release(box: list[Any]) -> None:
     while box:
         pipe = box.pop()
         pipe.executor.close()
-        if pipe.groups is not None and dist.is_available() and dist.is_initialized():
-            destroy_groups(pipe.groups)
+        if pipe.groups is not None:
+            _RELEASED.append(pipe.groups)
+
+
+def _destroy_released() -> None:
+    while _RELEASED:
+        groups = _RELEASED.pop()
+        if dist.is_available() and dist.is_initialized():
+            destroy_groups(groups)

@@ -89,7 +89,7 @@ from typing_extensions import override
 from lightning_autopipe import checkpoint as ckpt
 from lightning_autopipe import summary
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
-from lightning_autopipe.held_pipeline import HeldPipeline
+from lightning_autopipe.held_pipeline import HeldPipeline, destroy_released_groups
 from lightning_autopipe.lightning_steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
@@ -317,6 +317,7 @@ class AutoPipeStrategy(ParallelStrategy):
     def _build(self, trainer: Any, module: Any) -> None:
         """Trace, profile, plan and keep this rank's stage (every rank, collectively)."""
         self._held.release()
+        destroy_released_groups()  # this one's and collected strategies', on every rank at once
         self._held.check_splittable(module)
         runner = StepRunner(module)
         example, batch_size, example_batch = _example(trainer, module)

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_autopipe.checkpoint import optimizer as optstate

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.schedule import Action, Kind
@@ -376,7 +375,7 @@ class PipelineExecutor:
                     if groups is None:
                         self._backward_full(a, result, grads)
                     else:
-                        stage_backward_weight(iter(self._params), groups)
+                        _split_backward().stage_backward_weight(iter(self._params), groups)
                 elif a.kind is Kind.BACKWARD:
                     if idx == last_b and self._dp_sync is not None:
                         self._dp_sync.arm()  # gradients become final during this backward
@@ -429,7 +428,7 @@ class PipelineExecutor:
                 )
             keep = [(o, g) for o, g in zip(result, grads) if g is not None and o.requires_grad]
             outs, out_grads = [o for o, _ in keep], [g for _, g in keep]
-        return stage_backward_input(outs, out_grads, inputs, iter(self._params))
+        return _split_backward().stage_backward_input(outs, out_grads, inputs, iter(self._params))
 
     def _global_loss(self, loss_sum: Tensor) -> Tensor:
         """Replica mean from the last stage to the whole replica, then averaged over replicas."""
@@ -517,3 +516,11 @@ def _action_name(a: Action) -> str:
         Kind.RECV_B: "receive of gradients",
     }
     return f"{words.get(a.kind, 'action')} {a}"
+
+
+def _split_backward() -> Any:
+    """``torch.distributed.pipelining``'s split backward, imported when a schedule splits one
+    (importing the package costs seconds, paid by every rank of every run otherwise)."""
+    from torch.distributed.pipelining import _backward
+
+    return _backward

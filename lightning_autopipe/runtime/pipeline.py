@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from lightning_autopipe import errors, profiler
@@ -187,7 +187,7 @@ def _profile(
         return profiler.profile_blocks(blocks, example, device=str(device), repeats=repeats)
     flat = blocks.flatten_inputs(example)
     size = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
-    batch = move_data_to_device(example_batch, device)
+    batch = apply_to_collection(example_batch, torch.Tensor, lambda t: t.to(device))
 
     def loss(outputs: tuple[Any, ...], n: int) -> torch.Tensor:
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_autopipe.errors import PipelineRuntimeError

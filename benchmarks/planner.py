@@ -90,7 +90,8 @@ def _row(case: str, name: str, fn) -> dict:
         "case": case, "planner": name, "iteration_ms": plan.iteration_ms,
         "balance": plan.balance, "search_ms": plan.search_ms, "wall_s": time.perf_counter() - t0,
         "shape": f"{plan.num_stages}x{rep} m{plan.num_microbatches} k{plan.startup_slices}"
-        + (f" j{plan.drain_slices}" if plan.drain_slices > 1 else ""),
+        + (f" j{plan.drain_slices}" if plan.drain_slices > 1 else "")
+        + (f" {plan.schedule}" if plan.schedule != "1f1b" else ""),
         "pins": (plan.num_stages, reps[0], plan.num_microbatches),
     }
 
@@ -222,6 +223,73 @@ def _geomean(xs: list[float]) -> float:
     return prod ** (1 / len(xs))
 
 
+def _lognormal_case(seed: int) -> tuple[Profile, Cluster, int, int, int]:
+    """A random lognormal profile (60-200 blocks), 4-16 stages, m from the depth to 4x it, on
+    latency-only links (the partition quality test's family, other seeds)."""
+    import math
+    import random
+
+    from lightning_autopipe.profile import BlockProfile
+
+    rng = random.Random(seed)
+    n, stages = rng.randint(60, 200), rng.choice([4, 8, 12, 16])
+    m = rng.randint(stages, 4 * stages)
+    blocks = []
+    for i in range(n):
+        f = rng.lognormvariate(0, 1)
+        blocks.append(BlockProfile(f"b{i}", f, 2 * f, 10**6, 10**5, 10**6))
+    cluster = Cluster.from_dict({"name": "free", "servers": [{
+        "name": "s", "gpus": stages, "device": {"name": "d", "speed": 1.0, "memory_gb": 80},
+        "levels": [{"size": stages, "gbps": math.inf, "latency_us": 20}]}]})
+    return Profile("lognormal", 1, "ref", blocks), cluster, n, stages, m
+
+
+def quality(seeds: range) -> str:
+    """Partitioner vs a local search started from its answer, judged by the simulator.
+
+    The search moves any boundary by 1-3 blocks or two adjacent ones by one each and walks to
+    the best neighbour while the simulated step improves; 0 moves means the plan was already
+    a local optimum."""
+    from lightning_autopipe.planner.plan import Plan, StagePlan
+    from lightning_autopipe.planner.polish import neighbours
+    from lightning_autopipe.planner.simulate import simulate
+
+    lines = ["| schedule | cases | stages | blocks | improved by the local search | best gain |"
+             " mean gain |", "|---|---:|---|---|---:|---:|---:|"]
+    for schedule in ("1f1b", "zb-h1"):
+        gains, depths, sizes = [], set(), []
+        for seed in seeds:
+            prof, cluster, n, stages, m = _lognormal_case(seed)
+            plan = make_plan(prof, cluster, 4 * m, num_stages=stages, replicas=1,
+                             num_microbatches=m, schedules=(schedule,))
+
+            def step(cuts: list[int], plan: Plan = plan, prof: Profile = prof,
+                     cluster: Cluster = cluster) -> float:
+                other = Plan("local", plan.global_batch_size, plan.num_microbatches,
+                             plan.startup_slices,
+                             [StagePlan((cuts[i], cuts[i + 1]), plan.stages[i].devices)
+                              for i in range(len(cuts) - 1)],
+                             drain_slices=plan.drain_slices, schedule=plan.schedule)
+                return simulate(other, prof, cluster).iteration_ms
+
+            start = best = step(plan.cuts)
+            cuts = plan.cuts
+            while True:
+                cand = min(((step(c), c) for c in neighbours(cuts)), key=lambda t: t[0])
+                if cand[0] >= best * (1 - 1e-9):
+                    break
+                best, cuts = cand
+            gains.append((start - best) / start)
+            depths.add(stages)
+            sizes.append(n)
+        improved = sum(g > 0 for g in gains)
+        lines.append(
+            f"| {schedule} | {len(gains)} | {'/'.join(map(str, sorted(depths)))} | "
+            f"{min(sizes)}-{max(sizes)} | {improved} | {100 * max(gains):.2f}% | "
+            f"{100 * sum(gains) / len(gains):.3f}% |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
@@ -230,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="plan the measured *.profile.json found here too (gpu_check.sh's)")
     ap.add_argument("--measured-only", action="store_true",
                     help="only the measured profiles' cases (no FLOP-derived models)")
+    ap.add_argument("--quality-cases", type=int, default=30,
+                    help="random lognormal cases per schedule for the partition-quality table "
+                         "(0: none)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     measured = measured_profiles(args.profiles_dir)
@@ -240,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                                            ("--measured-only", args.measured_only)) if on)
     if args.profiles_dir != MEASURED:
         flags += f" --profiles-dir {args.profiles_dir}"
+    if args.quality_cases != 30:
+        flags += f" --quality-cases {args.quality_cases}"
     analytic = (
         "`lightning_autopipe.planner.analytic` with an A100-class reference device "
         "(312 TFLOP/s x 45%, backward = 2 x forward); cluster speeds are relative to it. "
@@ -274,6 +347,15 @@ def main(argv: list[str] | None = None) -> int:
         "time-balanced super-blocks (layer granularity). `search ms` is wall time on a 2-core "
         "machine shared with other jobs (AutoPipe's excludes simulating the chosen plan).\n",
         table(rows), "", "Summary:", summary(rows), "",
+        *([
+            "Partition quality: AutoPipe's cuts vs a local search started from them, judged "
+            f"by the simulator, on {args.quality_cases} random lognormal profiles per schedule "
+            "(60-200 blocks, 4-16 stages, m from the depth to four times it, latency-only "
+            "links; seeds 1000 on, the tests use 0-9). The search moves any boundary by 1-3 "
+            "blocks or two adjacent boundaries by one each, and walks while the step "
+            "improves.\n",
+            quality(range(1000, 1000 + args.quality_cases)), "",
+        ] if args.quality_cases else []),
         f"Total benchmark time {time.perf_counter() - t0:.0f} s.",
     ])
     print(report)

@@ -46,10 +46,10 @@ def test_measured_profiles_are_planned_on_the_same_clusters_and_marked(bench, tm
     prof = _measured(tmp_path)
     out = tmp_path / "report.md"
     assert bench.main(["--profiles-dir", str(tmp_path), "--measured-only", "--quick",
-                       "--out", str(out)]) == 0
+                       "--quality-cases", "0", "--out", str(out)]) == 0
     report = out.read_text()
     assert report == capsys.readouterr().out.rstrip("\n") + "\n"
-    assert f"--measured-only --profiles-dir {tmp_path}`" in report
+    assert f"--measured-only --profiles-dir {tmp_path} --quality-cases 0`" in report
     assert f"profiles measured on {DEVICE} (gpt2.bf16 under" in report
     lines = [line for line in report.splitlines() if line.startswith("| ")]
     assert lines[0].startswith("| case | costs | planner | iteration ms |")
@@ -82,7 +82,7 @@ def test_without_measured_profiles_the_report_says_so_and_keeps_its_form(
         return [row]
 
     monkeypatch.setattr(bench, "run", fake_run)
-    assert bench.main(["--profiles-dir", str(tmp_path)]) == 0
+    assert bench.main(["--profiles-dir", str(tmp_path), "--quality-cases", "0"]) == 0
     report = capsys.readouterr().out
     assert seen == {"quick": False, "measured": {}, "flop": True}
     assert f"No measured profiles under `{tmp_path}`" in report
@@ -90,3 +90,12 @@ def test_without_measured_profiles_the_report_says_so_and_keeps_its_form(
     assert "| m / c (B=8) | autopipe | 10.0 | 1.000 | 1.000 | 1 | 1x2 m1 k1 |" in report
     with pytest.raises(SystemExit):
         bench.main(["--profiles-dir", str(tmp_path), "--measured-only"])
+
+
+def test_the_quality_table_finds_no_better_neighbour_of_autopipes_cuts(bench):
+    lines = bench.quality(range(1000, 1001)).splitlines()
+    assert lines[0].startswith("| schedule | cases | stages | blocks | improved by")
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+    assert [r[0] for r in rows] == ["1f1b", "zb-h1"]
+    for r in rows:  # the simulator finds nothing better next to the partitioner's answer
+        assert (r[1], r[4], r[5]) == ("1", "0", "0.00%")

@@ -8,6 +8,12 @@ uses one thread. AutoPipe runs go straight through the runtime (``build_local_pi
 ``PipelineExecutor``, the code ``AutoPipeStrategy`` runs inside Lightning), launched with
 ``torch.multiprocessing``; so do the DDP and ``torch.distributed.pipelining`` peers. The
 pipelining peers use the same stage modules (our partition) with equal micro-batches.
+
+Compiled rows (inductor): the single process with ``torch.compile`` on the whole model, and the
+pinned 1F1B sliced pipeline with ``compile=True`` (each stage compiled once, its batch
+dimension unbacked, so the slices reuse the graph); the warm-up steps compile. The report gives
+each one's speed-up over its eager row and the pipeline's ratio to one process eager and
+compiled.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ VOCAB, SEQ, LAYERS, D, HEADS = 512, 128, 8, 256, 4
 BATCH, WORLD, PROFILE_MB = 32, 2, 4
 LR = 0.01
 _STATS: list[dict[str, float]] = []  # per AutoPipe run: where this rank's last step went
+EAGER_PIPE = "AutoPipe pinned 2 stages, 1F1B sliced"  # the plan the compiled row runs
+COMPILED_SINGLE = "single process, compiled"
+COMPILED_PIPE = EAGER_PIPE + ", compiled"
 
 
 class GPTTask(nn.Module):
@@ -76,15 +85,17 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 # busy neighbour on the 2 shared cores slows every run alike instead of a few unlucky ones.
 
 
-def _make_single(rank: int) -> Any:
-    """One process, one thread, the whole batch (rank 1 idles at the barrier)."""
+def _make_single(rank: int, compiled: bool = False) -> Any:
+    """One process, one thread, the whole batch (rank 1 idles at the barrier); ``compiled``:
+    ``torch.compile`` (inductor) on the model, as one would compile a single process."""
     model = GPTTask()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = _data()
+    forward = torch.compile(model) if compiled else model
 
     def step() -> None:
         if rank == 0:
-            loss = model.pipeline_loss(model(x), (x, y))
+            loss = model.pipeline_loss(forward(x), (x, y))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -108,8 +119,9 @@ def _make_ddp(rank: int) -> Any:
     return step
 
 
-def _make_autopipe(rank: int, plan_json: str) -> Any:
-    """Through the runtime ``AutoPipeStrategy`` runs (trace, local stage, groups, executor)."""
+def _make_autopipe(rank: int, plan_json: str, compiled: bool = False) -> Any:
+    """Through the runtime ``AutoPipeStrategy`` runs (trace, local stage, groups, executor);
+    ``compiled``: ``compile=True`` (inductor)."""
     from lightning_autopipe.options import AutoPipeOptions
     from lightning_autopipe.runtime.pipeline import build_local_pipeline
 
@@ -126,7 +138,7 @@ def _make_autopipe(rank: int, plan_json: str) -> Any:
         module,
         (x[:PROFILE_MB],),
         BATCH // plan.replicas,
-        AutoPipeOptions(plan=plan, timeout=600),
+        AutoPipeOptions(plan=plan, timeout=600, compile=compiled),
         rank=rank,
         world_size=WORLD,
         device=torch.device("cpu"),
@@ -232,11 +244,11 @@ def _make_pipelining_multi(rank: int, cuts: list[int], schedule: str, m: int) ->
 def _make(rank: int, job: dict) -> Any:
     kind = job["kind"]
     if kind == "single":
-        return _make_single(rank)
+        return _make_single(rank, job.get("compile", False))
     if kind == "ddp":
         return _make_ddp(rank)
     if kind == "autopipe":
-        return _make_autopipe(rank, job["plan"])
+        return _make_autopipe(rank, job["plan"], job.get("compile", False))
     if kind in ("zbv", "interleaved-zb"):
         return _make_pipelining_multi(rank, job["cuts"], kind, job["m"])
     return _make_pipelining(rank, job["cut"], kind, job["m"])
@@ -426,6 +438,7 @@ def main() -> None:
     ]
     jobs: list[dict] = [
         {"name": "single process", "kind": "single"},
+        {"name": COMPILED_SINGLE, "kind": "single", "compile": True},
         {"name": "DDP", "kind": "ddp"},
     ]
     same_cut = equal.cuts == pinned.cuts
@@ -434,6 +447,8 @@ def main() -> None:
         for name, p in rows
         if not (same_cut and p is equal)
     ]
+    jobs.append({"name": COMPILED_PIPE, "kind": "autopipe", "plan": one.to_json(),
+                 "compile": True})
     for sched in ("1f1b", "gpipe"):
         for m in (4, 8, 16):
             jobs.append({"name": f"pipelining {sched} m={m}", "kind": sched, "cut": cut, "m": m})
@@ -462,6 +477,7 @@ def main() -> None:
         return name, measured[name]
 
     table = _table(single, measured, rows, best, profiles, cluster, blocks, cut)
+    table += _compiled_table(measured, one)
     text = "\n".join(
         [
             f"Reproduce: `{command.strip()}`",
@@ -623,6 +639,34 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
            f"{measured[zb_name] / pinned:.3f}x | >= 1.00x |"] if zb_name else []),
         f"| auto AutoPipe / DDP | {measured['DDP'] / auto:.3f}x | >= 0.95x |",
         f"| largest measured/predicted gap, same-round profile | {worst:.1%} | <= 5% |",
+    ]
+    return lines
+
+
+def _compiled_table(measured: dict[str, Any], plan: Plan) -> list[str]:
+    """Compiled vs eager, one process and the pinned 1F1B sliced pipeline, with the targets."""
+    single, single_c = measured["single process"], measured[COMPILED_SINGLE]
+    pipe, pipe_c = measured[EAGER_PIPE], measured[COMPILED_PIPE]
+    rows = [("single process", single, single_c, "1 thread"),
+            ("AutoPipe pinned 2 stages, 1F1B sliced", pipe, pipe_c, _describe(plan))]
+    lines = [
+        "",
+        "Compiled (inductor; single process: `torch.compile` on the model; AutoPipe: "
+        "`compile=True`, each stage compiled once with an unbacked batch dimension):",
+        "",
+        "| run | layout | eager ms/step | compiled ms/step | compiled speed-up |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, eager, compiled, layout in rows:
+        lines.append(f"| {name} | {layout} | {eager * 1e3:.0f} | {compiled * 1e3:.0f} | "
+                     f"{eager / compiled:.2f}x |")
+    lines += [
+        "",
+        "| target | value | goal |",
+        "|---|---:|---|",
+        f"| compiled pipeline / eager pipeline | {pipe / pipe_c:.2f}x | > 1.00x |",
+        f"| compiled pipeline / compiled single process (vs eager: {single / pipe:.2f}x) | "
+        f"{single_c / pipe_c:.2f}x | >= {single / pipe:.2f}x |",
     ]
     return lines
 

@@ -41,6 +41,16 @@ FAIL_TIMEOUT = {"raise": 20, "kill": 20, "hang": 10}
 SOAK = {"optimizer": "sgd", "d_model": 128, "steps_per_epoch": 20, "global_batch": 64}
 
 
+def launch_env() -> dict[str, str]:
+    """The environment a test launches this script with: the repository importable, one
+    thread, and none of the launching process's own rank variables."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "OMP_NUM_THREADS": "1"}
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 class RssSampler(Callback):
     """Resident memory of this rank after every training step.
 

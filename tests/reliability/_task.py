@@ -46,6 +46,20 @@ def lm_loss(outputs: torch.Tensor, batch) -> torch.Tensor:
 
 
 
+class NetWithLoss(torch.nn.Module):
+    """The test GPT as a plain module with the pipeline's loss (runtime tests without Lightning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = build_net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def pipeline_loss(self, outputs, batch):
+        return lm_loss(outputs, batch)
+
+
 class Task(pl.LightningModule):
     """Adam (or SGD) on a tiny tied-embedding GPT; ``replicas`` sizes the dataloader batch."""
 

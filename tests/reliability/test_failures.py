@@ -8,7 +8,6 @@ failure (a hang can only be noticed when the timeout expires, so there: shortly 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.reliability._run import FAIL_TIMEOUT
+from tests.reliability._run import FAIL_TIMEOUT, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "reliability" / "_run.py"
@@ -25,13 +24,6 @@ SCRIPT = ROOT / "tests" / "reliability" / "_run.py"
 AFTER_TIMEOUT_S = 15.0
 
 pytestmark = pytest.mark.slow
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 def _alive(pid: int) -> bool:
@@ -46,7 +38,7 @@ def _run_failure(tmp_path: Path, case: str) -> tuple[int, str, float]:
     log = tmp_path / "output.log"
     with open(log, "w") as f:  # a file, not a pipe: lingering children must not block us
         proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "2", case],
-                                cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+                                cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT)
         try:
             rc = proc.wait(timeout=300)
         finally:

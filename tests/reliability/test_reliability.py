@@ -8,7 +8,6 @@ every layout (see ``_task.py``), so per-step losses must agree across layouts an
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 from lightning_autopipe.checkpoint import read_model_state
 from tests.reliability import _task as T
-from tests.reliability._run import SOAK
+from tests.reliability._run import SOAK, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "reliability" / "_run.py"
@@ -44,13 +43,6 @@ RESUMED = slice(2 * T.STEPS_PER_EPOCH, None)  # steps after the epoch-1 checkpoi
 LEAK_KIB_PER_STEP = 24.0
 
 pytestmark = pytest.mark.slow
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 def _auto_fit(out: Path, ckpt_path: Path | None = None) -> T.Task:
@@ -85,7 +77,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("reliability")
     auto = _auto_fit(out)
     cmd = [sys.executable, str(SCRIPT), str(out), "4", *CASES]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True,
                           timeout=600)
     if proc.returncode:
         pytest.fail(f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -102,23 +102,11 @@ def test_compiled_runs_refuse_a_split_backward():
         cs.compiled_stage(nn.Linear(2, 2), "zb-h1", "aot_eager")
 
 
-class _Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = T.build_net()
-
-    def forward(self, x):
-        return self.net(x)
-
-    def pipeline_loss(self, outputs, batch):
-        return T.lm_loss(outputs, batch)
-
-
 def test_a_given_zero_bubble_plan_is_refused_when_compiling():
     n = len(split_model(T.build_net(), (torch.zeros(2, T.SEQ, dtype=torch.long),)))
     plan = Plan("pinned", 8, 2, 1, [StagePlan((0, n), ["local:0"])], schedule="zb-h1")
     with pytest.raises(PlanError, match="splits each backward"):
-        build_local_pipeline(_Model(), (torch.zeros(8, T.SEQ, dtype=torch.long),), 8,
+        build_local_pipeline(T.NetWithLoss(), (torch.zeros(8, T.SEQ, dtype=torch.long),), 8,
                              AutoPipeOptions(plan=plan, compile="aot_eager"), rank=0,
                              world_size=1, device=torch.device("cpu"),
                              broadcast=lambda obj, src: obj)
@@ -127,7 +115,7 @@ def test_a_given_zero_bubble_plan_is_refused_when_compiling():
 def test_a_planned_compiled_run_profiles_plans_1f1b_and_trains_like_eager():
     """The whole path of ``build_local_pipeline`` in one process: eager profile, compiled
     correction, a 1F1B plan, the compiled stage; its step equals the eager model's."""
-    module = _Model()
+    module = T.NetWithLoss()
     reference = copy.deepcopy(module)
     x, y = T.dataset(8, seed=4).tensors
     pipe = build_local_pipeline(module, (x,), 8, AutoPipeOptions(

@@ -11,20 +11,8 @@ from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from tests.reliability import _task as T
 
 
-class _Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = T.build_net()
-
-    def forward(self, x):
-        return self.net(x)
-
-    def pipeline_loss(self, outputs, batch):
-        return T.lm_loss(outputs, batch)
-
-
 def test_the_stage_is_named_with_its_half_open_block_range():
-    model = _Model()
+    model = T.NetWithLoss()
     x = torch.randint(0, T.VOCAB, (4, T.SEQ))
     n = len(split_model(model, (x,)))
     plan = Plan("manual", 4, 2, 1, [StagePlan((0, n), ["local:0"])])

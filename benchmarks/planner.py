@@ -250,7 +250,7 @@ def quality(seeds: range) -> str:
     The search moves any boundary by 1-3 blocks or two adjacent ones by one each and walks to
     the best neighbour while the simulated step improves; 0 moves means the plan was already
     a local optimum."""
-    from lightning_autopipe.planner.plan import Plan, StagePlan
+    from lightning_autopipe.planner.plan import Plan
     from lightning_autopipe.planner.polish import neighbours
     from lightning_autopipe.planner.simulate import simulate
 
@@ -265,12 +265,7 @@ def quality(seeds: range) -> str:
 
             def step(cuts: list[int], plan: Plan = plan, prof: Profile = prof,
                      cluster: Cluster = cluster) -> float:
-                other = Plan("local", plan.global_batch_size, plan.num_microbatches,
-                             plan.startup_slices,
-                             [StagePlan((cuts[i], cuts[i + 1]), plan.stages[i].devices)
-                              for i in range(len(cuts) - 1)],
-                             drain_slices=plan.drain_slices, schedule=plan.schedule)
-                return simulate(other, prof, cluster).iteration_ms
+                return simulate(plan.with_cuts(cuts), prof, cluster).iteration_ms
 
             start = best = step(plan.cuts)
             cuts = plan.cuts

@@ -4,7 +4,7 @@ Proposal a planner makes before it is scored."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,12 @@ class Plan:
     def cuts(self) -> list[int]:
         """Block indices where stages start, plus the end: ``[0, c1, ..., num_blocks]``."""
         return [s.blocks[0] for s in self.stages] + [self.num_blocks]
+
+    def with_cuts(self, cuts: list[int]) -> Plan:
+        """This plan with its stages' block ranges moved to ``cuts`` (same devices, shape and
+        schedule), to price a neighbouring partition."""
+        stages = [StagePlan((cuts[i], cuts[i + 1]), s.devices) for i, s in enumerate(self.stages)]
+        return replace(self, stages=stages)
 
     @property
     def devices(self) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner import make_plan
-from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.polish import neighbours
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import BlockProfile, Profile
@@ -33,11 +33,7 @@ def _cluster(stages: int) -> Cluster:
 
 
 def _simulated(plan: Plan, cuts: list[int], prof: Profile, cluster: Cluster) -> float:
-    stages = [StagePlan((cuts[s], cuts[s + 1]), plan.stages[s].devices)
-              for s in range(len(cuts) - 1)]
-    other = Plan("local", plan.global_batch_size, plan.num_microbatches, plan.startup_slices,
-                 stages, drain_slices=plan.drain_slices, schedule=plan.schedule)
-    return simulate(other, prof, cluster).iteration_ms
+    return simulate(plan.with_cuts(cuts), prof, cluster).iteration_ms
 
 
 @pytest.mark.parametrize("seed", range(10))

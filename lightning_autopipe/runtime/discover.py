@@ -433,13 +433,14 @@ def discover(
     got = gather_reports(profile, device)
     hosts = [r.host for r in got]
     links: dict[tuple[int, int], LinkFigures] = {}
+    used: list[dist.ProcessGroup] = []
     for a, b in link_pairs(hosts):
         group = dist.new_group([a, b])  # collective: every rank creates every pair's group
         fig = measure_link(group, device=device) if me in (a, b) else None
         vals = torch.tensor(list(fig) if fig else [0.0, 0.0], dtype=torch.float64, device=dev)
         dist.broadcast(vals, a)
         links[(a, b)] = LinkFigures(float(vals[0]), float(vals[1]))
-        dist.destroy_process_group(group)
+        used.append(group)
     reduce = math.inf
     first = _servers(hosts)[0][1]
     if measure_reduce_rate and len(first) > 1:
@@ -451,6 +452,12 @@ def discover(
                             device=dev)
         dist.broadcast(vals, first[0])
         reduce = float(vals[0]) if float(vals[0]) > 0 else math.inf
+        used.append(group)
+    # Destroyed together between barriers: a rank destroying a gloo group while another is
+    # still in a collective broke the default group (see held_pipeline).
+    dist.barrier()
+    for group in used:
         dist.destroy_process_group(group)
+    dist.barrier()
     cluster, ref = assemble(got, links, reduce_gbps=reduce)
     return cluster, ref, got

@@ -65,8 +65,12 @@ def _launch(world: int, out: Path) -> dict[str, list[dict]]:
     cmd = [sys.executable, str(SCRIPT), str(out), str(world), *CASES[world]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     if proc.returncode:
+        # a case's error is caught on the rank that raised it, which goes on to the next case
+        # while its peers time out: the caught errors (printed by the script) come first
+        caught = "\n".join(ln for ln in proc.stderr.splitlines() if ln.startswith("[rank "))
         pytest.fail(
-            f"launch of {world} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            f"launch of {world} ranks failed; errors caught by the cases:\n{caught or 'none'}\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     results: dict[str, list[dict]] = {}
     for case in CASES[world]:

@@ -375,7 +375,7 @@ class PipelineExecutor:
                     if groups is None:
                         self._backward_full(a, result, grads)
                     else:
-                        _split_backward().stage_backward_weight(iter(self._params), groups)
+                        backward_weight(self._params, groups)
                 elif a.kind is Kind.BACKWARD:
                     if idx == last_b and self._dp_sync is not None:
                         self._dp_sync.arm()  # gradients become final during this backward
@@ -428,7 +428,7 @@ class PipelineExecutor:
                 )
             keep = [(o, g) for o, g in zip(result, grads) if g is not None and o.requires_grad]
             outs, out_grads = [o for o, _ in keep], [g for _, g in keep]
-        return _split_backward().stage_backward_input(outs, out_grads, inputs, iter(self._params))
+        return backward_input(outs, out_grads, inputs, self._params)
 
     def _global_loss(self, loss_sum: Tensor) -> Tensor:
         """Replica mean from the last stage to the whole replica, then averaged over replicas."""
@@ -516,6 +516,34 @@ def _action_name(a: Action) -> str:
         Kind.RECV_B: "receive of gradients",
     }
     return f"{words.get(a.kind, 'action')} {a}"
+
+
+def backward_input(
+    outputs: Sequence[Tensor],
+    grads: Sequence[Tensor] | None,
+    inputs: Sequence[Any],
+    params: Sequence[Tensor],
+) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]]]:
+    """``B`` of a split backward: the gradients of ``inputs`` from ``outputs`` (given their
+    ``grads``; None: the outputs are the loss), and the state :func:`backward_weight` resumes.
+
+    torch pipelining's ``stage_backward_input`` detaches the outputs it is given in place, to
+    free the graph behind them. A stage output that the stage itself also consumes (a skip
+    tensor sent on and fed to a later layer of the same stage) is saved by that layer for its
+    weight gradient, and ``W`` then failed ("Trying to use a saved tensor that has been
+    detached in-place"). So it is given fresh copies: the copy's backward hands the gradient
+    through unchanged, and only the copies are detached (this executor drops the outputs
+    after ``B`` anyway).
+    """
+    outs = [o.clone() for o in outputs] if grads is not None else list(outputs)
+    return _split_backward().stage_backward_input(outs, list(grads) if grads is not None
+                                                  else None, list(inputs), iter(params))
+
+
+def backward_weight(params: Sequence[Tensor], state: list[dict[str, Any]]) -> None:
+    """``W`` of a split backward: accumulate the weight gradients from :func:`backward_input`'s
+    state into ``.grad``."""
+    _split_backward().stage_backward_weight(iter(params), state)
 
 
 def _split_backward() -> Any:

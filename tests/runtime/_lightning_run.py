@@ -141,6 +141,8 @@ def run_case(case: str, world: int, out: Path) -> None:
             trainer.fit(task)
     except lightning_autopipe.AutoPipeError as exc:
         record["error"] = (type(exc).__name__, str(exc))
+        # the tests read it from the record; printed too, so a launch that fails later says why
+        print(f"[rank {trainer.global_rank}] {case}: {type(exc).__name__}: {exc}", file=sys.stderr)
     st = trainer.strategy
     record.update(
         rank=trainer.global_rank,

@@ -17,7 +17,10 @@ same run, interleaved round by round (the median round of each):
 * the homogeneous local cluster with 2 stages pinned: what the planner makes when it assumes
   the ranks are alike (the measured link, every rank at speed 1);
 * DAPPLE's plan on the discovered cluster (its model has one device type);
-* an even split of the blocks over the two ranks.
+* an even split of the blocks over the two ranks;
+* a diagnostic: 2 stages planned with each device type's speed corrected by its rank's
+  predicted / measured compute in training steps 4-6 of the discovered plan (what the speeds
+  are while training, as opposed to while every rank profiles at once).
 
 Columns: samples/s, the ratio to one process, the simulator's predicted step (on the cluster
 the row was planned for) and measured / predicted.
@@ -44,7 +47,15 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.runtime import BATCH, LR, PROFILE_MB, GPTTask, _data  # noqa: E402
+from benchmarks.runtime import (  # noqa: E402
+    BATCH,
+    LR,
+    PROFILE_MB,
+    GPTTask,
+    _data,
+    breakdown_table,
+    step_breakdown,
+)
 from lightning_autopipe.cluster import Cluster  # noqa: E402
 from lightning_autopipe.options import AutoPipeOptions  # noqa: E402
 from lightning_autopipe.planner.plan import Plan  # noqa: E402
@@ -53,6 +64,8 @@ from lightning_autopipe.planner.simulate import simulate  # noqa: E402
 from lightning_autopipe.runtime.pipeline import build_local_pipeline  # noqa: E402
 
 WORLD = 2
+CORRECTED = "diagnostic: speeds corrected from measured steps, 2 stages"
+CORRECTION_STEPS = 6  # of the discovered plan, the mean of the last three corrects the speeds
 COMMAND = ".venv/bin/python benchmarks/hetero.py"
 NEIGHBOUR_S = 1800  # the neighbour's own deadline, should the benchmark die without killing it
 
@@ -75,11 +88,41 @@ def _pipeline(plan: Plan | None, cluster: Any, rank: int, run_dir: Path | None, 
     opt = torch.optim.SGD(pipe.stage.parameters(), lr=LR)
 
     def step() -> None:
+        t0 = time.perf_counter()
         pipe.executor.train_step(batch)
+        t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        step.stats = step_breakdown(pipe.executor.timeline, t0, t1)  # type: ignore[attr-defined]
 
     return pipe, step
+
+
+def _corrected(cluster: Cluster, sim: Any, stats: list[dict]) -> Cluster:
+    """The discovered cluster with each device type's speed scaled by its rank's predicted /
+    measured compute in training steps of the discovered plan (the fastest type at 1).
+
+    A diagnostic, not what the strategy does: discovery times every rank while all of them
+    profile flat out, but a rank sharing its core with a neighbour runs faster when the plan
+    leaves it idle part of the step (presumably the scheduler crediting a task that slept), so
+    the speed it trains at depends on the plan it was given.
+    """
+    factor: dict[str, list[float]] = {}
+    for dev, st in zip(cluster.devices, stats):
+        pred = sum(e.end_ms - e.start_ms for e in sim.events
+                   if e.device == dev.name and e.kind in ("F", "B", "W"))
+        meas = st["F"] + st["B"] + st["W"]
+        print(f"correction: {dev.name} predicted compute {pred:.0f} ms, measured {meas:.0f} ms",
+              flush=True)
+        factor.setdefault(dev.spec.name, []).append(dev.spec.speed * pred / meas)
+    speed = {name: statistics.mean(v) for name, v in factor.items()}
+    top = max(speed.values())
+    data = cluster.to_dict()
+    for server in data["servers"]:
+        for spec in [server["device"], *server.get("devices", {}).values()]:
+            if spec["name"] in speed:
+                spec["speed"] = round(speed[spec["name"]] / top, 4)
+    return Cluster.from_dict(data)
 
 
 def _single(rank: int):
@@ -122,8 +165,17 @@ def _run(rank: int, out: Path, steps: int, rounds: int) -> None:
     discovery_s = time.perf_counter() - t0
     names = [d.name for d in cluster.devices]
     local = _local_like(cluster)
+    late = []
+    for i in range(CORRECTION_STEPS):  # the speeds of the first steps still move: the last ones
+        pinned_step()
+        if i >= CORRECTION_STEPS // 2:
+            late.append(pinned_step.stats)
+    measured_compute: list[Any] = [None] * WORLD
+    dist.all_gather_object(measured_compute, {k: statistics.mean(s[k] for s in late)
+                                              for k in ("F", "B", "W")})
     plans: Any = None
     if rank == 0:
+        corrected = _corrected(cluster, simulate(discovered.plan, ref, cluster), measured_compute)
         plans = {
             "AutoPipe, discovered, 2 stages pinned": (discovered.plan, cluster),
             "AutoPipe, discovered, all auto": (search_plan(ref, cluster, names, BATCH), cluster),
@@ -135,8 +187,9 @@ def _run(rank: int, out: Path, steps: int, rounds: int) -> None:
             "even split, 2 stages": (
                 search_plan(ref, cluster, names, BATCH, planner="uniform", num_stages=2),
                 cluster),
+            CORRECTED: (search_plan(ref, corrected, names, BATCH, num_stages=2), corrected),
         }
-        plans = {k: (p.to_json(), c.to_dict() if c is local else None) for k, (p, c) in
+        plans = {k: (p.to_json(), c.to_dict() if c is not cluster else None) for k, (p, c) in
                  plans.items()}
     plans = _bcast(plans, 0)
     runs: dict[str, Any] = {"one process, fast core": (_single(rank), None, None)}
@@ -149,6 +202,7 @@ def _run(rank: int, out: Path, steps: int, rounds: int) -> None:
         _, step = _pipeline(plan, row_cluster, rank, None)
         runs[label] = (step, plan, row_cluster)
     times: dict[str, list[float]] = {k: [] for k in runs}
+    samples: dict[str, list[Any]] = {k: [] for k in runs}  # the last step's breakdown per round
     for _ in range(rounds):
         for label, (step, _, _) in runs.items():
             step()  # warm-up
@@ -158,6 +212,12 @@ def _run(rank: int, out: Path, steps: int, rounds: int) -> None:
                 step()
             dist.barrier()
             times[label].append((time.perf_counter() - t) / steps * 1e3)
+            samples[label].append(getattr(step, "stats", None))
+    median_round = {k: sorted(range(rounds), key=v.__getitem__)[rounds // 2]
+                    for k, v in times.items()}
+    mine = {k: samples[k][median_round[k]] for k in runs if samples[k][0] is not None}
+    every: list[Any] = [None] * WORLD
+    dist.all_gather_object(every, mine)
     if rank != 0:
         return
     single = statistics.median(times["one process, fast core"])
@@ -174,8 +234,15 @@ def _run(rank: int, out: Path, steps: int, rounds: int) -> None:
                      "x_single": samples / ms / (BATCH / single),
                      "predicted_ms": pred, "measured_over_predicted": ms / pred if pred else None,
                      "layout": layout})
+    breakdown = breakdown_table({
+        label: ([every[r][label] for r in range(WORLD)], simulate(plan, ref, row_cluster),
+                [d.name for d in row_cluster.devices])
+        for label, (_, plan, row_cluster) in runs.items() if label in every[0]
+    })
     speeds = {d.name: d.spec.speed for d in cluster.devices}
-    result = {"rows": rows, "speeds": speeds, "discovery_s": discovery_s,
+    fixed = {d.name: d.spec.speed for d in corrected.devices}
+    result = {"rows": rows, "speeds": speeds, "discovery_s": discovery_s, "breakdown": breakdown,
+              "corrected_speeds": fixed,
               "cluster": (out / "autopipe" / "cluster.yaml").read_text()}
     (out / "hetero.json").write_text(json.dumps(result, indent=1))
 
@@ -186,7 +253,8 @@ def _table(result: dict, steps: int, rounds: int) -> str:
     lines = [
         f"command: {COMMAND} --steps {steps} --rounds {rounds}",
         f"measured device speeds: {result['speeds']} (discovery took "
-        f"{result['discovery_s']:.1f} s)",
+        f"{result['discovery_s']:.1f} s); corrected from measured steps of the discovered "
+        f"plan: {result['corrected_speeds']}",
         "",
         "| run | samples/s | x one process | x homogeneous plan | predicted ms | measured / "
         "predicted | layout |",
@@ -197,6 +265,16 @@ def _table(result: dict, steps: int, rounds: int) -> str:
         ratio = f"{r['measured_over_predicted']:.3f}" if r["measured_over_predicted"] else "-"
         lines.append(f"| {r['row']} | {r['samples_s']:.2f} | {r['x_single']:.3f} | "
                      f"{r['samples_s'] / homo:.3f} | {pred} | {ratio} | {r['layout']} |")
+    lines += [
+        "",
+        "Where each pipeline's step goes (its median round's last step, per rank, ms): forward /"
+        " backward / weight-gradient (W) compute, blocked in receives of activations (RF) /"
+        " gradients (RB), the tail after the last action (sends, loss broadcast, gradient sync);"
+        " 'pred.': the simulator's compute on that rank's device, on the cluster the row was"
+        " planned for.",
+        "",
+        *result["breakdown"],
+    ]
     lines += ["", "discovered cluster.yaml:", "```", result["cluster"].rstrip(), "```"]
     return "\n".join(lines)
 

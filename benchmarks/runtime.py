@@ -154,16 +154,42 @@ def _make_autopipe(rank: int, plan_json: str, compiled: bool = False) -> Any:
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        timeline = pipe.executor.timeline
-        sample = {k: 0.0 for k in ("F", "B", "RF", "RB")}
-        for a, b, e in timeline:
-            if a.kind.value in sample:
-                sample[a.kind.value] += (e - b) * 1e3
-        sample["sync"] = (t1 - timeline[-1][2]) * 1e3
-        sample["step"] = (t1 - t0) * 1e3
-        step.stats = sample  # type: ignore[attr-defined]
+        step.stats = step_breakdown(pipe.executor.timeline, t0, t1)  # type: ignore[attr-defined]
 
     return step
+
+
+def breakdown_table(runs: dict[str, tuple[list[dict], Any, list[str]]]) -> list[str]:
+    """Markdown rows of :func:`step_breakdown` per run and rank, beside the simulator's compute
+    on that rank's device (``runs``: name -> (per-rank breakdowns, the run's simulation, the
+    device name of each rank))."""
+    lines = [
+        "| run | rank | F | pred. F | B | pred. B | W | pred. W | RF wait | RB wait | sync "
+        "| step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, (stats, sim, devices) in runs.items():
+        for r, st in enumerate(stats):
+            pred = {k: sum(e.end_ms - e.start_ms for e in sim.events
+                           if e.device == devices[r] and e.kind == k) for k in ("F", "B", "W")}
+            lines.append(
+                f"| {name} | {r} | {st['F']:.0f} | {pred['F']:.0f} | {st['B']:.0f} | "
+                f"{pred['B']:.0f} | {st['W']:.0f} | {pred['W']:.0f} | {st['RF']:.0f} | "
+                f"{st['RB']:.0f} | {st['sync']:.0f} | {st['step']:.0f} |"
+            )
+    return lines
+
+
+def step_breakdown(timeline: list[Any], t0: float, t1: float) -> dict[str, float]:
+    """Where one executor step went, ms: compute per kind (F, B, W), blocked in receives of
+    activations (RF) and gradients (RB), sends (SF, SB), the tail after the last action
+    (waiting for sends, the loss broadcast, the gradient sync: ``sync``) and the whole step."""
+    sample = {k: 0.0 for k in ("F", "B", "W", "RF", "RB", "SF", "SB")}
+    for a, b, e in timeline:
+        sample[a.kind.value] += (e - b) * 1e3
+    sample["sync"] = (t1 - timeline[-1][2]) * 1e3 if timeline else 0.0
+    sample["step"] = (t1 - t0) * 1e3
+    return sample
 
 
 def _make_pipelining(rank: int, cut: int, schedule: str, m: int) -> Any:
@@ -603,25 +629,15 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
     lines += [
         "",
         "Where an AutoPipe step goes (the median step of its best round, per rank, ms): forward /"
-        " backward compute,"
+        " backward / weight-gradient (W, zero-bubble) compute,"
         " blocked in receives of activations (RF) / gradients (RB), gradient sync after the last"
         " action; 'pred.': the simulator's compute on that rank from the same-round profile.",
         "",
-        "| run | rank | F | pred. F | B | pred. B | RF wait | RB wait | sync | step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *breakdown_table({
+            name: (measured.get(name + " stats", []), sim, [d.name for d in cluster.devices])
+            for name, sim in same_round.items()
+        }),
     ]
-    for name, sim in same_round.items():
-        events = sim.events
-        for r, st in enumerate(measured.get(name + " stats", [])):
-            dev = cluster.devices[r].name
-            pf, pb = (
-                sum(e.end_ms - e.start_ms for e in events if e.device == dev and e.kind == k)
-                for k in ("F", "B")
-            )
-            lines.append(
-                f"| {name} | {r} | {st['F']:.0f} | {pf:.0f} | {st['B']:.0f} | {pb:.0f} | "
-                f"{st['RF']:.0f} | {st['RB']:.0f} | {st['sync']:.0f} | {st['step']:.0f} |"
-            )
     b1_name, b1 = best("1f1b")
     zb_rows = [n for n in measured if n.startswith("pipelining z") or
                n.startswith("pipelining interleaved")]

@@ -54,7 +54,7 @@ from benchmarks.runtime import (  # noqa: E402
     GPTTask,
     _data,
     breakdown_table,
-    step_breakdown,
+    pipeline_step,
 )
 from lightning_autopipe.cluster import Cluster  # noqa: E402
 from lightning_autopipe.options import AutoPipeOptions  # noqa: E402
@@ -85,17 +85,7 @@ def _pipeline(plan: Plan | None, cluster: Any, rank: int, run_dir: Path | None, 
         example_batch=(x[:PROFILE_MB], y[:PROFILE_MB]), run_dir=run_dir,
     )
     batch = (x, y)  # every replica's batch (as DDP: the global batch is 32 x replicas)
-    opt = torch.optim.SGD(pipe.stage.parameters(), lr=LR)
-
-    def step() -> None:
-        t0 = time.perf_counter()
-        pipe.executor.train_step(batch)
-        t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step.stats = step_breakdown(pipe.executor.timeline, t0, t1)  # type: ignore[attr-defined]
-
-    return pipe, step
+    return pipe, pipeline_step(pipe, batch, torch.optim.SGD(pipe.stage.parameters(), lr=LR))
 
 
 def _corrected(cluster: Cluster, sim: Any, stats: list[dict]) -> Cluster:

@@ -146,7 +146,12 @@ def _make_autopipe(rank: int, plan_json: str, compiled: bool = False) -> Any:
     )
     r, per = pipe.layout.replica, BATCH // plan.replicas
     batch = (x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    return pipeline_step(pipe, batch, torch.optim.SGD(module.parameters(), lr=LR))
+
+
+def pipeline_step(pipe: Any, batch: Any, opt: Any) -> Any:
+    """A training step of ``pipe`` on ``batch`` with ``opt``; each call leaves where the step
+    went (:func:`step_breakdown`) on the function as ``stats``."""
 
     def step() -> None:
         t0 = time.perf_counter()

@@ -55,6 +55,7 @@ from benchmarks.runtime import (  # noqa: E402
     _data,
     breakdown_table,
     pipeline_step,
+    predicted_compute,
 )
 from lightning_autopipe.cluster import Cluster  # noqa: E402
 from lightning_autopipe.options import AutoPipeOptions  # noqa: E402
@@ -99,8 +100,7 @@ def _corrected(cluster: Cluster, sim: Any, stats: list[dict]) -> Cluster:
     """
     factor: dict[str, list[float]] = {}
     for dev, st in zip(cluster.devices, stats):
-        pred = sum(e.end_ms - e.start_ms for e in sim.events
-                   if e.device == dev.name and e.kind in ("F", "B", "W"))
+        pred = sum(predicted_compute(sim, dev.name).values())
         meas = st["F"] + st["B"] + st["W"]
         print(f"correction: {dev.name} predicted compute {pred:.0f} ms, measured {meas:.0f} ms",
               flush=True)
@@ -211,10 +211,12 @@ def _run(rank: int, out: Path, steps: int, rounds: int) -> None:
     if rank != 0:
         return
     single = statistics.median(times["one process, fast core"])
+    sims = {label: simulate(plan, ref, row_cluster) for label, (_, plan, row_cluster)
+            in runs.items() if plan is not None}
     rows = []
-    for label, (_, plan, row_cluster) in runs.items():
+    for label, (_, plan, _) in runs.items():
         ms = statistics.median(times[label])
-        pred = simulate(plan, ref, row_cluster).iteration_ms if plan is not None else None
+        pred = sims[label].iteration_ms if label in sims else None
         blocks = [list(s.blocks) for s in plan.stages] if plan is not None else []
         layout = ("1 process" if plan is None else
                   f"{plan.num_stages}x{plan.replicas} blocks {blocks} m{plan.num_microbatches} "
@@ -225,7 +227,7 @@ def _run(rank: int, out: Path, steps: int, rounds: int) -> None:
                      "predicted_ms": pred, "measured_over_predicted": ms / pred if pred else None,
                      "layout": layout})
     breakdown = breakdown_table({
-        label: ([every[r][label] for r in range(WORLD)], simulate(plan, ref, row_cluster),
+        label: ([every[r][label] for r in range(WORLD)], sims[label],
                 [d.name for d in row_cluster.devices])
         for label, (_, plan, row_cluster) in runs.items() if label in every[0]
     })

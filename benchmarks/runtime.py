@@ -175,14 +175,19 @@ def breakdown_table(runs: dict[str, tuple[list[dict], Any, list[str]]]) -> list[
     ]
     for name, (stats, sim, devices) in runs.items():
         for r, st in enumerate(stats):
-            pred = {k: sum(e.end_ms - e.start_ms for e in sim.events
-                           if e.device == devices[r] and e.kind == k) for k in ("F", "B", "W")}
+            pred = predicted_compute(sim, devices[r])
             lines.append(
                 f"| {name} | {r} | {st['F']:.0f} | {pred['F']:.0f} | {st['B']:.0f} | "
                 f"{pred['B']:.0f} | {st['W']:.0f} | {pred['W']:.0f} | {st['RF']:.0f} | "
                 f"{st['RB']:.0f} | {st['sync']:.0f} | {st['step']:.0f} |"
             )
     return lines
+
+
+def predicted_compute(sim: Any, device: str) -> dict[str, float]:
+    """The simulator's compute ms on ``device`` in one step, per kind (F, B, W)."""
+    return {k: sum(e.end_ms - e.start_ms for e in sim.events if e.device == device and e.kind == k)
+            for k in ("F", "B", "W")}
 
 
 def step_breakdown(timeline: list[Any], t0: float, t1: float) -> dict[str, float]:

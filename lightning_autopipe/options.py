@@ -20,11 +20,15 @@ from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.plan import Plan
 
-__all__ = ["AutoPipeOptions", "CHECKPOINT_FORMATS", "NONFINITE_LOSS", "START_METHODS"]
+__all__ = ["AutoPipeOptions", "CHECKPOINT_FORMATS", "NONFINITE_LOSS", "SPLIT_BACKENDS",
+           "START_METHODS"]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CHECKPOINT_FORMATS = ("consolidated", "sharded")
 NONFINITE_LOSS = ("raise", "skip")
+SPLIT_BACKENDS = ("inductor", "aot_eager")
+"""``torch.compile`` backends whose backward the runtime can split for zero-bubble schedules
+(:mod:`~lightning_autopipe.runtime.compiled_split`)."""
 _PINS = ("num_stages", "num_microbatches", "startup_slices", "drain_slices")
 
 
@@ -112,8 +116,10 @@ class AutoPipeOptions:
     """``torch.compile`` each local stage once, its batch dimension dynamic, so slices and
     short batches reuse the one graph (:mod:`~lightning_autopipe.runtime.compiled_stage`):
     True compiles with inductor, a string names another backend (``"aot_eager"``...). The
-    profile is corrected to the compiled speed. A compiled stage's backward cannot be split,
-    so ``schedule="auto"`` plans 1F1B and ``"zb-h1"`` is refused."""
+    profile is corrected to the compiled speed. Zero-bubble schedules need the compiled
+    backward cut into input- and weight-gradient graphs, which the backends in
+    ``SPLIT_BACKENDS`` allow; with another backend ``schedule="auto"`` plans 1F1B and
+    ``"zb-h1"`` is refused."""
 
     def __post_init__(self) -> None:
         if self.start_method not in START_METHODS:
@@ -149,12 +155,14 @@ class AutoPipeOptions:
         if not isinstance(self.compile, bool | str):
             raise ValueError(f"compile must be True, False or a torch.compile backend name "
                              f"(e.g. 'inductor'), not {self.compile!r}")
-        if self.compile and self.schedule != "auto" and splits_backward(self.schedule):
+        if (self.compile and self.schedule != "auto" and splits_backward(self.schedule)
+                and self.compile_backend not in SPLIT_BACKENDS):
             raise ValueError(
-                f"compile={self.compile!r} with schedule={self.schedule!r}: a compiled stage "
-                "computes input and weight gradients in one graph, so its backward cannot be "
-                "split as zero-bubble schedules need; use schedule='auto' (plans 1F1B when "
-                "compiling) or '1f1b', or compile=False"
+                f"compile={self.compile!r} with schedule={self.schedule!r}: a stage compiled "
+                f"with {self.compile_backend!r} computes input and weight gradients in one "
+                "graph, so its backward cannot be split as zero-bubble schedules need; compile "
+                f"with one of {SPLIT_BACKENDS}, use schedule='auto' (plans 1F1B for this "
+                "backend) or '1f1b', or compile=False"
             )
         for name, value in (
             ("timeout", seconds),
@@ -207,10 +215,12 @@ class AutoPipeOptions:
 
     @property
     def schedules(self) -> tuple[str, ...]:
-        """The schedules the planner may choose among (compiled stages: 1F1B only)."""
+        """The schedules the planner may choose among (a compile backend whose backward
+        cannot be split: 1F1B only)."""
         if self.schedule != "auto":
             return (self.schedule,)
-        return ("1f1b",) if self.compile else ("1f1b", "zb-h1")
+        backend = self.compile_backend
+        return ("1f1b",) if backend and backend not in SPLIT_BACKENDS else ("1f1b", "zb-h1")
 
     @property
     def compile_backend(self) -> str | None:

@@ -15,15 +15,15 @@ backend):
 * every later step, of any unit sizes: none. A stage whose code branches on the batch size
   graph-breaks there and compiles its pieces once per branch taken (still bounded).
 
-Why not zero bubble: a compiled stage's backward is one opaque autograd node that computes the
-input and the weight gradients together, so ZB-H1's split into ``B`` (input gradient) and ``W``
-(weight gradient, :mod:`~lightning_autopipe.runtime.executor`) has no graph nodes to split at:
-``stage_backward_weight`` would have to run the whole backward again (twice the work) and
-``torch.distributed.pipelining`` refuses the split under ``torch.compile`` for this reason.
-Compiled runs are therefore 1F1B (or GPipe): ``AutoPipeOptions`` plans ``schedule="auto"`` as
-1F1B and refuses a pinned ``"zb-h1"``; :func:`compiled_stage` refuses a given plan that splits.
-Compilation removes the per-operator overhead that dominates small units, which is also most
-of what the extra ``W`` actions of ZB-H1 cost.
+Zero bubble: a compiled stage's backward is one autograd node that computes the input and the
+weight gradients together, so ZB-H1's split into ``B`` and ``W`` has no autograd nodes to
+split at. Under a schedule that splits, the stage compiles through
+:mod:`~lightning_autopipe.runtime.compiled_split`, which cuts the compiled backward graph into
+an input-gradient graph and a weight-gradient graph; the executor runs ``B`` inside
+:meth:`CompiledStage.deferring_weights` and ``W`` with :meth:`CompiledStage.backward_weight`.
+That works for the backends in ``SPLIT_BACKENDS`` (inductor, aot_eager); other backends run
+1F1B (``AutoPipeOptions`` plans ``"auto"`` as 1F1B for them and refuses a pinned
+``"zb-h1"``). The first stage has no input gradient to send, so its backward stays whole.
 
 Profiles: blocks are profiled eagerly (compiling every block on its own would cost a compile
 per block). :func:`compiled_profile` then times the whole model eagerly and compiled at the
@@ -38,7 +38,8 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -48,6 +49,12 @@ from torch import Tensor, nn
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.profile import Profile, fit_affine
+from lightning_autopipe.runtime.compiled_split import (
+    SPLIT_BACKENDS,
+    Deferral,
+    accumulate_deferred,
+    split_backend,
+)
 
 __all__ = ["CompiledStage", "compiled_profile", "compiled_stage", "profile_for"]
 
@@ -61,30 +68,43 @@ class CompiledStage(nn.Module):
     Args:
         stage: the module to compile (``stage(*tensors)``).
         backend: a ``torch.compile`` backend name (``"inductor"``, ``"aot_eager"``...).
+        split_backward: compile each backward as separate input- and weight-gradient graphs
+            (zero-bubble schedules; ``backend`` one of ``SPLIT_BACKENDS``).
 
     Attributes:
         compilations: graphs compiled so far (Dynamo's first compile and every recompile).
         compiled_shapes: the input shapes each graph was compiled for (``u``-symbols print as
             the sizes seen first).
+        deferral: with ``split_backward``, where the deferred weight halves wait, and how many
+            backward graphs were split (``split``) or had to stay whole (``unsplit``).
     """
 
-    def __init__(self, stage: nn.Module, backend: str = "inductor") -> None:
+    def __init__(self, stage: nn.Module, backend: str = "inductor",
+                 split_backward: bool = False) -> None:
         super().__init__()
         self.stage = stage
         self.backend = backend
         self.compilations = 0
         self.compiled_shapes: list[list[tuple[int, ...]]] = []
-        inner = torch._dynamo.lookup_backend(backend)
+        self.deferral: Deferral | None = Deferral() if split_backward else None
 
-        def counted(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        def count(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
             self.compilations += 1
             self.compiled_shapes.append(
                 [tuple(t.shape) for t in example_inputs if isinstance(t, Tensor)]
             )
-            return inner(gm, example_inputs)
+
+        if self.deferral is not None:
+            compiler = split_backend(backend, self.deferral, count)
+        else:
+            inner = torch._dynamo.lookup_backend(backend)
+
+            def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+                count(gm, example_inputs)
+                return inner(gm, example_inputs)
 
         # kept out of the module tree: its parameters are the stage's, registered once
-        object.__setattr__(self, "_compiled", torch.compile(stage, backend=counted))
+        object.__setattr__(self, "_compiled", torch.compile(stage, backend=compiler))
 
     def forward(self, *inputs: Any) -> Any:
         for t in inputs:
@@ -92,21 +112,41 @@ class CompiledStage(nn.Module):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
         return self._compiled(*inputs)
 
+    @contextmanager
+    def deferring_weights(self) -> Iterator[list[Any]]:
+        """A backward run inside computes the input gradients only; the weight halves it
+        defers are collected in the list given, for :meth:`backward_weight`."""
+        if self.deferral is None:
+            raise RuntimeError("this stage was compiled without split_backward")
+        pending = self.deferral.open()
+        try:
+            yield pending
+        finally:
+            self.deferral.close()
 
-def compiled_stage(stage: nn.Module, schedule: str, backend: str) -> CompiledStage:
-    """``stage`` compiled for a run under ``schedule``.
+    @staticmethod
+    def backward_weight(pending: list[Any]) -> None:
+        """``W``: accumulate the weight gradients a deferred backward left in ``pending``."""
+        accumulate_deferred(pending)
+
+
+def compiled_stage(stage: nn.Module, schedule: str, backend: str,
+                   first: bool = False) -> CompiledStage:
+    """``stage`` compiled for a run under ``schedule`` (``first``: the pipeline's first stage,
+    whose backward stays whole even when the schedule splits).
 
     Raises:
-        PlanError: the schedule splits the backward (ZB-H1), which a compiled stage cannot.
+        PlanError: the schedule splits the backward and ``backend`` cannot be split.
     """
-    if splits_backward(schedule):
+    split = splits_backward(schedule)
+    if split and backend not in SPLIT_BACKENDS:
         raise PlanError(
             f"schedule {schedule!r} splits each backward into input and weight gradients, "
-            "which a compiled stage computes together (one graph); compile=True runs 1F1B: "
-            "re-plan with schedule='auto' or '1f1b', or pass compile=False to keep "
-            f"{schedule!r}"
+            f"which a stage compiled with {backend!r} computes together (one graph); the "
+            f"backward can be split for {SPLIT_BACKENDS}: compile with one of them, re-plan "
+            "with schedule='auto' or '1f1b', or pass compile=False"
         )
-    return CompiledStage(stage, backend)
+    return CompiledStage(stage, backend, split_backward=split and not first)
 
 
 def profile_for(

@@ -8,8 +8,10 @@ A zero-bubble schedule splits each backward: ``B`` computes the gradient with re
 stage's inputs only (sent on at once), keeping the autograd state the weights need, and ``W``
 later accumulates the parameter gradients from it (``torch.distributed.pipelining``'s
 ``stage_backward_input`` / ``stage_backward_weight``, which split the graph at the nodes where
-the input and weight paths meet, so nothing is computed twice). The first stage has no input
-gradient to send: its ``B`` does nothing and its ``W`` is the whole backward.
+the input and weight paths meet, so nothing is computed twice). A compiled stage's backward is
+one autograd node, so it is split inside, into compiled input- and weight-gradient graphs
+(:mod:`~lightning_autopipe.runtime.compiled_split`). The first stage has no input gradient to
+send: its ``B`` does nothing and its ``W`` is the whole backward.
 
 Numerics: the replica's batch of ``B`` samples is cut into micro-batches (micro-batch 0 into
 startup slices); each unit's loss on the last stage is weighted by ``unit_samples / B``, so the
@@ -146,6 +148,8 @@ class PipelineExecutor:
         self.timeline: list[tuple[Action, float, float]] = []
         self._schedules: dict[tuple[bool, int, int, int], list[Action]] = {}
         self._params = [p for p in stage.parameters() if p.requires_grad]
+        # a compiled stage that splits its own backward graphs (compiled_split)
+        self._deferral = getattr(stage, "deferral", None)
         self.memory = memory
         self.loss_scale: Callable[[Tensor], Tensor] | None = None
         self._dp_sync: GradientSync | None = None
@@ -374,6 +378,8 @@ class PipelineExecutor:
                     result, grads, groups = weight_state.pop(unit)
                     if groups is None:
                         self._backward_full(a, result, grads)
+                    elif self._deferral is not None:
+                        self.stage.backward_weight(groups)
                     else:
                         backward_weight(self._params, groups)
                 elif a.kind is Kind.BACKWARD:
@@ -418,7 +424,15 @@ class PipelineExecutor:
     def _backward_input(
         self, a: Action, result: Any, grads: list[Tensor | None] | None, inputs: list[Any]
     ) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]]]:
-        """``B`` of a split backward: the input gradients, and the state ``W`` resumes from."""
+        """``B`` of a split backward: the input gradients, and the state ``W`` resumes from.
+
+        A compiled stage (``deferral``) defers the weight halves of its compiled backward
+        graphs: the whole autograd backward runs, and computes only the input gradients."""
+        if self._deferral is not None:
+            with self.stage.deferring_weights() as pending:
+                self._backward_full(a, result, grads)
+            return tuple(t.grad if t is not None and t.requires_grad else None
+                         for t in inputs), pending
         if grads is None:  # the last stage: from its loss
             outs, out_grads = [result], None
         else:

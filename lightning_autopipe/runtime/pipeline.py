@@ -283,8 +283,9 @@ def build_local_pipeline(
     under activation checkpointing (its backward recomputes it).
 
     With ``options.compile`` the executor runs the local stage compiled once
-    (:mod:`~lightning_autopipe.runtime.compiled_stage`; a plan whose schedule splits the
-    backward is refused) and each rank's profile is corrected to the compiled speed.
+    (:mod:`~lightning_autopipe.runtime.compiled_stage`; under a schedule that splits the
+    backward, its compiled backward is cut into input- and weight-gradient graphs) and each
+    rank's profile is corrected to the compiled speed.
     """
     from lightning_autopipe.graph import split_model
 
@@ -418,7 +419,7 @@ def build_local_pipeline(
         meter = MemoryMeter(list(stage.parameters()), device, predicted=predicted, rank=rank,
                             stage=s)
     executor = PipelineExecutor(
-        _compiled(Recomputed(stage) if recompute else stage, plan, options),
+        _compiled(Recomputed(stage) if recompute else stage, plan, options, first=s == 0),
         layout,
         groups,
         num_microbatches=plan.num_microbatches,
@@ -450,10 +451,13 @@ def build_local_pipeline(
     )
 
 
-def _compiled(stage: nn.Module, plan: Plan, options: AutoPipeOptions) -> nn.Module:
-    """The stage as the executor runs it: compiled with ``options.compile``'s backend, if any."""
+def _compiled(stage: nn.Module, plan: Plan, options: AutoPipeOptions, first: bool) -> nn.Module:
+    """The stage as the executor runs it: compiled with ``options.compile``'s backend, if any
+    (``first``: the pipeline's first stage, whose backward is never split)."""
     backend = options.compile_backend
-    return stage if backend is None else compiled_stage(stage, plan.schedule, backend)
+    if backend is None:
+        return stage
+    return compiled_stage(stage, plan.schedule, backend, first=first)
 
 
 def _info(text: str) -> None:

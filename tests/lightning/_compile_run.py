@@ -6,7 +6,8 @@ Two ranks, a fixed 1F1B plan (blocks 0-3 | 4-6 of the tiny GPT whose LM head is 
 embedding, so the tie spans the stages), two micro-batches of 4, the first in two startup
 slices; an epoch of 19 samples in batches of 8 (the last batch of 3 runs as units of 1 and 2),
 then a validation of 9 samples (8, then 1). Cases ``eager`` and ``compiled``
-(``compile=True``: inductor). Every rank writes ``OUT_DIR/<case>.rank<r>.pt`` (the step losses,
+(``compile=True``: inductor), and ``compiled-zb``: compiled under ZB-H1 (the same plan with a
+split backward). Every rank writes ``OUT_DIR/<case>.rank<r>.pt`` (the step losses,
 the validation loss, its stage's weights and, compiled, how many graphs its stage compiled
 after training and after validation); rank 0's checkpoint is ``OUT_DIR/<case>.ckpt``.
 """
@@ -58,14 +59,15 @@ class Task(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def plan() -> Plan:
+def plan(schedule: str = "1f1b") -> Plan:
     stages = [StagePlan((0, CUT), ["local:0"]), StagePlan((CUT, BLOCKS), ["local:1"])]
-    return Plan("fixed", BATCH, 2, 2, stages, schedule="1f1b")
+    return Plan("fixed", BATCH, 2, 2, stages, schedule=schedule)
 
 
 def run_case(case: str, out: Path) -> None:
-    strategy = lightning_autopipe.AutoPipeStrategy(plan=plan(), timeout=300,
-                                                   compile=case == "compiled")
+    schedule = "zb-h1" if case.endswith("-zb") else "1f1b"
+    strategy = lightning_autopipe.AutoPipeStrategy(plan=plan(schedule), timeout=300,
+                                                   compile=case.startswith("compiled"))
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
@@ -76,6 +78,7 @@ def run_case(case: str, out: Path) -> None:
     trainer.fit(task, train)
     stage = trainer.strategy.pipeline.executor.stage
     after_fit = getattr(stage, "compilations", None)
+    actions = sorted({a.kind.name for a in trainer.strategy.pipeline.executor.trace})
     validated = trainer.validate(task, val, verbose=False)
     trainer.save_checkpoint(out / f"{case}.ckpt")
     torch.save({
@@ -86,6 +89,9 @@ def run_case(case: str, out: Path) -> None:
         "compilations_after_fit": after_fit,
         "compilations_after_validate": getattr(stage, "compilations", None),
         "compiled_shapes": getattr(stage, "compiled_shapes", None),
+        "deferral": None if getattr(stage, "deferral", None) is None else (
+            stage.deferral.split, stage.deferral.unsplit),
+        "actions": actions,  # of the last training step
     }, out / f"{case}.rank{trainer.global_rank}.pt")
 
 

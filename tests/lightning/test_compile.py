@@ -3,7 +3,8 @@ stage once for training and once for evaluation whatever the unit sizes.
 
 One launch of ``tests/lightning/_compile_run.py`` runs the same fixed 1F1B plan (tied
 embedding across the stages, startup slices, a short last batch) eager, then compiled with
-inductor; units of 4, 2 and 1 samples pass through every stage.
+inductor, then compiled under ZB-H1 (the same cut, the backward split into B and W); units of
+4, 2 and 1 samples pass through every stage.
 
 Tolerance: inductor fuses operators and may sum in another order than eager kernels do, so
 activations differ by a few float32 roundings (``~1e-7`` relative per operation, more through
@@ -28,6 +29,7 @@ from tests.lightning import _compile_run as R
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "lightning" / "_compile_run.py"
 RTOL, ATOL = 1e-5, 1e-6
+CASES = ("eager", "compiled", "compiled-zb")
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +40,12 @@ def runs(tmp_path_factory) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = [sys.executable, str(SCRIPT), str(out), "eager", "compiled"]
+    cmd = [sys.executable, str(SCRIPT), str(out), *CASES]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode:
         pytest.fail(f"the launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return {case: [torch.load(out / f"{case}.rank{r}.pt", weights_only=False) for r in (0, 1)]
-            for case in ("eager", "compiled")} | {"out": out}
+            for case in CASES} | {"out": out}
 
 
 def _unit_sizes(batch: int) -> set[int]:
@@ -51,8 +53,9 @@ def _unit_sizes(batch: int) -> set[int]:
     return {b - a for a, b in unit_bounds(batch, m, k, j).values()}
 
 
-def test_the_compiled_pipeline_trains_and_validates_like_the_eager_one(runs):
-    for eager, compiled in zip(runs["eager"], runs["compiled"]):
+@pytest.mark.parametrize("case", ["compiled", "compiled-zb"])
+def test_the_compiled_pipeline_trains_and_validates_like_the_eager_one(runs, case):
+    for eager, compiled in zip(runs["eager"], runs[case]):
         assert (eager["compiled_class"], compiled["compiled_class"]) == ("StageModule",
                                                                          "CompiledStage")
         assert len(compiled["losses"]) == 3
@@ -65,13 +68,26 @@ def test_the_compiled_pipeline_trains_and_validates_like_the_eager_one(runs):
                                        msg=lambda s, n=name: f"{n}: {s}")
     # the weights did move: the comparison is not of two untouched models
     start = R.Task().state_dict()
-    assert any(not torch.equal(v, start[k]) for k, v in runs["compiled"][0]["state"].items())
+    assert any(not torch.equal(v, start[k]) for k, v in runs[case][0]["state"].items())
 
 
-def test_each_stage_compiles_once_for_training_and_once_for_evaluation(runs):
+def test_zero_bubble_splits_the_compiled_backward_of_the_second_stage(runs):
+    """ZB-H1 ran (W actions on both ranks); the last stage's compiled backward was cut into
+    input- and weight-gradient graphs and none stayed whole; the first stage, whose backward
+    is never split, compiled as under 1F1B."""
+    first, last = runs["compiled-zb"]
+    assert "WEIGHT" in first["actions"]
+    assert "WEIGHT" in last["actions"]
+    assert "WEIGHT" not in runs["compiled"][1]["actions"]
+    assert first["deferral"] is None
+    assert last["deferral"] == (1, 0)  # one training graph, split
+
+
+@pytest.mark.parametrize("case", ["compiled", "compiled-zb"])
+def test_each_stage_compiles_once_for_training_and_once_for_evaluation(runs, case):
     train_sizes = _unit_sizes(R.BATCH) | _unit_sizes(R.TRAIN_SAMPLES % R.BATCH)
     assert train_sizes == {1, 2, 4}  # startup slices, micro-batches, the short last batch
-    for rank in runs["compiled"]:
+    for rank in runs[case]:
         assert rank["compilations_after_fit"] == 1, rank["compiled_shapes"]
         assert rank["compilations_after_validate"] == 2, rank["compiled_shapes"]
 

@@ -1,5 +1,6 @@
-"""``CompiledStage``: one graph for every unit size, eager numerics, bounded compiles; compiled
-runs refuse a split backward; the compiled profile scales each block as the whole model sped up.
+"""``CompiledStage``: one graph for every unit size, eager numerics, bounded compiles; a backend
+that cannot split a backward is refused a zero-bubble plan; the compiled profile scales each
+block as the whole model sped up (split backwards: ``test_compiled_split.py``).
 
 Graph counts are Dynamo's (which graphs it traces and when its guards force a recompile) and do
 not depend on the backend that compiles each graph, so these in-process tests use
@@ -89,32 +90,27 @@ def test_a_backed_batch_would_compile_one_sample_slices_again():
     assert len(seen) == 2
 
 
-def test_compiled_runs_refuse_a_split_backward():
-    with pytest.raises(ValueError, match=r"compile=True with schedule='zb-h1'.*'1f1b'"):
-        AutoPipeOptions(compile=True, schedule="zb-h1")
-    assert AutoPipeOptions(compile=True).schedules == ("1f1b",)
+def test_the_compile_option_names_a_backend():
     assert AutoPipeOptions().schedules == ("1f1b", "zb-h1")
     assert AutoPipeOptions(compile="aot_eager").compile_backend == "aot_eager"
     assert AutoPipeOptions(compile=True).compile_backend == "inductor"
     with pytest.raises(ValueError, match="compile must be True, False or a torch.compile"):
         AutoPipeOptions(compile=1)
-    with pytest.raises(PlanError, match="splits each backward.*compile=True runs 1F1B"):
-        cs.compiled_stage(nn.Linear(2, 2), "zb-h1", "aot_eager")
 
 
-def test_a_given_zero_bubble_plan_is_refused_when_compiling():
+def test_a_given_zero_bubble_plan_is_refused_when_the_backend_cannot_split():
     n = len(split_model(T.build_net(), (torch.zeros(2, T.SEQ, dtype=torch.long),)))
     plan = Plan("pinned", 8, 2, 1, [StagePlan((0, n), ["local:0"])], schedule="zb-h1")
-    with pytest.raises(PlanError, match="splits each backward"):
+    with pytest.raises(PlanError, match="splits each backward.*'eager'"):
         build_local_pipeline(T.NetWithLoss(), (torch.zeros(8, T.SEQ, dtype=torch.long),), 8,
-                             AutoPipeOptions(plan=plan, compile="aot_eager"), rank=0,
+                             AutoPipeOptions(plan=plan, compile="eager"), rank=0,
                              world_size=1, device=torch.device("cpu"),
                              broadcast=lambda obj, src: obj)
 
 
-def test_a_planned_compiled_run_profiles_plans_1f1b_and_trains_like_eager():
+def test_a_planned_compiled_run_profiles_plans_and_trains_like_eager():
     """The whole path of ``build_local_pipeline`` in one process: eager profile, compiled
-    correction, a 1F1B plan, the compiled stage; its step equals the eager model's."""
+    correction, a plan, the compiled stage; its step equals the eager model's."""
     module = T.NetWithLoss()
     reference = copy.deepcopy(module)
     x, y = T.dataset(8, seed=4).tensors
@@ -122,7 +118,6 @@ def test_a_planned_compiled_run_profiles_plans_1f1b_and_trains_like_eager():
         compile="aot_eager", num_stages=1, num_microbatches=2, startup_slices=2,
         profile_repeats=1), rank=0, world_size=1, device=torch.device("cpu"),
         broadcast=lambda obj, src: obj)
-    assert pipe.plan.schedule == "1f1b"
     assert isinstance(pipe.executor.stage, CompiledStage)
     loss = pipe.executor.train_step((x, y))
     want = reference.pipeline_loss(reference(x), (x, y))

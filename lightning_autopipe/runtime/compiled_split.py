@@ -21,13 +21,20 @@ executor's ``W`` action runs the weight graph and accumulates its gradients thro
 (``AccumulateGrad``: ``.grad`` views and post-accumulate hooks see them as from any backward).
 A backward run outside a deferral runs ``B`` and ``W`` at once: the same gradients.
 
+Two things the halves must not share with the whole: AOTAutograd lets a backward overwrite the
+saved activations it is handed ("donated buffers"), and ``W`` reads some of them after ``B``,
+so donation is off for split graphs; and a compile cached whole would come back whole, so
+the AOTAutograd cache is off for them. Operators Dynamo leaves to eager code between graphs (a
+graph break) keep their eager backward: their weight gradients arrive in ``B``.
+
 A backward graph whose outputs do not line up with the forward's inputs is compiled whole and
 its backward stays whole (``W`` then has nothing left to do): correct, without the overlap;
-:attr:`Deferral.unsplit` counts such graphs so the caller can say so.
+:attr:`Deferral.unsplit` counts such graphs, and each one warns.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +46,6 @@ from lightning_autopipe.options import SPLIT_BACKENDS
 
 __all__ = ["SPLIT_BACKENDS", "Deferral", "SplitBackward", "accumulate_deferred",
            "split_backend", "split_backward_graph"]
-
 
 
 @dataclass
@@ -198,10 +204,16 @@ def split_backend(backend: str, deferral: Deferral, count: Callable[..., None]) 
         def splitting(inner: Callable) -> Callable:
             def compile_backward(bw: fx.GraphModule, bw_inputs: Sequence[Any], **kw: Any):
                 outs = next(n for n in bw.graph.nodes if n.op == "output").args[0]
-                cut = (split_backward_graph(bw, weights)
-                       if len(outs) == len(example_inputs) else None)
-                if cut is None:
+                if len(outs) != len(example_inputs):  # not one gradient per forward input
                     deferral.unsplit += 1
+                    warnings.warn(
+                        f"compile: a backward graph returns {len(outs)} gradients for "
+                        f"{len(example_inputs)} forward inputs, so it cannot be cut into input "
+                        "and weight gradients; it runs whole in B (correct, but this graph's "
+                        "weight gradients do not fill the pipeline's bubbles)", stacklevel=2)
+                    return inner(bw, bw_inputs, **kw)
+                cut = split_backward_graph(bw, weights)
+                if cut is None:  # no weight gradient in this graph: nothing to defer
                     return inner(bw, bw_inputs, **kw)
                 b_gm, w_gm, where = cut
                 _keep_saved_activations()

@@ -28,6 +28,7 @@ from lightning_autopipe.errors import PlanError
 from lightning_autopipe.graph import split_model
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.runtime.compiled_stage import CompiledStage, compiled_stage
+from lightning_autopipe.runtime.recompute import Recomputed
 from tests.reliability import _task as T
 
 SIZES = (4, 2, 1, 3)
@@ -61,6 +62,13 @@ def _gpt_head() -> tuple[nn.Module, tuple[int, ...], list[tuple[int, ...]]]:
     return blocks.stage(4, len(blocks)), (T.SEQ, 16), [(T.SEQ, T.VOCAB)]
 
 
+def _gpt_layer_recomputed() -> tuple[nn.Module, tuple[int, ...], list[tuple[int, ...]]]:
+    """The transformer layer under activation checkpointing (a plan that recomputes it): the
+    backward graph recomputes the forward first, and W's reads come from that recompute."""
+    stage, shape, outs = _gpt_layer()
+    return Recomputed(stage), shape, outs
+
+
 def _skip_out() -> tuple[nn.Module, tuple[int, ...], list[tuple[int, ...]]]:
     torch.manual_seed(0)
     return SkipOut(), (3, 6), [(3, 6), (3, 5)]
@@ -89,8 +97,8 @@ def _eager(stage: nn.Module, units) -> tuple[list[torch.Tensor], list[torch.Tens
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("build", [_gpt_layer, _gpt_head, _skip_out],
-                         ids=["gpt-layer", "gpt-head", "skip-out-bn"])
+@pytest.mark.parametrize("build", [_gpt_layer, _gpt_head, _gpt_layer_recomputed, _skip_out],
+                         ids=["gpt-layer", "gpt-head", "gpt-layer-recomputed", "skip-out-bn"])
 def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend):
     eager, shape, out_shapes = build()
     inner = copy.deepcopy(eager)

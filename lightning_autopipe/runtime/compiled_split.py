@@ -34,6 +34,7 @@ its backward stays whole (``W`` then has nothing left to do): correct, without t
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lightning_autopipe.options import SPLIT_BACKENDS
 
@@ -88,6 +90,13 @@ def split_backward_graph(
     values ``W`` reads that ``B`` computes; ``W`` takes the inputs of ``gm`` it reads, then
     those values, and returns the outputs at ``weight_positions``. None when there is nothing
     to defer (no weight gradient computed by nodes of its own).
+
+    Only tensors cross the cut. An operator that computes several gradients at once under an
+    ``output_mask`` (convolution, layer and batch norm backwards, as ``aot_eager`` and
+    inductor's CPU fallbacks leave them) runs twice, masked: in ``B`` for the input gradient,
+    in ``W`` for the weight and bias gradients. The parts of any other multi-output operator
+    that ``W`` needs are taken in ``B``. Nodes with side effects (an in-place copy into an
+    input, a shape assertion) have no users and stay in ``B``.
     """
     nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
@@ -95,17 +104,37 @@ def split_backward_graph(
     placeholders = [n for n in nodes if n.op == "placeholder"]
     b_pos = [i for i in range(len(outs)) if i not in weight_positions]
     w_pos = sorted(weight_positions)
-    need_b = _ancestors(outs[i] for i in b_pos)
+    effects = [n for n in nodes if n.op == "call_function" and n.is_impure()]
+    need_b = _ancestors([*(outs[i] for i in b_pos), *effects])
     need_w = _ancestors(outs[i] for i in w_pos)
+    masked: dict[fx.Node, tuple[set[int], set[int]]] = {}  # node -> (B's parts, W's parts)
+    for n in nodes:
+        if n in need_b and n in need_w and _mask_arg(n) is not None:
+            parts = [(u.args[1], u in need_b) for u in n.users if _is_getitem(u)]
+            w_parts = {i for i, in_b in parts if not in_b}
+            if w_parts and len(parts) == len(n.users):
+                masked[n] = ({i for i, in_b in parts if in_b}, w_parts)
+    for n in nodes:  # the W parts of other multi-output nodes of B are taken in B
+        if (_is_getitem(n) and n in need_w and n not in need_b and n.args[0] in need_b
+                and n.args[0] not in masked):
+            need_b.add(n)
     w_only = [n for n in nodes if n in need_w and n not in need_b and n.op != "placeholder"]
-    if not w_only:
+    if not any(n.op == "call_function" and not _is_getitem(n) for n in w_only) and not masked:
         return None
     w_only_set = set(w_only)
     reads: list[fx.Node] = []
-    for n in [*w_only, *(outs[i] for i in w_pos)]:
-        for a in (n.all_input_nodes if n in w_only_set else [n]):
-            if isinstance(a, fx.Node) and a not in w_only_set and a not in reads:
-                reads.append(a)
+
+    def read(a: Any) -> None:
+        if isinstance(a, fx.Node) and a not in w_only_set and a not in reads:
+            reads.append(a)
+
+    for n in w_only:
+        for a in n.all_input_nodes:
+            for b in (a.all_input_nodes if a in masked else [a]):
+                read(b)
+    for i in w_pos:
+        if outs[i] not in w_only_set:
+            read(outs[i])
     from_inputs = [n for n in reads if n.op == "placeholder"]
     from_b = [n for n in reads if n.op != "placeholder"]
 
@@ -114,6 +143,8 @@ def split_backward_graph(
     for n in nodes:
         if n.op == "placeholder" or (n in need_b and n.op != "output"):
             env[n] = b_graph.node_copy(n, lambda a: env[a])
+            if n in masked:
+                _restrict_mask(env[n], masked[n][0])
     b_graph.output(tuple(_mapped(outs[i], env) for i in b_pos) + tuple(env[n] for n in from_b))
 
     w_graph = fx.Graph()
@@ -122,13 +153,48 @@ def split_backward_graph(
         p = w_graph.placeholder(n.name)
         p.meta = dict(n.meta)
         w_env[n] = p
-    for n in w_only:
-        w_env[n] = w_graph.node_copy(n, lambda a: w_env[a])
+    for n in nodes:
+        if n in masked or n in w_only_set:
+            w_env[n] = w_graph.node_copy(n, lambda a: w_env[a])
+            if n in masked:
+                _restrict_mask(w_env[n], masked[n][1])
     w_graph.output(tuple(_mapped(outs[i], w_env) for i in w_pos))
 
     cut = _Cut(b_pos, w_pos, len(outs), [placeholders.index(n) for n in from_inputs],
                len(from_b))
     return fx.GraphModule(gm, b_graph), fx.GraphModule(gm, w_graph), cut
+
+
+def _is_getitem(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target is operator.getitem
+
+
+def _mask_arg(n: fx.Node) -> tuple[str, int] | None:
+    """Where ``n``'s ``output_mask`` argument is (("args", i) or ("kwargs", -1)), if any."""
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    if schema is None:
+        return None
+    names = [a.name for a in schema.arguments]
+    if "output_mask" not in names:
+        return None
+    if "output_mask" in n.kwargs:
+        return "kwargs", -1
+    i = names.index("output_mask")
+    return ("args", i) if i < len(n.args) else None
+
+
+def _restrict_mask(n: fx.Node, keep: set[int]) -> None:
+    """``n`` computes only the outputs in ``keep`` (of those its mask asked for)."""
+    where, i = _mask_arg(n)  # type: ignore[misc]
+    mask = n.kwargs["output_mask"] if where == "kwargs" else n.args[i]
+    new = [bool(m) and k in keep for k, m in enumerate(mask)]
+    if where == "kwargs":
+        n.kwargs = {**n.kwargs, "output_mask": new}
+    else:
+        n.args = (*n.args[:i], new, *n.args[i + 1:])
+    val = n.meta.get("val")
+    if isinstance(val, tuple | list):
+        n.meta["val"] = type(val)(v if k in keep else None for k, v in enumerate(val))
 
 
 def _ancestors(roots: Any) -> set[fx.Node]:
@@ -157,6 +223,7 @@ class SplitBackward:
         self.b, self.w, self.cut = b, w, cut
         self.params = params  # the parameter of each weight position
         self.deferral = deferral
+        self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
         cut = self.cut
@@ -175,7 +242,9 @@ class SplitBackward:
         return grads
 
     def _weights(self, w_inputs: list[Any]) -> list[Any]:
-        with torch.no_grad():
+        # as AOTAutograd runs a compiled backward: no autograd, no autocast (the graph has
+        # its casts; the executor's W runs inside the step's autocast region)
+        with torch.no_grad(), torch._C._DisableAutocast():
             return list(self.w(w_inputs))
 
     def accumulate(self, w_inputs: list[Any]) -> None:
@@ -204,12 +273,17 @@ def split_backend(backend: str, deferral: Deferral, count: Callable[..., None]) 
         def splitting(inner: Callable) -> Callable:
             def compile_backward(bw: fx.GraphModule, bw_inputs: Sequence[Any], **kw: Any):
                 outs = next(n for n in bw.graph.nodes if n.op == "output").args[0]
-                if len(outs) != len(example_inputs):  # not one gradient per forward input
+                why = None
+                if len(outs) != len(example_inputs):
+                    why = (f"returns {len(outs)} gradients for {len(example_inputs)} forward "
+                           "inputs")
+                elif any(is_traceable_wrapper_subclass(t) for t in example_inputs):
+                    why = "has tensor-subclass inputs (their gradients are wrapped outside it)"
+                if why is not None:
                     deferral.unsplit += 1
                     warnings.warn(
-                        f"compile: a backward graph returns {len(outs)} gradients for "
-                        f"{len(example_inputs)} forward inputs, so it cannot be cut into input "
-                        "and weight gradients; it runs whole in B (correct, but this graph's "
+                        f"compile: a backward graph {why}, so it cannot be cut into input and "
+                        "weight gradients; it runs whole in B (correct, but this graph's "
                         "weight gradients do not fill the pipeline's bubbles)", stacklevel=2)
                     return inner(bw, bw_inputs, **kw)
                 cut = split_backward_graph(bw, weights)
@@ -224,10 +298,12 @@ def split_backend(backend: str, deferral: Deferral, count: Callable[..., None]) 
                 if "static_input_idxs" in w_kw:  # they index bw's inputs, not W's
                     w_kw["static_input_idxs"] = []
                 deferral.split += 1
-                return SplitBackward(
+                split = SplitBackward(
                     inner(b_gm, bw_inputs, **kw), inner(w_gm, w_examples, **w_kw), where,
                     [params[i] for i in where.w_positions], deferral,
                 )
+                split.graphs = (b_gm, w_gm)  # what each half computes, for inspection
+                return split
             return compile_backward
 
         # a cached compile would come back whole: each compile here cuts its own backward;
@@ -235,9 +311,20 @@ def split_backend(backend: str, deferral: Deferral, count: Callable[..., None]) 
         # is given, since W reads some of them after B
         with torch._functorch.config.patch(enable_autograd_cache=False, donated_buffer=False):
             if backend == "inductor":
-                from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+                from torch._inductor.compile_fx import (
+                    compile_fx,
+                    compile_fx_inner,
+                    record_original_output_strides,
+                )
 
                 def halves(g: fx.GraphModule, ex: Sequence[Any], **kw: Any) -> Any:
+                    # B's outputs keep the strides of the traced graph (W is compiled for
+                    # them), as inductor keeps a backward's user-visible outputs
+                    out = next(n for n in g.graph.nodes if n.op == "output")
+                    out.meta["user_visible_output_idxs"] = [
+                        i for i, v in enumerate(out.args[0]) if isinstance(v, fx.Node)]
+                    out.meta.pop("original_output_strides", None)
+                    record_original_output_strides(g)
                     # the graph cache checks a cached entry's shape guards against the
                     # inputs of the graph Dynamo traced, which W's inputs are not
                     with torch._inductor.config.patch(fx_graph_cache=False):

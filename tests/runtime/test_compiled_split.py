@@ -19,14 +19,16 @@ the same tolerance held here (measured: within ``2e-7``).
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.graph import split_model
 from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.runtime.compiled_split import split_backward_graph
 from lightning_autopipe.runtime.compiled_stage import CompiledStage, compiled_stage
 from lightning_autopipe.runtime.recompute import Recomputed
 from tests.reliability import _task as T
@@ -47,6 +49,26 @@ class SkipOut(nn.Module):
     def forward(self, x):
         h = torch.relu(self.norm(self.lin1(x)))
         return h, self.lin2(h)
+
+
+class ConvSkip(nn.Module):
+    """Two convolutions, the first one's activation also sent on (a cut inside a block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(self.conv1(x))
+        return h, self.conv2(h)
+
+
+def _conv_skip() -> tuple[nn.Module, tuple[int, ...], list[tuple[int, ...]]]:
+    """Convolution backward computes input, weight and bias gradients in one operator, under an
+    output mask: it must run in B for the input and in W for the weights."""
+    torch.manual_seed(0)
+    return ConvSkip(), (3, 5, 5), [(4, 5, 5), (2, 5, 5)]
 
 
 def _gpt_layer() -> tuple[nn.Module, tuple[int, ...], list[tuple[int, ...]]]:
@@ -97,9 +119,16 @@ def _eager(stage: nn.Module, units) -> tuple[list[torch.Tensor], list[torch.Tens
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("build", [_gpt_layer, _gpt_head, _gpt_layer_recomputed, _skip_out],
-                         ids=["gpt-layer", "gpt-head", "gpt-layer-recomputed", "skip-out-bn"])
-def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend):
+@pytest.mark.parametrize("build", [_gpt_layer, _gpt_head, _gpt_layer_recomputed, _skip_out,
+                                   _conv_skip],
+                         ids=["gpt-layer", "gpt-head", "gpt-layer-recomputed", "skip-out-bn",
+                              "conv-skip"])
+def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend, request):
+    if build is _conv_skip and backend == "inductor":
+        request.applymarker(pytest.mark.xfail(
+            raises=AssertionError, strict=True,
+            reason="torch 2.14's inductor fails its own stride assertion on a forward "
+                   "convolution with an unbacked batch dimension, split or not"))
     eager, shape, out_shapes = build()
     inner = copy.deepcopy(eager)
     # BatchNorm's check of its batch size reads the (symbolic) size: Dynamo breaks the graph
@@ -126,6 +155,8 @@ def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend):
         assert all(p.grad is None for p in inner.parameters() if id(p) in owned), (
             "B accumulated weight gradients of a compiled graph")
         assert owned == {id(p) for p in inner.parameters()} - eager_params
+        for graph, _ in pending:
+            _assert_weights_are_computed_in_w(*graph.graphs)
     for pending in deferred:  # then the W of each unit, in order
         stage.backward_weight(pending)
 
@@ -137,6 +168,64 @@ def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     assert pieces <= stage.compilations <= graphs, stage.compiled_shapes
     assert (stage.deferral.split, stage.deferral.unsplit) == (stage.compilations, 0)
+
+
+def _assert_weights_are_computed_in_w(b: fx.GraphModule, w: fx.GraphModule) -> None:
+    """W holds compute of its own, and B's multi-gradient operators (convolution, layer and
+    batch norm backwards) compute the input gradient only."""
+    assert any(n.op == "call_function" and n.target is not operator.getitem
+               for n in w.graph.nodes), w.graph
+    for n in b.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        names = [arg.name for arg in schema.arguments] if schema is not None else []
+        if "output_mask" in names:
+            mask = n.kwargs.get("output_mask", n.args[names.index("output_mask")])
+            assert not any(mask[1:]), f"B computes a weight gradient: {n.format_node()}"
+
+
+def test_the_cut_keeps_side_effects_in_b_and_sends_only_tensors():
+    """A hand-written backward: ``gx = t @ w`` (input gradient), ``gw = t.T @ x`` (weight),
+    an in-place copy into an input (a side effect with no users), and a convolution backward
+    whose parts both halves need."""
+    g = fx.Graph()
+    x, w, t, buf = (g.placeholder(n) for n in ("x", "w", "t", "buf"))
+    a = torch.ops.aten
+    gx = g.call_function(a.mm.default, (t, w))
+    gw = g.call_function(a.mm.default, (g.call_function(a.t.default, (t,)), x))
+    g.call_function(a.copy_.default, (buf, gx))
+    img, k = g.placeholder("img"), g.placeholder("k")
+    conv = g.call_function(a.convolution_backward.default, (
+        g.call_function(a.ones_like.default, (img,)), img, k, [2], [1, 1], [1, 1], [1, 1],
+        False, [0, 0], 1, [True, True, True]))
+    parts = [g.call_function(operator.getitem, (conv, i)) for i in range(3)]
+    g.output((gx, gw, None, None, parts[0], parts[1], parts[2]))
+    gm = fx.GraphModule(nn.Module(), g)
+    b, wgm, cut = split_backward_graph(gm, {1, 5, 6})
+    assert [n.target for n in b.graph.nodes].count(a.copy_.default) == 1
+    assert a.copy_.default not in [n.target for n in wgm.graph.nodes]
+    _assert_weights_are_computed_in_w(b, wgm)
+
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(4, 3, generator=gen), torch.randn(5, 3, generator=gen),
+            torch.randn(4, 5, generator=gen), torch.zeros(4, 3),
+            torch.randn(1, 2, 6, 6, generator=gen), torch.randn(2, 2, 3, 3, generator=gen)]
+    want = gm(*[v.clone() for v in args])
+    inputs = [v.clone() for v in args]
+    got_b = list(b(*inputs))
+    n = len(cut.b_positions)
+    got_w = list(wgm(*[inputs[i] for i in cut.w_from_inputs], *got_b[n:]))
+    assert all(isinstance(v, torch.Tensor) for v in got_b[n:])  # only tensors cross
+    torch.testing.assert_close(inputs[3], want[0])  # the copy into ``buf`` happened in B
+    got = [None] * cut.num_outputs
+    for pos, v in zip(cut.b_positions, got_b[:n]):
+        got[pos] = v
+    for pos, v in zip(cut.w_positions, got_w):
+        got[pos] = v
+    for g_, w_ in zip(got, want):
+        if w_ is None:
+            assert g_ is None
+        else:
+            torch.testing.assert_close(g_, w_)
 
 
 def test_a_backward_outside_a_deferral_runs_both_halves_at_once():

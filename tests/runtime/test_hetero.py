@@ -281,9 +281,11 @@ def _failing_worker(rank: int, port: int, out: str) -> None:
         message = "no error"
     except Exception as exc:  # every rank must end with the failing rank's error
         message = f"{type(exc).__name__}: {exc}"
-    finally:
-        dist.destroy_process_group()
     (Path(out) / f"rank{rank}.txt").write_text(message)
+    # destroyed together: a rank closing its gloo pairs while the other still reads the
+    # last collective's bytes aborts that one
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_a_rank_whose_profiling_fails_ends_discovery_on_every_rank(tmp_path):

@@ -19,7 +19,9 @@ engine the input gradients (and None for the weights, so nothing is accumulated)
 needs is queued on the :class:`Deferral` the executor opened for that backward, and the
 executor's ``W`` action runs the weight graph and accumulates its gradients through autograd
 (``AccumulateGrad``: ``.grad`` views and post-accumulate hooks see them as from any backward).
-A backward run outside a deferral runs ``B`` and ``W`` at once: the same gradients.
+A backward run outside a deferral runs ``B`` and ``W`` at once: the same gradients. (Autograd
+still calls a parameter's post-accumulate hooks after ``B``, with no new ``.grad``; the data-
+parallel buckets count gradients only once armed, which a split stage is not before ``W``.)
 
 Two things the halves must not share with the whole: AOTAutograd lets a backward overwrite the
 saved activations it is handed ("donated buffers"), and ``W`` reads some of them after ``B``,

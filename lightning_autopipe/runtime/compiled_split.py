@@ -39,7 +39,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,8 +48,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lightning_autopipe.options import SPLIT_BACKENDS
 
-__all__ = ["SPLIT_BACKENDS", "Deferral", "SplitBackward", "accumulate_deferred",
-           "split_backend", "split_backward_graph"]
+__all__ = ["Deferral", "SplitBackward", "split_backend", "split_backward_graph"]
 
 
 @dataclass
@@ -79,8 +78,8 @@ class _Cut:
     b_positions: list[int]
     w_positions: list[int]
     num_outputs: int
-    w_from_inputs: list[int] = field(default_factory=list)  # W reads these backward inputs
-    num_from_b: int = 0  # ...then these values B returns after its input gradients
+    w_from_inputs: list[int]  # W reads these backward inputs, then what B returns after its
+    # input gradients
 
 
 def split_backward_graph(
@@ -162,8 +161,7 @@ def split_backward_graph(
                 _restrict_mask(w_env[n], masked[n][1])
     w_graph.output(tuple(_mapped(outs[i], w_env) for i in w_pos))
 
-    cut = _Cut(b_pos, w_pos, len(outs), [placeholders.index(n) for n in from_inputs],
-               len(from_b))
+    cut = _Cut(b_pos, w_pos, len(outs), [placeholders.index(n) for n in from_inputs])
     return fx.GraphModule(gm, b_graph), fx.GraphModule(gm, w_graph), cut
 
 
@@ -219,13 +217,13 @@ class SplitBackward:
     calls a compiled backward: one list of inputs, which the call consumes)."""
 
     def __init__(self, b: Callable, w: Callable, cut: _Cut, params: list[nn.Parameter],
-                 deferral: Deferral) -> None:
+                 deferral: Deferral, graphs: tuple[fx.GraphModule, fx.GraphModule]) -> None:
         # an instance attribute: the wrappers AOTAutograd puts around it copy ``__dict__``
         self._boxed_call = True
         self.b, self.w, self.cut = b, w, cut
         self.params = params  # the parameter of each weight position
         self.deferral = deferral
-        self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None
+        self.graphs = graphs  # what each half computes (B, W), for inspection
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
         cut = self.cut
@@ -269,10 +267,12 @@ def split_backend(backend: str, deferral: Deferral, count: Callable[..., None]) 
 
     def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         count(gm, example_inputs)
-        weights = {i for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter)}
-        params = {i: t for i, t in enumerate(example_inputs) if i in weights}
+        params = {i: t for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter)}
 
-        def splitting(inner: Callable) -> Callable:
+        def splitting(whole: Callable, half: Callable) -> Callable:
+            """The backward compiler: ``half`` compiles each half of a cut graph, ``whole`` a
+            graph that stays whole (as the backend compiles any backward)."""
+
             def compile_backward(bw: fx.GraphModule, bw_inputs: Sequence[Any], **kw: Any):
                 outs = next(n for n in bw.graph.nodes if n.op == "output").args[0]
                 why = None
@@ -287,10 +287,10 @@ def split_backend(backend: str, deferral: Deferral, count: Callable[..., None]) 
                         f"compile: a backward graph {why}, so it cannot be cut into input and "
                         "weight gradients; it runs whole in B (correct, but this graph's "
                         "weight gradients do not fill the pipeline's bubbles)", stacklevel=2)
-                    return inner(bw, bw_inputs, **kw)
-                cut = split_backward_graph(bw, weights)
+                    return whole(bw, bw_inputs, **kw)
+                cut = split_backward_graph(bw, set(params))
                 if cut is None:  # no weight gradient in this graph: nothing to defer
-                    return inner(bw, bw_inputs, **kw)
+                    return whole(bw, bw_inputs, **kw)
                 b_gm, w_gm, where = cut
                 _keep_saved_activations()
                 w_places = [n for n in w_gm.graph.nodes if n.op == "placeholder"]
@@ -300,12 +300,11 @@ def split_backend(backend: str, deferral: Deferral, count: Callable[..., None]) 
                 if "static_input_idxs" in w_kw:  # they index bw's inputs, not W's
                     w_kw["static_input_idxs"] = []
                 deferral.split += 1
-                split = SplitBackward(
-                    inner(b_gm, bw_inputs, **kw), inner(w_gm, w_examples, **w_kw), where,
-                    [params[i] for i in where.w_positions], deferral,
+                return SplitBackward(
+                    half(b_gm, bw_inputs, **kw), half(w_gm, w_examples, **w_kw), where,
+                    [params[i] for i in where.w_positions], deferral, (b_gm, w_gm),
                 )
-                split.graphs = (b_gm, w_gm)  # what each half computes, for inspection
-                return split
+
             return compile_backward
 
         # a cached compile would come back whole: each compile here cuts its own backward;
@@ -334,13 +333,13 @@ def split_backend(backend: str, deferral: Deferral, count: Callable[..., None]) 
 
                 def inner(g: fx.GraphModule, ex: Sequence[Any], **kw: Any) -> Any:
                     if kw.get("is_backward"):
-                        return splitting(halves)(g, ex, **kw)
+                        return splitting(compile_fx_inner, halves)(g, ex, **kw)
                     return compile_fx_inner(g, ex, **kw)
 
                 return compile_fx(gm, example_inputs, inner_compile=inner)
             from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
-            return aot_eager(gm, example_inputs, bw_compiler=splitting(boxed_nop))
+            return aot_eager(gm, example_inputs, bw_compiler=splitting(boxed_nop, boxed_nop))
 
     return compile_graph
 
@@ -353,9 +352,3 @@ def _keep_saved_activations() -> None:
     context = torch._guards.TracingContext.try_get()
     if context is not None and getattr(context, "fw_metadata", None) is not None:
         context.fw_metadata.bw_donated_idxs = []
-
-
-def accumulate_deferred(pending: Sequence[tuple[SplitBackward, list[Any]]]) -> None:
-    """``W`` of one unit: every weight half its ``B`` deferred, in the order they ran."""
-    for graph, w_inputs in pending:
-        graph.accumulate(w_inputs)

@@ -47,14 +47,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_autopipe.errors import PlanError
+from lightning_autopipe.options import SPLIT_BACKENDS
 from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.profile import Profile, fit_affine
-from lightning_autopipe.runtime.compiled_split import (
-    SPLIT_BACKENDS,
-    Deferral,
-    accumulate_deferred,
-    split_backend,
-)
+from lightning_autopipe.runtime.compiled_split import Deferral, split_backend
 
 __all__ = ["CompiledStage", "compiled_profile", "compiled_stage", "profile_for"]
 
@@ -126,8 +122,10 @@ class CompiledStage(nn.Module):
 
     @staticmethod
     def backward_weight(pending: list[Any]) -> None:
-        """``W``: accumulate the weight gradients a deferred backward left in ``pending``."""
-        accumulate_deferred(pending)
+        """``W``: accumulate the weight gradients a deferred backward left in ``pending``
+        (every weight half its ``B`` deferred, in the order they ran)."""
+        for graph, w_inputs in pending:
+            graph.accumulate(w_inputs)
 
 
 def compiled_stage(stage: nn.Module, schedule: str, backend: str,

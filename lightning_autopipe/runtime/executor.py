@@ -388,9 +388,7 @@ class PipelineExecutor:
                     inputs, result = saved.pop(unit)
                     self._backward_full(a, result, None if layout.is_last else out_grads.pop(unit))
                     if not layout.is_first:
-                        in_grads[unit] = [
-                            t.grad if t is not None and t.requires_grad else None for t in inputs
-                        ]
+                        in_grads[unit] = _input_grads(inputs)
                 elif a.kind is Kind.SEND_B:
                     grads = in_grads.pop(unit)
                     outbox.backward.append(send_tensors(grads, layout.prev_rank, tag, self.device))
@@ -431,8 +429,7 @@ class PipelineExecutor:
         if self._deferral is not None:
             with self.stage.deferring_weights() as pending:
                 self._backward_full(a, result, grads)
-            return tuple(t.grad if t is not None and t.requires_grad else None
-                         for t in inputs), pending
+            return tuple(_input_grads(inputs)), pending
         if grads is None:  # the last stage: from its loss
             outs, out_grads = [result], None
         else:
@@ -530,6 +527,11 @@ def _action_name(a: Action) -> str:
         Kind.RECV_B: "receive of gradients",
     }
     return f"{words.get(a.kind, 'action')} {a}"
+
+
+def _input_grads(inputs: Sequence[Any]) -> list[Tensor | None]:
+    """What a whole backward left in the stage inputs' ``.grad`` (sent to the previous stage)."""
+    return [t.grad if t is not None and t.requires_grad else None for t in inputs]
 
 
 def backward_input(

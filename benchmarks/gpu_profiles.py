@@ -44,14 +44,14 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_autopipe import tasks  # noqa: E402
 from lightning_autopipe.cluster import Cluster  # noqa: E402
-from lightning_autopipe.data import IGNORE_INDEX  # noqa: E402
 from lightning_autopipe.graph import split_model  # noqa: E402
 from lightning_autopipe.planner import make_plan  # noqa: E402
 from lightning_autopipe.profile import Profile  # noqa: E402
-from lightning_autopipe.profiler import profile_blocks  # noqa: E402
+from lightning_autopipe.runtime.profiler import profile_blocks  # noqa: E402
 from lightning_autopipe.runtime.units import slice_batch  # noqa: E402
+from lightning_autopipe.zoo import tasks  # noqa: E402
+from lightning_autopipe.zoo.data import IGNORE_INDEX  # noqa: E402
 
 COMMAND = "bash benchmarks/gpu_check.sh"
 MODELS = ("gpt2", "bert_base", "resnet50")

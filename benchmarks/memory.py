@@ -43,7 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_autopipe.cluster import Cluster  # noqa: E402
-from lightning_autopipe.models import TinyGPT  # noqa: E402
 from lightning_autopipe.options import AutoPipeOptions  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from lightning_autopipe.runtime.materialize import (  # noqa: E402
@@ -51,6 +50,7 @@ from lightning_autopipe.runtime.materialize import (  # noqa: E402
     deferred_init,
 )
 from lightning_autopipe.runtime.pipeline import build_local_pipeline  # noqa: E402
+from lightning_autopipe.zoo.models import TinyGPT  # noqa: E402
 
 WORLD = 4
 BATCH = 4  # one replica's batch (the only replica): 4 micro-batches of 1 sample

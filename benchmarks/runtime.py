@@ -40,14 +40,14 @@ sys.path.insert(0, str(ROOT))
 from lightning_autopipe.cluster import Cluster  # noqa: E402
 from lightning_autopipe.errors import PlanError  # noqa: E402
 from lightning_autopipe.graph import split_model  # noqa: E402
-from lightning_autopipe.models import TinyGPT  # noqa: E402
 from lightning_autopipe.planner import make_plan  # noqa: E402
 from lightning_autopipe.planner.balance import balanced_cuts  # noqa: E402
 from lightning_autopipe.planner.layout import BlockCosts  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from lightning_autopipe.planner.simulate import simulate  # noqa: E402
 from lightning_autopipe.profile import Profile, median_profile  # noqa: E402
-from lightning_autopipe.profiler import profile_blocks  # noqa: E402
+from lightning_autopipe.runtime.profiler import profile_blocks  # noqa: E402
+from lightning_autopipe.zoo.models import TinyGPT  # noqa: E402
 
 VOCAB, SEQ, LAYERS, D, HEADS = 512, 128, 8, 256, 4
 BATCH, WORLD, PROFILE_MB = 32, 2, 4

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_autopipe._registry import register_when_lightning_loads
 from lightning_autopipe.errors import (
     AutoPipeError,
     BlockRangeError,
@@ -24,22 +23,23 @@ from lightning_autopipe.errors import (
     TraceError,
     UnsafeCheckpointError,
 )
+from lightning_autopipe.lightning._registry import register_when_lightning_loads
 
 if TYPE_CHECKING:
     from lightning_autopipe.graph import BlockGraph, split_model
+    from lightning_autopipe.lightning.strategy import AutoPipeStrategy
     from lightning_autopipe.planner.plan import Plan, StagePlan
     from lightning_autopipe.profile import BlockProfile, Profile
-    from lightning_autopipe.profiler import profile_blocks
-    from lightning_autopipe.strategy import AutoPipeStrategy
+    from lightning_autopipe.runtime.profiler import profile_blocks
 
 _LAZY = {
-    "AutoPipeStrategy": "lightning_autopipe.strategy",
+    "AutoPipeStrategy": "lightning_autopipe.lightning.strategy",
     "BlockGraph": "lightning_autopipe.graph",
     "BlockProfile": "lightning_autopipe.profile",
     "Plan": "lightning_autopipe.planner.plan",
     "Profile": "lightning_autopipe.profile",
     "StagePlan": "lightning_autopipe.planner.plan",
-    "profile_blocks": "lightning_autopipe.profiler",
+    "profile_blocks": "lightning_autopipe.runtime.profiler",
     "split_model": "lightning_autopipe.graph",
 }
 

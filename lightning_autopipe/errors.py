@@ -16,6 +16,7 @@ __all__ = [
     "PipelineRuntimeError",
     "StepContractError",
     "UnsafeCheckpointError",
+    "MissingExtraError",
 ]
 
 
@@ -63,3 +64,7 @@ class StepContractError(AutoPipeError, RuntimeError):
 class UnsafeCheckpointError(AutoPipeError, pickle.UnpicklingError):
     """A checkpoint holds a pickled object other than tensors and plain containers: loading it
     would run code from the file, so it is refused."""
+
+
+class MissingExtraError(AutoPipeError, ImportError):
+    """A feature needs a package of an optional extra that is not installed."""

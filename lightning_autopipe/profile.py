@@ -23,7 +23,7 @@ An optional top-level ``"fingerprint"`` (a hash of the block graph) lets a saved
 checked against the model it is used with.
 
 This module is pure data (JSON round-trip, no torch), so the planner reads profiles without
-importing torch; measuring one is :func:`lightning_autopipe.profiler.profile_blocks`.
+importing torch; measuring one is :func:`lightning_autopipe.runtime.profiler.profile_blocks`.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def model_mismatch(recipe: str, cfg: Any) -> str | None:
     The recipe's task and data are built for one family (``train_gpt``'s task reads
     ``model.max_seq_len``), so ``train_gpt.py model=resnet18`` would fail deep in the config.
     """
-    from lightning_autopipe.config import CONF_DIR
+    from lightning_autopipe.zoo.config import CONF_DIR
 
     if recipe not in _FAMILIES:
         return None
@@ -209,7 +209,7 @@ def train(cfg: Any) -> int:
     from hydra.utils import instantiate
 
     import lightning_autopipe  # noqa: F401  (registers the "autopipe" strategy)
-    from lightning_autopipe.config import build_cluster
+    from lightning_autopipe.zoo.config import build_cluster
 
     run_dir = run_dir_for(cfg.recipe, cfg.run_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -240,7 +240,7 @@ def run_recipe(config_name: str, argv: list[str] | None = None) -> int:
     """Entry point of ``recipes/<config_name>.py``: ``--plan-only``, ``--cfg`` or train."""
     from omegaconf import OmegaConf
 
-    from lightning_autopipe.config import compose
+    from lightning_autopipe.zoo.config import compose
 
     argv = list(sys.argv[1:] if argv is None else argv)
     flags, overrides = parse_argv(argv)

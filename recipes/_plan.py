@@ -210,7 +210,7 @@ def _profile_seconds(task: Any, example: Any) -> float:
 def _measured_profile(cfg: Any, task: Any, example: Any) -> Any:
     """Trace and profile the recipe's own LightningModule (``task``), as the strategy does."""
     from lightning_autopipe.graph import split_model
-    from lightning_autopipe.profiler import profile_blocks
+    from lightning_autopipe.runtime.profiler import profile_blocks
 
     print(f"measuring the blocks of {cfg.model.name} on this CPU ...", flush=True)
     granularity = cfg.strategy.get("granularity", "sub-block")
@@ -224,8 +224,8 @@ def _measured_profile(cfg: Any, task: Any, example: Any) -> Any:
 
 def plan_only(cfg: Any, run_dir: Path) -> int:
     """Print the plan ``cfg`` would get on ``cfg.cluster`` and draw it; launch nothing."""
-    from lightning_autopipe.config import build_cluster
     from lightning_autopipe.planner.search import search_plan
+    from lightning_autopipe.zoo.config import build_cluster
 
     world = _world(cfg)
     cluster = build_cluster(cfg.cluster, world_size=world)

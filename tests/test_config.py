@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from lightning_autopipe.cluster import Cluster
-from lightning_autopipe.config import CONF_DIR, GPTModelConfig, build_cluster, compose
+from lightning_autopipe.zoo.config import CONF_DIR, GPTModelConfig, build_cluster, compose
 
 RECIPES = ("train_gpt", "train_bert", "train_resnet")
 

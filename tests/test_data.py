@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_autopipe.data import (
+from lightning_autopipe.zoo.data import (
     EOS,
     IGNORE_INDEX,
     MASK,

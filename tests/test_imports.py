@@ -1,4 +1,4 @@
-"""The package's import graph: the planner stays pure and no module imports its way in a circle.
+"""The package's import graph: layers import only downward, the planner stays pure, no cycles.
 
 Read from the import statements themselves (module level and inside functions alike, so a lazy
 import that hides a cycle counts too; ``if TYPE_CHECKING:`` blocks, which never run, do not),
@@ -13,9 +13,36 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "lightning_autopipe"
 PACKAGE = "lightning_autopipe"
-#: What a planning module may not import: planning runs without processes, devices or Lightning.
-FORBIDDEN = ("torch", "lightning", "lightning_utilities", f"{PACKAGE}.runtime",
-             f"{PACKAGE}.graph", f"{PACKAGE}.strategy", f"{PACKAGE}.profiler")
+
+#: The layers, lowest first: a module may import its own layer and the ones below it, never
+#: one above. Names are module prefixes below the package (``planner`` holds every
+#: ``lightning_autopipe.planner.*``). ``options`` validates schedule names and plans, so it
+#: sits on the planner; ``checkpoint`` reads Lightning's checkpoint plugins, so it sits with the
+#: integration's lowest part.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core", ("errors", "extras", "profile", "hardware", "cluster")),
+    ("graph", ("graph",)),
+    ("planner", ("planner",)),
+    ("options", ("options",)),
+    ("runtime", ("runtime",)),
+    ("checkpoint", ("checkpoint",)),
+    ("lightning", ("lightning",)),
+    ("zoo", ("zoo",)),
+)
+#: Entry points, above every layer: the package facade and the command lines.
+ENTRY = ("", "__main__", "graph.cli", "planner.cli")
+#: Third-party packages a layer may not import (what runs without them must not need them).
+EXTERNAL_FORBIDDEN = {
+    "core": ("torch", "lightning", "hydra", "omegaconf", "transformers", "torchvision"),
+    "graph": ("lightning", "hydra", "omegaconf", "transformers", "torchvision"),
+    "planner": ("torch", "lightning", "lightning_utilities", "hydra", "omegaconf",
+                "transformers", "torchvision"),
+    "options": ("torch", "lightning", "hydra", "omegaconf", "transformers", "torchvision"),
+    "runtime": ("lightning", "hydra", "omegaconf", "transformers", "torchvision"),
+    "checkpoint": ("hydra", "omegaconf", "transformers", "torchvision"),
+    "lightning": ("hydra", "omegaconf", "transformers", "torchvision"),
+    "zoo": (),
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -58,16 +85,56 @@ def _imports(name: str) -> set[str]:
     return out
 
 
-def test_planner_imports_no_torch_lightning_runtime_graph_or_strategy():
+def _layer(name: str) -> int:
+    """The index of ``name``'s layer in :data:`LAYERS`, ``len(LAYERS)`` for an entry point."""
+    rel = name[len(PACKAGE) + 1:] if name != PACKAGE else ""
+    if rel in ENTRY:
+        return len(LAYERS)
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(rel == p or rel.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"module {name} belongs to no layer: add it to LAYERS in {__file__}")
+
+
+def _upward_imports(modules: dict[str, set[str]]) -> dict[str, list[str]]:
+    """For each module, what it imports from a layer above its own."""
     bad = {}
-    for name in MODULES:
-        if not name.startswith(f"{PACKAGE}.planner"):
-            continue
-        hits = sorted(m for m in _imports(name)
-                      if any(m == f or m.startswith(f + ".") for f in FORBIDDEN))
+    for name, imports in modules.items():
+        hits = sorted(m for m in imports
+                      if m.startswith(PACKAGE + ".") and _layer(m) > _layer(name))
         if hits:
             bad[name] = hits
-    assert not bad, f"planner modules import what planning must not need: {bad}"
+    return bad
+
+
+def test_every_module_belongs_to_a_layer():
+    for name in MODULES:
+        _layer(name)
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    bad = _upward_imports({n: _imports(n) for n in MODULES})
+    assert not bad, f"upward imports (see LAYERS in tests/test_imports.py): {bad}"
+
+
+def test_no_layer_imports_a_third_party_package_it_must_run_without():
+    bad = {}
+    for name in MODULES:
+        layer = _layer(name)
+        if layer == len(LAYERS):
+            continue
+        forbidden = EXTERNAL_FORBIDDEN[LAYERS[layer][0]]
+        hits = sorted(m for m in _imports(name) if m.split(".")[0] in forbidden)
+        if hits:
+            bad[name] = hits
+    assert not bad, f"layers importing what they must run without: {bad}"
+
+
+def test_the_layer_checks_find_an_upward_import():
+    imports = {f"{PACKAGE}.planner.search": {f"{PACKAGE}.runtime.executor"},
+               f"{PACKAGE}.runtime.executor": {f"{PACKAGE}.planner.schedule"}}
+    assert _upward_imports(imports) == {
+        f"{PACKAGE}.planner.search": [f"{PACKAGE}.runtime.executor"]}
 
 
 def test_the_profile_data_type_the_planner_reads_needs_no_torch():

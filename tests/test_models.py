@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_autopipe.models import MODEL_NAMES, SmallCNN, TinyGPT, build_model
+from lightning_autopipe.zoo.models import MODEL_NAMES, SmallCNN, TinyGPT, build_model
 
 
 def test_tiny_gpt_ties_embeddings_and_is_causal() -> None:

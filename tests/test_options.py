@@ -14,9 +14,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from lightning_autopipe import AutoPipeStrategy
-from lightning_autopipe.config import CONF_DIR, AutoPipeStrategyConfig, compose
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.zoo.config import CONF_DIR, AutoPipeStrategyConfig, compose
 
 OPTIONS = {f.name: f.default for f in dataclasses.fields(AutoPipeOptions)}
 

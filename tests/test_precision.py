@@ -20,9 +20,9 @@ from lightning.pytorch.plugins.precision import (
 
 from lightning_autopipe import AutoPipeStrategy
 from lightning_autopipe.errors import PlanError
-from lightning_autopipe.precision import check_precision, install_loss_scaling
+from lightning_autopipe.lightning.precision import check_precision, install_loss_scaling
+from lightning_autopipe.lightning.strategy import _check_trainer
 from lightning_autopipe.runtime.scaler import PipelineGradScaler
-from lightning_autopipe.strategy import _check_trainer
 
 SUPPORTED = r"use one of \['32-true', 'bf16-mixed', '16-mixed'\]"
 

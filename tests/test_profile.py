@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from lightning_autopipe import Profile, profile_blocks, split_model
-from lightning_autopipe.models import build_model
 from lightning_autopipe.profile import BlockProfile, median_profile
+from lightning_autopipe.zoo.models import build_model
 
 
 def _whole_model_ms(model: nn.Module, inputs: tuple, runs: int) -> tuple[float, float]:

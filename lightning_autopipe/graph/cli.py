@@ -51,7 +51,7 @@ def format_profile(profile: Profile) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from lightning_autopipe.models import MODEL_NAMES
+    from lightning_autopipe.zoo.models import MODEL_NAMES
 
     p = argparse.ArgumentParser(
         prog="python -m lightning_autopipe profile",
@@ -97,8 +97,8 @@ def profile_main(argv: list[str]) -> int:
     """Entry point of ``python -m lightning_autopipe profile``; returns the exit status."""
     args = _parser().parse_args(argv)
     from lightning_autopipe.graph.blocks import split_model
-    from lightning_autopipe.models import build_model
-    from lightning_autopipe.profiler import profile_blocks
+    from lightning_autopipe.runtime.profiler import profile_blocks
+    from lightning_autopipe.zoo.models import build_model
 
     try:
         start = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lightning_autopipe.extras import import_extra
 from lightning_autopipe.planner.simulate import Event, SimResult
 
 __all__ = ["write_chrome_trace", "write_png", "chrome_trace"]
@@ -101,8 +102,7 @@ def write_png(result: SimResult, path: str | Path, *, title: str | None = None) 
     Forward, backward and all-reduce are full-height bars (slices of micro-batch 0 show as
     short bars, labelled where they are wide enough); transfers are thin bars under the sender.
     """
-    import matplotlib
-
+    matplotlib = import_extra("matplotlib", "the timeline picture (timeline.png)")
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.pricing import allreduce_ms
-from lightning_autopipe.profiler import _sync
 from lightning_autopipe.runtime.comm import transport_device
+from lightning_autopipe.runtime.profiler import _sync
 
 __all__ = ["fit_link", "fit_reduce", "link_device", "measure_link", "measure_reduce"]
 

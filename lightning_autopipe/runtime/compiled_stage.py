@@ -156,7 +156,7 @@ def profile_for(
     with a warning), else :func:`compiled_profile` (the ratios logged on rank 0)."""
     if backend is None:
         return profile
-    from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+    from lightning_autopipe.runtime.log import rank_zero_info, rank_zero_warn
 
     if any(p.is_meta for p in blocks.stage(0, len(blocks)).parameters()):
         rank_zero_warn("compile: a model on the meta device is planned from its eager profile "

@@ -175,7 +175,7 @@ class MemoryMeter:
             if self._report is not None:
                 self._report(text)
             else:
-                from lightning.fabric.utilities.rank_zero import rank_zero_info
+                from lightning_autopipe.runtime.log import rank_zero_info
 
                 rank_zero_info(text)
 

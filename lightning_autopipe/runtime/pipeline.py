@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from lightning_autopipe import errors, profiler
+from lightning_autopipe import errors
 from lightning_autopipe.errors import InputError, PipelineRuntimeError, PlanError
 from lightning_autopipe.graph.trace import has_meta
 from lightning_autopipe.options import AutoPipeOptions
@@ -28,6 +28,7 @@ from lightning_autopipe.planner.report import plan_table
 from lightning_autopipe.planner.schedule import forward_only, lower_communication
 from lightning_autopipe.planner.search import search_plan
 from lightning_autopipe.profile import Profile
+from lightning_autopipe.runtime import profiler
 from lightning_autopipe.runtime.checks import (
     check_loss_contract,
     check_num_stages,
@@ -129,7 +130,7 @@ def resolve_cluster(
             return Cluster.local(world_size, device_name=name)
         latency_us, gbps = link
         if dist.get_rank() == 0:
-            from lightning.fabric.utilities.rank_zero import rank_zero_info
+            from lightning_autopipe.runtime.log import rank_zero_info
 
             rank_zero_info(
                 f"local cluster: {dist.get_backend()} link measured at {gbps:.2f} Gb/s, "
@@ -144,7 +145,7 @@ def resolve_cluster(
     cluster.validate_world_size(world_size, exact=exact)
     cluster.validate_nodes(num_nodes, world_size // max(num_nodes, 1))
     if cluster.num_devices > world_size and (not dist.is_initialized() or dist.get_rank() == 0):
-        from lightning.fabric.utilities.rank_zero import rank_zero_info
+        from lightning_autopipe.runtime.log import rank_zero_info
 
         used = cluster.devices[:world_size]
         rank_zero_info(
@@ -461,7 +462,7 @@ def _compiled(stage: nn.Module, plan: Plan, options: AutoPipeOptions, first: boo
 
 
 def _info(text: str) -> None:
-    from lightning.fabric.utilities.rank_zero import rank_zero_info
+    from lightning_autopipe.runtime.log import rank_zero_info
 
     rank_zero_info(text)
 

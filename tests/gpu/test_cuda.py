@@ -15,8 +15,8 @@ import torch
 from lightning_autopipe.graph import split_model
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan, StagePlan
-from lightning_autopipe.profiler import profile_blocks
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
+from lightning_autopipe.runtime.profiler import profile_blocks
 from tests.gpu._common import Model
 from tests.gpu._common import batch as _batch
 from tests.gpu._common import close as _close

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lightning_autopipe.graph import split_model
-from lightning_autopipe.models import TinyGPT
-from lightning_autopipe.profiler import profile_blocks
+from lightning_autopipe.runtime.profiler import profile_blocks
+from lightning_autopipe.zoo.models import TinyGPT
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ import torch
 from lightning_autopipe import Profile, split_model
 from lightning_autopipe.__main__ import main
 from lightning_autopipe.graph.cli import profile_main
-from lightning_autopipe.models import SmallCNN, build_model
+from lightning_autopipe.zoo.models import SmallCNN, build_model
 
 
 def make_cnn() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:

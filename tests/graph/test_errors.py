@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_autopipe import BlockRangeError, InputError, TraceError, split_model
-from lightning_autopipe.models import TinyGPT, build_model
+from lightning_autopipe.zoo.models import TinyGPT, build_model
 
 
 class DataDependent(nn.Module):

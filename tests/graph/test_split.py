@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_autopipe import split_model
-from lightning_autopipe.models import build_model
+from lightning_autopipe.zoo.models import build_model
 from tests.graph._reference import call, check_split, main_output, random_cuts
 
 

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_autopipe.models import SmallCNN
+from lightning_autopipe.zoo.models import SmallCNN
 
 REPLICA_BATCH = 10  # m=2 micro-batches of 5, micro-batch 0 in 3 startup slices: 2, 2, 1, then 5
 MICROBATCHES, STARTUP_SLICES = 2, 3

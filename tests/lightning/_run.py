@@ -82,7 +82,7 @@ def readme_inputs() -> dict:
     """``net`` and ``loader`` for the README example: a tiny GPT on a learnable sequence."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_autopipe.models import TinyGPT
+    from lightning_autopipe.zoo.models import TinyGPT
 
     torch.manual_seed(0)
     net = TinyGPT(vocab=32, seq_len=16, d_model=32, n_layers=2, n_heads=2)

@@ -6,9 +6,9 @@ import torch
 from lightning.pytorch.utilities.model_summary import ModelSummary
 
 from lightning_autopipe.graph import split_model
-from lightning_autopipe.models import TinyGPT
+from lightning_autopipe.lightning.summary import PipelineSummary, whole_model_parameters
 from lightning_autopipe.runtime.local_stage import bind_local_stage
-from lightning_autopipe.summary import PipelineSummary, whole_model_parameters
+from lightning_autopipe.zoo.models import TinyGPT
 from tests.lightning._module import Classifier
 
 

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from lightning_autopipe.cluster import Cluster
-from lightning_autopipe.config import CONF_DIR
 from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.zoo.config import CONF_DIR
 from tests.recipes._run import ROOT, losses, run
 
 BANNER = "== AutoPipe plan: 2 stages x "
@@ -163,7 +163,7 @@ def test_the_recipe_tasks_hyperparameters_load_weights_only(monkeypatch, tmp_pat
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
     from _common import build_task
 
-    from lightning_autopipe.config import compose
+    from lightning_autopipe.zoo.config import compose
 
     task = build_task(compose("train_gpt", []))
     torch.save({"hyper_parameters": dict(task.hparams)}, tmp_path / "h.ckpt")

@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_autopipe.models import TinyGPT
+from lightning_autopipe.zoo.models import TinyGPT
 
 VOCAB, SEQ = 32, 8
 GLOBAL_BATCH = 16

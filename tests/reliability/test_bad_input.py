@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_autopipe.profiler as profile_mod
 import lightning_autopipe.runtime.pipeline as pipeline_mod
+import lightning_autopipe.runtime.profiler as profile_mod
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, InputError, MemoryPlanError, PlanError
 from lightning_autopipe.options import AutoPipeOptions

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_autopipe.models import SmallCNN, TinyGPT
+from lightning_autopipe.zoo.models import SmallCNN, TinyGPT
 
 REPLICA_BATCH = 8  # the dataloader batch: one data-parallel replica's batch
 STEPS = 3
@@ -24,7 +24,7 @@ def build_net(model: str) -> nn.Module:
     if model == "gpt":
         return TinyGPT(vocab=VOCAB, seq_len=SEQ, d_model=16, n_layers=2, n_heads=2)
     if model == "hfgpt":  # Hugging Face GPT-2 (tied embeddings), traced with torch.export
-        from lightning_autopipe.tasks import build_gpt
+        from lightning_autopipe.zoo.tasks import build_gpt
 
         return build_gpt("hfgpt", arch="hf", vocab_size=VOCAB, max_seq_len=SEQ, n_embd=16)
     if model in ("cnn", "cnn_bn"):

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_autopipe.models import TinyGPT
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.runtime import materialize as mat
 from lightning_autopipe.runtime.groups import destroy_groups
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline
+from lightning_autopipe.zoo.models import TinyGPT
 from tests.runtime import _cases as C
 
 BATCH = 8  # one replica's batch
@@ -270,7 +270,7 @@ def _local(world: int) -> Any:
 def _memory(rank: int, world: int, arg: Any) -> dict[str, Any]:
     """Plan on 2 stages from the ranks' block-by-block profiles, train 2 Adam steps: the
     memory reading beside the prediction, and the most parameter bytes ever materialised."""
-    from lightning_autopipe import profiler
+    from lightning_autopipe.runtime import profiler
 
     held: list[int] = []
     real = profiler._time_isolated

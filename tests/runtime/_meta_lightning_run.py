@@ -28,9 +28,9 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_autopipe  # noqa: E402
 from lightning_autopipe.cluster import Cluster  # noqa: E402
-from lightning_autopipe.models import TinyGPT  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from lightning_autopipe.runtime.materialize import _give_back_host_memory  # noqa: E402
+from lightning_autopipe.zoo.models import TinyGPT  # noqa: E402
 from tests.runtime import _cases as C  # noqa: E402
 
 SIZES = {"vocab": 512, "seq_len": 16, "d_model": 1024, "n_layers": 8, "n_heads": 8}

@@ -77,16 +77,15 @@ def test_no_process_group_keeps_the_defaults():
 def test_a_cluster_file_must_match_the_launched_nodes(monkeypatch):
     from pathlib import Path
 
-    import lightning.fabric.utilities.rank_zero as rank_zero
-
     from lightning_autopipe.errors import ClusterError
+    from lightning_autopipe.runtime import log as runtime_log
 
     rack = Path(__file__).resolve().parents[2] / "conf" / "cluster" / "pcie_2x8.yaml"
     assert resolve_cluster(str(rack), 16, CPU, num_nodes=2).num_devices == 16
     with pytest.raises(ClusterError, match="as many processes per node as each server has GPUs"):
         resolve_cluster(str(rack), 8, CPU, num_nodes=2)  # 2 nodes x 4 processes
     said: list[str] = []
-    monkeypatch.setattr(rank_zero, "rank_zero_info", lambda msg, *a, **k: said.append(msg))
+    monkeypatch.setattr(runtime_log, "rank_zero_info", lambda msg, *a, **k: said.append(msg))
     resolve_cluster(str(rack), 2, CPU)  # a larger file: say which devices the run is planned on
     assert said == [
         "cluster 'pcie-2x8' describes 16 devices; this run of 2 processes is planned on the "

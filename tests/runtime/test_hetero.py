@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_autopipe.models import TinyGPT
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
+from lightning_autopipe.zoo.models import TinyGPT
 from tests.runtime import _cases as C
 
 pytestmark = pytest.mark.slow
@@ -260,7 +260,7 @@ def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_war
 
 
 def _failing_worker(rank: int, port: int, out: str) -> None:
-    import lightning_autopipe.profiler as profiler
+    import lightning_autopipe.runtime.profiler as profiler
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -17,8 +17,8 @@ from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.graph import split_model
 from lightning_autopipe.planner.plan import Proposal
 from lightning_autopipe.planner.search import finish_plan, make_plan
-from lightning_autopipe.profiler import profile_blocks
 from lightning_autopipe.runtime.materialize import Materializer
+from lightning_autopipe.runtime.profiler import profile_blocks
 from tests.runtime import _meta as M
 
 SIZES = {"d": 16, "layers": 2}

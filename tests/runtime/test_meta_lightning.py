@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_autopipe.models import TinyGPT
 from lightning_autopipe.runtime.materialize import deferred_init
+from lightning_autopipe.zoo.models import TinyGPT
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "runtime" / "_meta_lightning_run.py"

@@ -7,7 +7,8 @@ micro-batch slice the last stage calls the module's own ``training_step`` / ``va
 (the slice's outputs of the last stage) and ``self.log`` recorded rather than logged. The
 returned loss is what the executor back-propagates (weighted by the slice's sample count).
 After the step (:meth:`StepRunner.finish`, collective) the records are combined per key over the
-slices (:mod:`~lightning_autopipe.step_logs`: sample-weighted, so a logged mean is the whole
+slices (:mod:`~lightning_autopipe.lightning.step_logs`:
+sample-weighted, so a logged mean is the whole
 batch's), sent to every rank of the pipeline and logged there once, so Lightning's result
 collection (loggers, progress bar, ``ModelCheckpoint(monitor=...)``, ``EarlyStopping``,
 ``sync_dist``, ``on_epoch`` means) sees what it sees under DDP. A module with ``pipeline_loss``
@@ -32,9 +33,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_autopipe.errors import PipelineRuntimeError, StepContractError
+from lightning_autopipe.lightning.step_logs import WAY_OUT, LoggedValue, SliceLogs, bind_log
 from lightning_autopipe.runtime.failure import describe
 from lightning_autopipe.runtime.local_stage import as_call_args, model_inputs
-from lightning_autopipe.step_logs import WAY_OUT, LoggedValue, SliceLogs, bind_log
 
 __all__ = ["STEP_HOOKS", "StepOutcome", "StepRunner", "join_slices"]
 

@@ -39,7 +39,7 @@ def register() -> None:
 
 
 def _autopipe(**options: Any) -> Any:
-    from lightning_autopipe.strategy import AutoPipeStrategy
+    from lightning_autopipe.lightning.strategy import AutoPipeStrategy
 
     return AutoPipeStrategy(**options)
 

@@ -6,7 +6,7 @@ The LightningModule contract
   pipeline stages; only tensors may cross stage boundaries. Forward inputs come from
   ``pipeline_inputs(self, batch)`` when defined, else ``batch[0]`` for a tuple/list batch, else
   the batch itself (a tensor, tuple of positional tensors, or dict of keyword tensors).
-* The module's own steps run as written (:mod:`lightning_autopipe.lightning_steps`): per
+* The module's own steps run as written (:mod:`lightning_autopipe.lightning.steps`): per
   micro-batch slice the last stage calls ``training_step`` (``validation_step``, ``test_step``,
   ``predict_step`` in a forward-only pipeline) with ``self(...)`` answering that slice's outputs
   of the last stage; the returned loss is back-propagated weighted by the slice's sample count
@@ -24,7 +24,7 @@ The LightningModule contract
 * Before ``configure_optimizers`` runs, the module's parameters are rebound to the local stage's
   (``self.parameters()`` yields exactly this rank's stage, under the original names; other
   stages' parameters are released), so ``torch.optim.X(self.parameters())`` is stage-local.
-  The pipeline outlives ``fit`` (:mod:`lightning_autopipe.held_pipeline`): ``validate``,
+  The pipeline outlives ``fit`` (:mod:`lightning_autopipe.lightning.held_pipeline`): ``validate``,
   ``test``, ``predict`` and ``fit`` again on the same Trainer and module (``ckpt_path="last"`` /
   ``"best"`` too) reuse it. The model summary counts every stage's parameters.
 * The dataloader's batch size is the batch of one data-parallel replica (as with DDP, the
@@ -34,7 +34,7 @@ The LightningModule contract
 * ``accumulate_grad_batches`` must be 1: micro-batching is the plan's ``num_microbatches``.
 * Gradient clipping by norm uses the norm over all stages (tied copies counted once).
 * Precision ``32-true``, ``bf16-mixed`` and ``16-mixed`` (fp16 loss scaling decided over every
-  stage and replica at once, :mod:`lightning_autopipe.precision`); others are refused.
+  stage and replica at once, :mod:`lightning_autopipe.lightning.precision`); others are refused.
 
 Checkpoints and failures
 ------------------------
@@ -87,15 +87,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_autopipe import checkpoint as ckpt
-from lightning_autopipe import summary
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
-from lightning_autopipe.held_pipeline import HeldPipeline, destroy_released_groups
-from lightning_autopipe.lightning_steps import StepOutcome, StepRunner
+from lightning_autopipe.lightning import summary
+from lightning_autopipe.lightning.held_pipeline import HeldPipeline, destroy_released_groups
+from lightning_autopipe.lightning.precision import check_precision, install_loss_scaling
+from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
-from lightning_autopipe.precision import check_precision, install_loss_scaling
 from lightning_autopipe.runtime.checks import check_microbatches
-from lightning_autopipe.runtime.example import _example
+from lightning_autopipe.lightning.example import _example
 from lightning_autopipe.runtime.failure import describe, watch_launcher
 from lightning_autopipe.runtime.materialize import deferred_init, is_deferred
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
-
+from lightning_autopipe.extras import import_extra
 from lightning_autopipe.options import AutoPipeOptions
+
+import_extra("hydra", "the typed Hydra configs")
+from hydra.core.config_store import ConfigStore  # noqa: E402
+from omegaconf import MISSING, DictConfig  # noqa: E402
 
 __all__ = [
     "CONF_DIR",
@@ -39,7 +41,7 @@ __all__ = [
     "register_configs",
 ]
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 # -------------------------------------------------------------------------------------- model
@@ -47,7 +49,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 class GPTModelConfig:
     """Decoder-only GPT (``arch``: ``tiny`` = TinyGPT, ``hf`` = transformers GPT-2)."""
 
-    _target_: str = "lightning_autopipe.tasks.build_gpt"
+    _target_: str = "lightning_autopipe.zoo.tasks.build_gpt"
     name: str = MISSING
     arch: str = "tiny"
     vocab_size: int = 264
@@ -63,7 +65,7 @@ class GPTModelConfig:
 class BertModelConfig:
     """transformers ``BertForMaskedLM`` (``intermediate_size`` null = 4 x ``n_embd``)."""
 
-    _target_: str = "lightning_autopipe.tasks.build_bert"
+    _target_: str = "lightning_autopipe.zoo.tasks.build_bert"
     name: str = MISSING
     vocab_size: int = 264
     max_seq_len: int = 128
@@ -78,7 +80,7 @@ class BertModelConfig:
 class ResNetModelConfig:
     """SmallCNN (``arch: small_cnn``) or a torchvision ResNet (``arch: resnet50`` ...)."""
 
-    _target_: str = "lightning_autopipe.tasks.build_resnet"
+    _target_: str = "lightning_autopipe.zoo.tasks.build_resnet"
     name: str = MISSING
     arch: str = "small_cnn"
     num_classes: int = 10
@@ -95,7 +97,7 @@ class ResNetModelConfig:
 class TextDataConfig:
     """Next-byte prediction on the Python standard library (see ``data.StdlibTextDataModule``)."""
 
-    _target_: str = "lightning_autopipe.data.StdlibTextDataModule"
+    _target_: str = "lightning_autopipe.zoo.data.StdlibTextDataModule"
     block_size: int = 128
     batch_size: int = 8
     max_bytes: int = 2_000_000
@@ -108,7 +110,7 @@ class TextDataConfig:
 class MLMDataConfig(TextDataConfig):
     """Masked-LM on the Python standard library (see ``data.StdlibMLMDataModule``)."""
 
-    _target_: str = "lightning_autopipe.data.StdlibMLMDataModule"
+    _target_: str = "lightning_autopipe.zoo.data.StdlibMLMDataModule"
     mask_prob: float = 0.15
 
 
@@ -116,7 +118,7 @@ class MLMDataConfig(TextDataConfig):
 class ImageDataConfig:
     """Synthetic, learnable image classification (see ``data.SyntheticImageDataModule``)."""
 
-    _target_: str = "lightning_autopipe.data.SyntheticImageDataModule"
+    _target_: str = "lightning_autopipe.zoo.data.SyntheticImageDataModule"
     num_classes: int = 10
     image_size: int = 32
     channels: int = 3
@@ -214,19 +216,19 @@ class _TaskConfig:
 
 @dataclass
 class CausalLMTaskConfig(_TaskConfig):
-    _target_: str = "lightning_autopipe.tasks.CausalLMTask"
+    _target_: str = "lightning_autopipe.zoo.tasks.CausalLMTask"
     seq_len: int = MISSING
 
 
 @dataclass
 class MaskedLMTaskConfig(_TaskConfig):
-    _target_: str = "lightning_autopipe.tasks.MaskedLMTask"
+    _target_: str = "lightning_autopipe.zoo.tasks.MaskedLMTask"
     seq_len: int = MISSING
 
 
 @dataclass
 class ImageTaskConfig(_TaskConfig):
-    _target_: str = "lightning_autopipe.tasks.ImageClassificationTask"
+    _target_: str = "lightning_autopipe.zoo.tasks.ImageClassificationTask"
     image_size: int = MISSING
     channels: int = 3
 

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_autopipe.extras import import_extra
+
 __all__ = ["MODEL_NAMES", "SmallCNN", "TinyGPT", "build_model"]
 
 
@@ -227,7 +229,7 @@ def _small_cnn(size: str, batch: int, batch_norm: bool = False) -> tuple[nn.Modu
 
 
 def _resnet(name: str, size: str, batch: int) -> tuple[nn.Module, Inputs]:
-    import torchvision
+    torchvision = import_extra("torchvision", "the torchvision model zoo")
 
     image = _sizes(name, size, {"tiny": 32, "small": 64, "real": 224})
     classes = 10 if size != "real" else 1000
@@ -236,7 +238,9 @@ def _resnet(name: str, size: str, batch: int) -> tuple[nn.Module, Inputs]:
 
 
 def _vit(size: str, batch: int) -> tuple[nn.Module, Inputs]:
-    from torchvision.models.vision_transformer import VisionTransformer
+    VisionTransformer = import_extra(
+        "torchvision.models.vision_transformer", "the torchvision model zoo"
+    ).VisionTransformer
 
     # (image, patch, layers, heads, hidden, mlp); "real" is ViT-B/16 itself.
     image, patch, layers, heads, hidden, mlp = _sizes(
@@ -261,7 +265,8 @@ def _vit(size: str, batch: int) -> tuple[nn.Module, Inputs]:
 
 
 def _gpt2(size: str, batch: int) -> tuple[nn.Module, Inputs]:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    hf = import_extra("transformers", "Hugging Face models")
+    GPT2Config, GPT2LMHeadModel = hf.GPT2Config, hf.GPT2LMHeadModel
 
     # (vocab, positions, layers, d, heads, example seq); xl is 1.5B: built only on request.
     vocab, positions, layers, d, heads, seq = _sizes(
@@ -293,7 +298,8 @@ def _gpt2(size: str, batch: int) -> tuple[nn.Module, Inputs]:
 
 
 def _bert(size: str, batch: int) -> tuple[nn.Module, Inputs]:
-    from transformers import BertConfig, BertForMaskedLM
+    hf = import_extra("transformers", "Hugging Face models")
+    BertConfig, BertForMaskedLM = hf.BertConfig, hf.BertForMaskedLM
 
     vocab, layers, d, heads, seq = _sizes(
         "bert",

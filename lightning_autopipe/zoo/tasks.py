@@ -21,8 +21,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_autopipe.data import IGNORE_INDEX
-from lightning_autopipe.models import SmallCNN, TinyGPT
+from lightning_autopipe.extras import import_extra
+from lightning_autopipe.zoo.data import IGNORE_INDEX
+from lightning_autopipe.zoo.models import SmallCNN, TinyGPT
 
 __all__ = [
     "CausalLMTask",
@@ -77,7 +78,8 @@ def build_gpt(
             dropout=dropout,
         )
     if arch == "hf":
-        from transformers import GPT2Config, GPT2LMHeadModel
+        hf = import_extra("transformers", "Hugging Face models")
+        GPT2Config, GPT2LMHeadModel = hf.GPT2Config, hf.GPT2LMHeadModel
 
         config = GPT2Config(
             vocab_size=vocab_size,
@@ -107,7 +109,8 @@ def build_bert(
 ) -> nn.Module:
     """Hugging Face ``BertForMaskedLM`` from a ``BertConfig`` (``intermediate_size`` default
     ``4 * n_embd``), called with ``input_ids`` only."""
-    from transformers import BertConfig, BertForMaskedLM
+    hf = import_extra("transformers", "Hugging Face models")
+    BertConfig, BertForMaskedLM = hf.BertConfig, hf.BertForMaskedLM
 
     config = BertConfig(
         vocab_size=vocab_size,
@@ -157,7 +160,7 @@ def build_resnet(
             blocks_per_stage=blocks_per_stage,
             batch_norm=norm == "batch",
         )
-    import torchvision
+    torchvision = import_extra("torchvision", "the torchvision model zoo")
 
     factory = getattr(torchvision.models, arch, None)
     if factory is None or not arch.startswith(("resnet", "resnext", "wide_resnet")):

@@ -96,7 +96,7 @@ def checkpoint_record(
 
 
 class ProgressNote:
-    """Rank 0 notes the step each training step starts in ``<checkpoint dir>/PROGRESS_FILE``.
+    """Rank 0 of a torchrun run notes each step as it starts in ``<checkpoint dir>/PROGRESS_FILE``.
 
     A restart resumes from the last checkpoint; the note says how far the lost attempt had got,
     so the log can name the steps whose work was lost and is replayed. Written by a replace of

@@ -366,10 +366,11 @@ class AutoPipeStrategy(ParallelStrategy):
     def _note_attempt(self, trainer: Any) -> None:
         """Log what a resumed (elastic) attempt lost and replays; note each step's start."""
         assert self._pipe is not None
-        callback = getattr(trainer, "checkpoint_callback", None)
-        folder = getattr(callback, "dirpath", None) if self.global_rank == 0 else None
-        self._progress = elastic.ProgressNote(folder)
         attempt = elastic.ElasticAttempt.from_env()
+        callback = getattr(trainer, "checkpoint_callback", None)
+        noting = self.global_rank == 0 and attempt is not None  # under torchrun, on rank 0
+        folder = getattr(callback, "dirpath", None) if noting else None
+        self._progress = elastic.ProgressNote(folder)
         resumed, self._resumed = self._resumed, None
         if resumed is not None and trainer.state.fn == TrainerFn.FITTING:
             path, checkpoint, progress = resumed

@@ -28,6 +28,7 @@ __all__ = [
     "ProgressNote",
     "checkpoint_record",
     "launched_nodes",
+    "resume_facts",
     "resume_message",
 ]
 
@@ -129,9 +130,18 @@ def _width(stages: int, replicas: int) -> str:
     )
 
 
+def resume_facts(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """The little a resume message needs from a loaded checkpoint (not its tensors)."""
+    return {
+        "global_step": int(checkpoint.get("global_step", 0)),
+        RECORD_KEY: dict(checkpoint.get(RECORD_KEY) or {}),
+        "data": _loader_state(checkpoint),
+    }
+
+
 def resume_message(
     path: Any,
-    checkpoint: Mapping[str, Any],
+    facts: Mapping[str, Any],
     progress: Mapping[str, Any] | None,
     world_size: int,
     num_nodes: int,
@@ -140,12 +150,13 @@ def resume_message(
 ) -> str:
     """What rank 0 logs once a resumed attempt's pipeline is planned.
 
-    Names the step resumed from (the checkpoint's), the steps started since by the attempt that
-    wrote ``progress`` (their work is lost and they run again), the world and layout that wrote
-    the checkpoint and this attempt's, and where the data order continues.
+    Names the step resumed from (the checkpoint's, ``facts`` from :func:`resume_facts`), the
+    steps started since by the attempt that wrote ``progress`` (their work is lost and they run
+    again), the world and layout that wrote the checkpoint and this attempt's, and where the
+    data order continues.
     """
-    step = int(checkpoint.get("global_step", 0))
-    record = checkpoint.get(RECORD_KEY) or {}
+    step = int(facts.get("global_step", 0))
+    record = facts.get(RECORD_KEY) or {}
     head = f"elastic: {attempt.describe()}; " if attempt is not None else ""
     lines = [f"{head}resuming from {path} at step {step}"]
     last = int(progress["step"]) if progress and "step" in progress else None
@@ -169,7 +180,7 @@ def resume_message(
     if layout is not None:
         new += f", {_width(layout.num_stages, layout.num_replicas)}"
     lines.append(f"world: written by {old}; now {new}")
-    data = _loader_state(checkpoint)
+    data = facts.get("data")
     if data is not None:
         lines.append(
             f"data: epoch {data['epoch']} continues after global batch {data['batches']} "

@@ -158,7 +158,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._grads: list[Tensor | None] | None = None
         self._hidden_example: Any = None
         self._initial_state: Any = None  # a checkpoint's weights for a meta-device module
-        self._resumed: tuple[Any, Any, Any] | None = None  # (path, checkpoint, progress note)
+        self._resumed: tuple[Any, Any, Any] | None = None  # (path, its facts, progress note)
         self._progress = elastic.ProgressNote(None)
         # Filled by setup (the recipes' plan report reads them):
         self.plan: Plan | None = None
@@ -373,9 +373,9 @@ class AutoPipeStrategy(ParallelStrategy):
         self._progress = elastic.ProgressNote(folder)
         resumed, self._resumed = self._resumed, None
         if resumed is not None and trainer.state.fn == TrainerFn.FITTING:
-            path, checkpoint, progress = resumed
+            path, facts, progress = resumed
             rank_zero_info(elastic.resume_message(
-                path, checkpoint, progress, self.world_size, self.num_nodes,
+                path, facts, progress, self.world_size, self.num_nodes,
                 self._pipe.layout, attempt,
             ))
         elif attempt is not None and attempt.restart > 0 and trainer.state.fn == TrainerFn.FITTING:
@@ -592,7 +592,7 @@ class AutoPipeStrategy(ParallelStrategy):
         checkpoint = self._read_checkpoint(checkpoint_path, weights_only)
         if isinstance(checkpoint, dict) and self.global_rank == 0:
             note = elastic.ProgressNote(Path(str(checkpoint_path)).parent).read()
-            self._resumed = (checkpoint_path, checkpoint, note)
+            self._resumed = (checkpoint_path, elastic.resume_facts(checkpoint), note)
         return checkpoint
 
     def _read_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> Any:

@@ -254,7 +254,8 @@ def test_the_attempt_and_the_resume_are_read_from_torchrun_and_the_checkpoint():
     loader.elastic.position = 4
     checkpoint = {"global_step": 4, elastic.RECORD_KEY: elastic.checkpoint_record(4, 2, Old(), 4),
                   "loops": {"fit_loop": {"state_dict": {"combined_loader": [loader.state_dict()]}}}}
-    text = elastic.resume_message("last.ckpt", checkpoint, {"step": 6, "world_size": 4}, 2, 1,
+    facts = elastic.resume_facts(checkpoint)
+    text = elastic.resume_message("last.ckpt", facts, {"step": 6, "world_size": 4}, 2, 1,
                                   Layout(), attempt)
     assert text.splitlines() == [
         "elastic: torchrun run 'job', attempt 3 (restart 2 of at most 3): 2 ranks on 1 node; "
@@ -266,7 +267,8 @@ def test_the_attempt_and_the_resume_are_read_from_torchrun_and_the_checkpoint():
         "  data: epoch 0 continues after global batch 4 (global batch 16 samples, now 16 per "
         "replica)",
     ]
-    quiet = elastic.resume_message("last.ckpt", {"global_step": 4}, {"step": 4}, 2, 1, None, None)
+    quiet = elastic.resume_message("last.ckpt", elastic.resume_facts({"global_step": 4}),
+                                   {"step": 4}, 2, 1, None, None)
     assert "lost: nothing" in quiet
     assert "an unrecorded world" in quiet
 

@@ -220,7 +220,11 @@ def check_width(global_batch_size: int, num_replicas: int) -> None:
 
 
 def elastic_train_loader(trainer: Any) -> ElasticDataLoader | None:
-    """The fit's training loader when it is an :class:`ElasticDataLoader`, else None."""
+    """The fit's training loader when it is an :class:`ElasticDataLoader`, else None.
+
+    Asks the ``train_dataloader`` hook for it (once more: the example batch and the fit loop
+    ask too), as only the loader itself says whether its batches are global ones.
+    """
     from lightning.pytorch.trainer.states import TrainerFn
 
     if trainer.state.fn != TrainerFn.FITTING:

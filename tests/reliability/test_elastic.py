@@ -14,7 +14,7 @@ runs three worlds (``_elastic_run.py`` says how the markers drive it):
 
 The final weights equal one process that trained the same global batches in the same order,
 and every step's samples, as the attempt whose work counted saw them, are that global batch,
-striped over that attempt's replicas. The suite's heaviest test: eleven Lightning worker
+striped over that attempt's replicas. The suite's heaviest test: ten Lightning worker
 starts and three rendezvous rounds; 216 s on the 2-core machine under a load of about 10
 (414 s under about 35). The other tests here run in one process.
 """

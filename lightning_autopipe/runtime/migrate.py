@@ -1,0 +1,564 @@
+"""Move training state between two plans' layouts in memory, at a step boundary.
+
+A re-plan changes which rank holds which parameters, buffers and optimizer state. Every rank
+knows both layouts (:class:`StateLayout`: the names each global rank holds under each plan), so
+every rank derives the same transfers (:func:`plan_transfers`): a name a rank holds in both
+layouts stays where it is (the same tensor objects, no copy); any other name a new holder needs
+comes from *one* old holder, the one of the same data-parallel replica when there is one
+(BatchNorm statistics differ between replicas; parameters and optimizer state do not), else the
+first replica's. Everything one rank sends to another travels as one flat byte buffer, entries
+in sorted name order, so a switch costs one message per (source, destination) pair, plus two
+small all-gathers (each rank's catalog: what it sends, shapes and dtypes, its optimizer state's
+structure) and one all-reduce that ends it.
+
+Failures: a rank whose own part fails (bad input, an unsupported optimizer state) reports it in
+its catalog or in the closing all-reduce, so every rank raises the same error naming it; a rank
+that dies or hangs makes its peers' waits fail (each bounded by ``timeout``), and they raise
+naming it, or the error it posted first (:mod:`~lightning_autopipe.runtime.failure`).
+
+The wire format is a JSON catalog plus raw tensor bytes: nothing received is unpickled.
+Loading the result into a new stage and a live optimizer is :mod:`.rebind`'s job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_autopipe.errors import PipelineRuntimeError, PlanError
+from lightning_autopipe.runtime.comm import transport_device
+from lightning_autopipe.runtime.failure import FailureBoard, describe, pipeline_failure
+from lightning_autopipe.runtime.optim_state import NAMES
+
+__all__ = ["Migrated", "MigrationStats", "StateLayout", "migrate", "plan_transfers"]
+
+_TAG = 7_340_033  # far above the executor's tags (2 * unit index * 64 + tensor index)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Which state names each global rank holds under one plan (the same on every rank).
+
+    Attributes:
+        ranks: per global rank, the whole model's names (parameters by their first name, tied
+            copies under one name; persistent buffers) its stage holds, in the stage's order.
+        replicas: per global rank, its data-parallel replica.
+    """
+
+    ranks: tuple[tuple[str, ...], ...]
+    replicas: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) != len(self.replicas):
+            raise PlanError(
+                f"a StateLayout needs one replica index per rank: {len(self.ranks)} name lists "
+                f"but {len(self.replicas)} replicas"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_replicas(self) -> int:
+        return max(self.replicas, default=0) + 1
+
+    def holders(self) -> dict[str, list[int]]:
+        """``name -> ranks holding it``, first replica first (then by rank)."""
+        out: dict[str, list[int]] = {}
+        for rank in sorted(range(self.world_size), key=lambda r: (self.replicas[r], r)):
+            for name in self.ranks[rank]:
+                out.setdefault(name, []).append(rank)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ranks": [list(r) for r in self.ranks], "replicas": list(self.replicas)}
+
+    @classmethod
+    def from_plan(cls, plan: Any, blocks: Any, device_names: Sequence[str]) -> StateLayout:
+        """The layout of ``plan`` over the split model ``blocks`` (a ``BlockGraph``).
+
+        ``device_names[i]`` is the device global rank ``i`` drives (as for ``layout_for_rank``).
+        A tied parameter is named by its tie group's first alias on every stage that holds it.
+        """
+        from lightning_autopipe.runtime.groups import layout_for_rank
+        from lightning_autopipe.runtime.rebind import stage_names, tie_aliases
+
+        aliases = tie_aliases(blocks, plan.cuts)
+        per_stage = [
+            tuple(dict.fromkeys(stage_names(blocks.stage(*s.blocks), aliases).values()))
+            for s in plan.stages
+        ]
+        ranks, replicas = [], []
+        for rank in range(len(device_names)):
+            lay = layout_for_rank(plan, device_names, rank)
+            ranks.append(per_stage[lay.stage])
+            replicas.append(lay.replica)
+        return cls(tuple(ranks), tuple(replicas))
+
+
+@dataclass(frozen=True)
+class MigrationStats:
+    """What one migration moved, seen from this rank and (totals) from the whole group."""
+
+    bytes_sent: int
+    bytes_received: int
+    messages_sent: int
+    messages_received: int
+    names_kept: int
+    names_received: int
+    total_bytes: int
+    total_messages: int
+    seconds: float
+
+
+@dataclass
+class Migrated:
+    """This rank's state under the new layout.
+
+    Attributes:
+        tensors: new-stage name -> tensor (kept names: the objects that were passed in).
+        optimizers: per optimizer, its state in the named form
+            (``{"state": {name: ...}, "param_groups": [{..., "param_names": [...]}]}``) over the
+            new stage's names, groups' hyper-parameters as this rank had them.
+        scaler: the gradient scaler's ``state_dict`` (rank 0's; every rank's must agree), or
+            None when none was given.
+        stats: bytes, messages and time.
+    """
+
+    tensors: dict[str, Tensor]
+    optimizers: list[dict[str, Any]] = field(default_factory=list)
+    scaler: dict[str, Any] | None = None
+    stats: MigrationStats | None = None
+
+
+def plan_transfers(old: StateLayout, new: StateLayout) -> dict[tuple[int, int], list[str]]:
+    """``(source, destination) -> sorted names`` that move; every rank computes the same.
+
+    Raises:
+        PlanError: the layouts have other world sizes, or the new one needs a name no rank
+            holds now.
+    """
+    if old.world_size != new.world_size:
+        raise PlanError(
+            f"the old layout spans {old.world_size} ranks and the new one {new.world_size}; a "
+            "migration keeps the ranks (changing their number needs a restart)"
+        )
+    holders = old.holders()
+    moves: dict[tuple[int, int], list[str]] = {}
+    missing = []
+    for dst, names in enumerate(new.ranks):
+        have = set(old.ranks[dst])
+        want_replica = new.replicas[dst] % old.num_replicas
+        for name in names:
+            if name in have:
+                continue
+            if name not in holders:
+                missing.append(name)
+                continue
+            same = [r for r in holders[name] if old.replicas[r] == want_replica]
+            moves.setdefault(((same or holders[name])[0], dst), []).append(name)
+    if missing:
+        raise PlanError(
+            f"the new layout needs {len(missing)} names no rank holds in the old one "
+            f"({sorted(missing)[:6]}); build both layouts from the same model"
+        )
+    return {pair: sorted(names) for pair, names in sorted(moves.items())}
+
+
+def migrate(
+    tensors: Mapping[str, Tensor],
+    old: StateLayout,
+    new: StateLayout,
+    *,
+    optimizers: Sequence[Mapping[str, Any]] = (),
+    scaler: Mapping[str, Any] | None = None,
+    device: torch.device | str = "cpu",
+    group: Any = None,
+    timeout: timedelta = timedelta(seconds=60),
+    failures: FailureBoard | None = None,
+    step: int | None = None,
+) -> Migrated:
+    """Every rank sends what it holds and the new owners need; returns its new state.
+
+    Collective over ``group`` (None: the default group), which must hold every rank of the
+    layouts; ranks are global ranks. Call it on every rank at the same step boundary, after the
+    optimizer step (no gradients in flight).
+
+    Args:
+        tensors: this rank's old stage: name -> parameter or buffer (``old.ranks[rank]``).
+        old, new: the layouts before and after.
+        optimizers: this rank's optimizers' states in the named form
+            (:func:`~lightning_autopipe.runtime.optim_state.named_optimizer_state`); every rank
+            passes the same number, with the same number of groups.
+        scaler: the gradient scaler's ``state_dict()``, or None.
+        device: where received tensors go (optimizer state that lived on the CPU, such as
+            Adam's ``step``, stays there).
+        timeout: bound on every wait; a peer that does not answer in time fails the migration.
+        failures: the board this rank posts its failure to (default: a new one on the default
+            group's store, created on every rank alike).
+        step: the training step, quoted in failure messages.
+
+    Raises:
+        PlanError: the layouts disagree between ranks, or the state does not match them
+            (raised on every rank, naming the rank at fault).
+        PipelineRuntimeError: a rank failed or went silent during the migration.
+    """
+    start = time.perf_counter()
+    device = torch.device(device)
+    rank = dist.get_rank()
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(
+        range(dist.get_world_size()))
+    wire = transport_device(dist.get_backend(group), device)
+    board = failures if failures is not None else FailureBoard.for_current_group()
+    ctx = _Context(rank, board, timeout, step)
+
+    # 1. this rank's own part: check, pick the names it sends, describe them, pack them
+    error, bad_input = None, False
+    moves: dict[tuple[int, int], list[str]] = {}
+    sends: dict[int, Tensor] = {}
+    catalog: dict[str, Any] = {}
+    try:
+        if sorted(ranks) != list(range(old.world_size)):
+            raise PlanError(
+                f"the migration group holds ranks {ranks} but the layouts span "
+                f"{old.world_size} ranks; migrate over a group of every rank"
+            )
+        moves = plan_transfers(old, new)
+        _check_local(tensors, optimizers, old, rank)
+        outgoing = sorted({n for (src, _), names in moves.items() if src == rank for n in names})
+        catalog = {n: _describe(n, tensors, optimizers, device) for n in outgoing}
+        for (src, dst), names in moves.items():
+            if src == rank:
+                sends[dst] = _pack(names, catalog, tensors, optimizers, wire)
+    except Exception as exc:
+        error = f"rank {rank} could not prepare its part of the migration: {describe(exc)}"
+        bad_input = isinstance(exc, PlanError)
+    mine = {
+        "error": error,
+        "bad_input": error is not None and bad_input,
+        "layouts": _fingerprint(old, new),
+        "optimizers": len(optimizers),
+        "groups": [len(o["param_groups"]) for o in optimizers],
+        "scaler": dict(scaler) if scaler is not None else None,
+        "catalog": catalog,
+    }
+    with ctx.watch("the exchange of catalogs", None):
+        peers = _all_gather_json(mine, len(ranks), wire, group, timeout)
+    _agree(peers, rank)
+
+    # 2. the transfers: one flat buffer per (source, destination) pair
+    recvs = {
+        src: torch.empty(_size(names, peers[src]["catalog"]), dtype=torch.uint8, device=wire)
+        for (src, dst), names in moves.items()
+        if dst == rank
+    }
+    ops = [dist.P2POp(dist.isend, buf, dst, group=group, tag=_TAG) for dst, buf in sends.items()]
+    ops += [dist.P2POp(dist.irecv, buf, src, group=group, tag=_TAG) for src, buf in recvs.items()]
+    partners = set(sends) | set(recvs)
+    with ctx.watch("the transfer of state", partners.pop() if len(partners) == 1 else None):
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait(timeout)
+
+    # 3. this rank's new state, then every rank confirms (or learns who failed)
+    out: Migrated | None = None
+    failed = None
+    try:
+        out = _assemble(tensors, optimizers, old, new, rank, moves, recvs, peers, device)
+    except Exception as exc:
+        failed = exc
+        if board is not None:
+            board.post(f"rank {rank} failed in assembling its migrated state: {describe(exc)}")
+    sent = sum(b.numel() for b in sends.values())
+    totals = torch.tensor([float(failed is not None), float(sent), float(len(sends))],
+                          dtype=torch.float64, device=wire)
+    with ctx.watch("the closing all-reduce", None):
+        dist.all_reduce(totals, group=group, async_op=True).wait(timeout)
+    if failed is not None:
+        raise PipelineRuntimeError(
+            f"rank {rank} failed in assembling its migrated state: {describe(failed)}"
+        ) from failed
+    if totals[0] > 0:
+        first = board.first(wait_s=2.0) if board is not None else None
+        raise PipelineRuntimeError(
+            f"rank {rank} stopped the migration because "
+            + (first or "another rank failed assembling its state (see its log)")
+        )
+    assert out is not None
+    out.scaler = peers[0]["scaler"]
+    out.stats = MigrationStats(
+        bytes_sent=sent,
+        bytes_received=sum(b.numel() for b in recvs.values()),
+        messages_sent=len(sends),
+        messages_received=len(recvs),
+        names_kept=sum(1 for n in new.ranks[rank] if n in set(old.ranks[rank])),
+        names_received=sum(len(v) for (_, d), v in moves.items() if d == rank),
+        total_bytes=int(totals[1]),
+        total_messages=int(totals[2]),
+        seconds=time.perf_counter() - start,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------- internals
+@dataclass
+class _Context:
+    rank: int
+    board: FailureBoard | None
+    timeout: timedelta
+    step: int | None
+
+    def watch(self, what: str, peer: int | None) -> Any:
+        return _Watch(self, what, peer)
+
+
+class _Watch:
+    """A communication step: any failure becomes the error naming the first failing rank."""
+
+    def __init__(self, ctx: _Context, what: str, peer: int | None) -> None:
+        self.ctx, self.what, self.peer = ctx, what, peer
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, PipelineRuntimeError | PlanError):
+            return False
+        if not isinstance(exc, Exception):
+            return False
+        ctx = self.ctx
+        raise pipeline_failure(
+            ctx.board,
+            exc,
+            where=f"rank {ctx.rank}",
+            what=f"{self.what} of a layout migration",
+            when=f"step {ctx.step}" if ctx.step is not None else "a re-plan",
+            peer=self.peer,
+            communication=True,
+            timeout_s=ctx.timeout.total_seconds(),
+        ) from exc
+
+
+def _fingerprint(old: StateLayout, new: StateLayout) -> str:
+    text = json.dumps([old.to_json(), new.to_json()], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_local(
+    tensors: Mapping[str, Tensor], optimizers: Sequence[Mapping[str, Any]], old: StateLayout,
+    rank: int,
+) -> None:
+    """The state given matches what the old layout says this rank holds."""
+    want, got = set(old.ranks[rank]), set(tensors)
+    if want != got:
+        raise PlanError(
+            f"the old layout says rank {rank} holds {len(want)} names but it was given "
+            f"{len(got)} tensors (missing {sorted(want - got)[:4]}, extra "
+            f"{sorted(got - want)[:4]}); pass the old stage's tensors under the whole model's "
+            "names"
+        )
+    for i, opt in enumerate(optimizers):
+        foreign = sorted(set(opt["state"]) - got)
+        if foreign:
+            raise PlanError(
+                f"optimizer {i} holds state for {foreign[:4]}, which this rank's stage does "
+                "not hold; pass named_optimizer_state of the stage's own optimizer"
+            )
+
+
+def _agree(peers: Sequence[Mapping[str, Any]], rank: int) -> None:
+    """Raise, on every rank alike, the first problem any rank reported in its catalog."""
+    for r, p in enumerate(peers):
+        if p["error"] is not None:
+            kind = PlanError if p["bad_input"] else PipelineRuntimeError
+            raise kind(p["error"] if r == rank else f"rank {rank} stopped: {p['error']}")
+    for key, what in (("layouts", "old and new layouts"), ("optimizers", "number of optimizers"),
+                      ("groups", "optimizer groups"), ("scaler", "gradient scaler state")):
+        values = [json.dumps(p[key], sort_keys=True) for p in peers]
+        if len(set(values)) > 1:
+            differ = [r for r, v in enumerate(values) if v != values[0]]
+            raise PlanError(
+                f"the ranks disagree on the {what} of the migration (ranks {differ} differ "
+                f"from rank 0: {values[differ[0]][:200]} vs {values[0][:200]}); every rank must "
+                "migrate between the same plans with the same optimizers and scaler"
+            )
+
+
+# --------------------------------------------------------------- catalog and byte packing
+def _tensor_spec(t: Tensor, device: torch.device) -> list[Any]:
+    """``[dtype, shape, on the stage device]``: what a receiver allocates."""
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), t.device.type != "cpu"
+            or device.type == "cpu"]
+
+
+def _skeleton(obj: Any, leaves: list[Tensor], device: torch.device) -> Any:
+    """A JSON form of an optimizer's per-parameter state; tensors become specs in ``leaves``."""
+    if isinstance(obj, Tensor):
+        leaves.append(obj)
+        return {"t": _tensor_spec(obj, device)}
+    if isinstance(obj, Mapping):
+        return {"d": [[k, _skeleton(v, leaves, device)] for k, v in obj.items()]}
+    if isinstance(obj, list | tuple):
+        return {"l" if isinstance(obj, list) else "u": [_skeleton(v, leaves, device) for v in obj]}
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return {"v": obj}
+    raise PlanError(
+        f"optimizer state holds a {type(obj).__name__}, which a migration cannot move (tensors, "
+        "numbers, strings and lists/dicts of them can)"
+    )
+
+
+def _describe(
+    name: str, tensors: Mapping[str, Tensor], optimizers: Sequence[Mapping[str, Any]],
+    device: torch.device,
+) -> dict[str, Any]:
+    leaves: list[Tensor] = []
+    entry: dict[str, Any] = {"t": _tensor_spec(tensors[name], device), "groups": [], "state": []}
+    for opt in optimizers:
+        entry["groups"].append(
+            next((g for g, grp in enumerate(opt["param_groups"]) if name in grp[NAMES]), None))
+        state = opt["state"].get(name)
+        entry["state"].append(None if state is None else _skeleton(state, leaves, device))
+    return entry
+
+
+def _leaves(name: str, tensors: Mapping[str, Tensor],
+            optimizers: Sequence[Mapping[str, Any]]) -> list[Tensor]:
+    """The tensors of one entry, in wire order: the tensor, then each optimizer's state."""
+    out = [tensors[name]]
+    for opt in optimizers:
+        state = opt["state"].get(name)
+        if state is not None:
+            _skeleton(state, out, torch.device("cpu"))
+    return out
+
+
+def _nbytes(spec: Sequence[Any]) -> int:
+    dtype, shape = getattr(torch, spec[0]), spec[1]
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def _entry_specs(entry: Mapping[str, Any]) -> list[list[Any]]:
+    specs = [entry["t"]]
+
+    def walk(node: Any) -> None:
+        if "t" in node:
+            specs.append(node["t"])
+        for key in ("l", "u"):
+            for v in node.get(key, ()):
+                walk(v)
+        for _, v in node.get("d", ()):
+            walk(v)
+
+    for state in entry["state"]:
+        if state is not None:
+            walk(state)
+    return specs
+
+
+def _size(names: Sequence[str], catalog: Mapping[str, Any]) -> int:
+    return sum(_nbytes(s) for n in names for s in _entry_specs(catalog[n]))
+
+
+def _pack(names: Sequence[str], catalog: Mapping[str, Any], tensors: Mapping[str, Tensor],
+          optimizers: Sequence[Mapping[str, Any]], wire: torch.device) -> Tensor:
+    buf = torch.empty(_size(names, catalog), dtype=torch.uint8, device=wire)
+    pos = 0
+    for name in names:
+        for t in _leaves(name, tensors, optimizers):
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[pos : pos + raw.numel()].copy_(raw)
+            pos += raw.numel()
+    return buf
+
+
+def _unpack_entry(entry: Mapping[str, Any], buf: Tensor, pos: int,
+                  device: torch.device) -> tuple[Tensor, list[Any], int]:
+    """Rebuild one entry from ``buf`` at ``pos``: its tensor, each optimizer's state, new pos."""
+
+    def take(spec: Sequence[Any]) -> Tensor:
+        nonlocal pos
+        dtype, shape, on_device = getattr(torch, spec[0]), spec[1], spec[2]
+        t = torch.empty(shape, dtype=dtype, device=device if on_device else "cpu")
+        n = _nbytes(spec)
+        t.reshape(-1).view(torch.uint8).copy_(buf[pos : pos + n])
+        pos += n
+        return t
+
+    def build(node: Mapping[str, Any]) -> Any:
+        if "t" in node:
+            return take(node["t"])
+        if "d" in node:
+            return {(k): build(v) for k, v in node["d"]}
+        if "l" in node:
+            return [build(v) for v in node["l"]]
+        if "u" in node:
+            return tuple(build(v) for v in node["u"])
+        return node["v"]
+
+    tensor = take(entry["t"])
+    states = [None if s is None else build(s) for s in entry["state"]]
+    return tensor, states, pos
+
+
+def _assemble(
+    tensors: Mapping[str, Tensor], optimizers: Sequence[Mapping[str, Any]], old: StateLayout,
+    new: StateLayout, rank: int, moves: Mapping[tuple[int, int], list[str]],
+    recvs: Mapping[int, Tensor], peers: Sequence[Mapping[str, Any]], device: torch.device,
+) -> Migrated:
+    """The new stage's tensors and named optimizer states: kept ones plus received ones."""
+    kept = set(old.ranks[rank])
+    got: dict[str, Tensor] = {}
+    got_state: dict[str, list[Any]] = {}
+    got_groups: dict[str, list[int | None]] = {}
+    for (src, dst), names in moves.items():
+        if dst != rank:
+            continue
+        catalog, pos = peers[src]["catalog"], 0
+        for name in names:
+            got[name], got_state[name], pos = _unpack_entry(catalog[name], recvs[src], pos,
+                                                            device)
+            got_groups[name] = catalog[name]["groups"]
+    out_tensors = {n: tensors[n] if n in kept else got[n] for n in new.ranks[rank]}
+    out_opts = []
+    for i, opt in enumerate(optimizers):
+        group_of = {n: g for g, grp in enumerate(opt["param_groups"]) for n in grp[NAMES]}
+        state, names_per_group = {}, [[] for _ in opt["param_groups"]]
+        for name in new.ranks[rank]:
+            if name in kept:
+                g, value = group_of.get(name), opt["state"].get(name)
+            else:
+                g, value = got_groups[name][i], got_state[name][i]
+            if g is not None:
+                names_per_group[g].append(name)
+            if value is not None:
+                state[name] = value
+        groups = [{**{k: v for k, v in grp.items() if k != NAMES}, NAMES: names}
+                  for grp, names in zip(opt["param_groups"], names_per_group)]
+        out_opts.append({"state": state, "param_groups": groups})
+    return Migrated(tensors=out_tensors, optimizers=out_opts)
+
+
+def _all_gather_json(obj: Any, size: int, wire: torch.device, group: Any,
+                     timeout: timedelta) -> list[Any]:
+    """Every rank's ``obj`` (JSON-able), in group rank order; each wait bounded by ``timeout``."""
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(wire)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=wire)
+    sizes = [torch.zeros_like(n) for _ in range(size)]
+    dist.all_gather(sizes, n, group=group, async_op=True).wait(timeout)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=wire)
+    padded[: data.numel()] = data
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded, group=group, async_op=True).wait(timeout)
+    return [json.loads(bytes(p[: int(s.item())].cpu().tolist()).decode())
+            for p, s in zip(parts, sizes)]

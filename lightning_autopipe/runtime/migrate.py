@@ -16,7 +16,8 @@ its catalog or in the closing all-reduce, so every rank raises the same error na
 that dies or hangs makes its peers' waits fail (each bounded by ``timeout``), and they raise
 naming it, or the error it posted first (:mod:`~lightning_autopipe.runtime.failure`).
 
-The wire format is a JSON catalog plus raw tensor bytes: nothing received is unpickled.
+The wire format (:mod:`.migrate_wire`) is a JSON catalog plus raw tensor bytes: nothing received
+is unpickled.
 Loading the result into a new stage and a live optimizer is :mod:`.rebind`'s job.
 """
 
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
+from lightning_autopipe.runtime import migrate_wire as wire
 from lightning_autopipe.runtime.comm import transport_device
 from lightning_autopipe.runtime.failure import FailureBoard, describe, pipeline_failure
 from lightning_autopipe.runtime.optim_state import NAMES
@@ -218,7 +220,7 @@ def migrate(
     rank = dist.get_rank()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(
         range(dist.get_world_size()))
-    wire = transport_device(dist.get_backend(group), device)
+    transport = transport_device(dist.get_backend(group), device)
     board = failures if failures is not None else FailureBoard.for_current_group()
     ctx = _Context(rank, board, timeout, step)
 
@@ -236,10 +238,10 @@ def migrate(
         moves = plan_transfers(old, new)
         _check_local(tensors, optimizers, old, rank)
         outgoing = sorted({n for (src, _), names in moves.items() if src == rank for n in names})
-        catalog = {n: _describe(n, tensors, optimizers, device) for n in outgoing}
+        catalog = {n: wire.describe_entry(n, tensors, optimizers, device) for n in outgoing}
         for (src, dst), names in moves.items():
             if src == rank:
-                sends[dst] = _pack(names, catalog, tensors, optimizers, wire)
+                sends[dst] = wire.pack(names, catalog, tensors, optimizers, transport)
     except Exception as exc:
         error = f"rank {rank} could not prepare its part of the migration: {describe(exc)}"
         bad_input = isinstance(exc, PlanError)
@@ -253,12 +255,13 @@ def migrate(
         "catalog": catalog,
     }
     with ctx.watch("the exchange of catalogs", None):
-        peers = _all_gather_json(mine, len(ranks), wire, group, timeout)
+        peers = wire.all_gather_json(mine, len(ranks), transport, group, timeout)
     _agree(peers, rank)
 
     # 2. the transfers: one flat buffer per (source, destination) pair
     recvs = {
-        src: torch.empty(_size(names, peers[src]["catalog"]), dtype=torch.uint8, device=wire)
+        src: torch.empty(wire.payload_size(names, peers[src]["catalog"]), dtype=torch.uint8,
+                         device=transport)
         for (src, dst), names in moves.items()
         if dst == rank
     }
@@ -280,7 +283,7 @@ def migrate(
             board.post(f"rank {rank} failed in assembling its migrated state: {describe(exc)}")
     sent = sum(b.numel() for b in sends.values())
     totals = torch.tensor([float(failed is not None), float(sent), float(len(sends))],
-                          dtype=torch.float64, device=wire)
+                          dtype=torch.float64, device=transport)
     with ctx.watch("the closing all-reduce", None):
         dist.all_reduce(totals, group=group, async_op=True).wait(timeout)
     if failed is not None:
@@ -393,123 +396,6 @@ def _agree(peers: Sequence[Mapping[str, Any]], rank: int) -> None:
             )
 
 
-# --------------------------------------------------------------- catalog and byte packing
-def _tensor_spec(t: Tensor, device: torch.device) -> list[Any]:
-    """``[dtype, shape, on the stage device]``: what a receiver allocates."""
-    return [str(t.dtype).removeprefix("torch."), list(t.shape), t.device.type != "cpu"
-            or device.type == "cpu"]
-
-
-def _skeleton(obj: Any, leaves: list[Tensor], device: torch.device) -> Any:
-    """A JSON form of an optimizer's per-parameter state; tensors become specs in ``leaves``."""
-    if isinstance(obj, Tensor):
-        leaves.append(obj)
-        return {"t": _tensor_spec(obj, device)}
-    if isinstance(obj, Mapping):
-        return {"d": [[k, _skeleton(v, leaves, device)] for k, v in obj.items()]}
-    if isinstance(obj, list | tuple):
-        return {"l" if isinstance(obj, list) else "u": [_skeleton(v, leaves, device) for v in obj]}
-    if obj is None or isinstance(obj, bool | int | float | str):
-        return {"v": obj}
-    raise PlanError(
-        f"optimizer state holds a {type(obj).__name__}, which a migration cannot move (tensors, "
-        "numbers, strings and lists/dicts of them can)"
-    )
-
-
-def _describe(
-    name: str, tensors: Mapping[str, Tensor], optimizers: Sequence[Mapping[str, Any]],
-    device: torch.device,
-) -> dict[str, Any]:
-    leaves: list[Tensor] = []
-    entry: dict[str, Any] = {"t": _tensor_spec(tensors[name], device), "groups": [], "state": []}
-    for opt in optimizers:
-        entry["groups"].append(
-            next((g for g, grp in enumerate(opt["param_groups"]) if name in grp[NAMES]), None))
-        state = opt["state"].get(name)
-        entry["state"].append(None if state is None else _skeleton(state, leaves, device))
-    return entry
-
-
-def _leaves(name: str, tensors: Mapping[str, Tensor],
-            optimizers: Sequence[Mapping[str, Any]]) -> list[Tensor]:
-    """The tensors of one entry, in wire order: the tensor, then each optimizer's state."""
-    out = [tensors[name]]
-    for opt in optimizers:
-        state = opt["state"].get(name)
-        if state is not None:
-            _skeleton(state, out, torch.device("cpu"))
-    return out
-
-
-def _nbytes(spec: Sequence[Any]) -> int:
-    dtype, shape = getattr(torch, spec[0]), spec[1]
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-
-
-def _entry_specs(entry: Mapping[str, Any]) -> list[list[Any]]:
-    specs = [entry["t"]]
-
-    def walk(node: Any) -> None:
-        if "t" in node:
-            specs.append(node["t"])
-        for key in ("l", "u"):
-            for v in node.get(key, ()):
-                walk(v)
-        for _, v in node.get("d", ()):
-            walk(v)
-
-    for state in entry["state"]:
-        if state is not None:
-            walk(state)
-    return specs
-
-
-def _size(names: Sequence[str], catalog: Mapping[str, Any]) -> int:
-    return sum(_nbytes(s) for n in names for s in _entry_specs(catalog[n]))
-
-
-def _pack(names: Sequence[str], catalog: Mapping[str, Any], tensors: Mapping[str, Tensor],
-          optimizers: Sequence[Mapping[str, Any]], wire: torch.device) -> Tensor:
-    buf = torch.empty(_size(names, catalog), dtype=torch.uint8, device=wire)
-    pos = 0
-    for name in names:
-        for t in _leaves(name, tensors, optimizers):
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            buf[pos : pos + raw.numel()].copy_(raw)
-            pos += raw.numel()
-    return buf
-
-
-def _unpack_entry(entry: Mapping[str, Any], buf: Tensor, pos: int,
-                  device: torch.device) -> tuple[Tensor, list[Any], int]:
-    """Rebuild one entry from ``buf`` at ``pos``: its tensor, each optimizer's state, new pos."""
-
-    def take(spec: Sequence[Any]) -> Tensor:
-        nonlocal pos
-        dtype, shape, on_device = getattr(torch, spec[0]), spec[1], spec[2]
-        t = torch.empty(shape, dtype=dtype, device=device if on_device else "cpu")
-        n = _nbytes(spec)
-        t.reshape(-1).view(torch.uint8).copy_(buf[pos : pos + n])
-        pos += n
-        return t
-
-    def build(node: Mapping[str, Any]) -> Any:
-        if "t" in node:
-            return take(node["t"])
-        if "d" in node:
-            return {(k): build(v) for k, v in node["d"]}
-        if "l" in node:
-            return [build(v) for v in node["l"]]
-        if "u" in node:
-            return tuple(build(v) for v in node["u"])
-        return node["v"]
-
-    tensor = take(entry["t"])
-    states = [None if s is None else build(s) for s in entry["state"]]
-    return tensor, states, pos
-
-
 def _assemble(
     tensors: Mapping[str, Tensor], optimizers: Sequence[Mapping[str, Any]], old: StateLayout,
     new: StateLayout, rank: int, moves: Mapping[tuple[int, int], list[str]],
@@ -525,7 +411,7 @@ def _assemble(
             continue
         catalog, pos = peers[src]["catalog"], 0
         for name in names:
-            got[name], got_state[name], pos = _unpack_entry(catalog[name], recvs[src], pos,
+            got[name], got_state[name], pos = wire.unpack_entry(catalog[name], recvs[src], pos,
                                                             device)
             got_groups[name] = catalog[name]["groups"]
     out_tensors = {n: tensors[n] if n in kept else got[n] for n in new.ranks[rank]}
@@ -546,19 +432,3 @@ def _assemble(
                   for grp, names in zip(opt["param_groups"], names_per_group)]
         out_opts.append({"state": state, "param_groups": groups})
     return Migrated(tensors=out_tensors, optimizers=out_opts)
-
-
-def _all_gather_json(obj: Any, size: int, wire: torch.device, group: Any,
-                     timeout: timedelta) -> list[Any]:
-    """Every rank's ``obj`` (JSON-able), in group rank order; each wait bounded by ``timeout``."""
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(wire)
-    n = torch.tensor([data.numel()], dtype=torch.int64, device=wire)
-    sizes = [torch.zeros_like(n) for _ in range(size)]
-    dist.all_gather(sizes, n, group=group, async_op=True).wait(timeout)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=wire)
-    padded[: data.numel()] = data
-    parts = [torch.empty_like(padded) for _ in range(size)]
-    dist.all_gather(parts, padded, group=group, async_op=True).wait(timeout)
-    return [json.loads(bytes(p[: int(s.item())].cpu().tolist()).decode())
-            for p, s in zip(parts, sizes)]

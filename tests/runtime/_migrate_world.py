@@ -24,6 +24,7 @@ from lightning_autopipe.graph import split_model
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.schedule import forward_only, lower_communication, one_f_one_b
 from lightning_autopipe.runtime import migrate as migrate_mod
+from lightning_autopipe.runtime import migrate_wire
 from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
 from lightning_autopipe.runtime.groups import build_groups, destroy_groups, layout_for_rank
 from lightning_autopipe.runtime.migrate import StateLayout, migrate
@@ -173,15 +174,16 @@ class _Dying:
         return getattr(dist, name)
 
 
-def _inject(case: Case, rank: int) -> dict[str, Any]:
+def _inject(case: Case, rank: int) -> dict[tuple[Any, str], Any]:
     """Rank 1's failure for the case; returns what it replaced, to put back after it."""
     if rank != 1 or case.failure in (None, "bad-input"):
         return {}
-    saved = {"_unpack_entry": migrate_mod._unpack_entry, "dist": migrate_mod.dist}
+    saved = {(migrate_wire, "unpack_entry"): migrate_wire.unpack_entry,
+             (migrate_mod, "dist"): migrate_mod.dist}
     if case.failure == "raise":
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("injected failure while unpacking")
-        migrate_mod._unpack_entry = broken
+        migrate_wire.unpack_entry = broken
     elif case.failure == "die":
         migrate_mod.dist = _Dying()
     return saved
@@ -218,8 +220,8 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any]:
                 rows["error"] = (type(exc).__name__, str(exc))
                 return rows
             finally:
-                for attr, value in saved.items():
-                    setattr(migrate_mod, attr, value)
+                for (module, attr), value in saved.items():
+                    setattr(module, attr, value)
             new = _Pipeline(blocks, layout, rank, world, got.tensors)
             kept = {id(t) for t in new.tensors().values()}
             _release(tensors, kept)

@@ -17,8 +17,25 @@ that dies or hangs makes its peers' waits fail (each bounded by ``timeout``), an
 naming it, or the error it posted first (:mod:`~lightning_autopipe.runtime.failure`).
 
 The wire format (:mod:`.migrate_wire`) is a JSON catalog plus raw tensor bytes: nothing received
-is unpickled.
-Loading the result into a new stage and a live optimizer is :mod:`.rebind`'s job.
+is unpickled. Over gloo the buffers live in host memory (a CUDA stage's tensors are staged);
+over NCCL on the stage's device (``batch_isend_irecv``: the group's first NCCL call must then
+involve every rank). Loading the result into a new stage and a live optimizer is
+:mod:`.rebind`'s job. On every rank, at a step boundary after the optimizer step::
+
+    aliases = tie_aliases(blocks, plan.cuts)
+    tensors = stage_tensors(stage, aliases)           # the old stage, whole-model names
+    named = named_optimizer_state(opt, {id(t): n for n, t in tensors.items()})
+    executor.close(); destroy_groups(groups)
+    got = migrate(tensors, StateLayout.from_plan(plan, blocks, names),
+                  StateLayout.from_plan(new_plan, blocks, names),
+                  optimizers=[named], scaler=scaler.state_dict(), device=device)
+    new_aliases = tie_aliases(blocks, new_plan.cuts)
+    new_stage = blocks.stage(*new_plan.stages[new_layout.stage].blocks)
+    load_stage_tensors(new_stage, got.tensors, new_aliases)   # before the new executor
+    rebind_optimizer(opt, {n: p for n, p in stage_tensors(new_stage, new_aliases).items()
+                           if isinstance(p, nn.Parameter)}, got.optimizers[0])
+    scaler.load_state_dict(got.scaler)
+    # then the new groups and executor; release what the new stage does not hold
 """
 
 from __future__ import annotations
@@ -41,7 +58,14 @@ from lightning_autopipe.runtime.comm import transport_device
 from lightning_autopipe.runtime.failure import FailureBoard, describe, pipeline_failure
 from lightning_autopipe.runtime.optim_state import NAMES
 
-__all__ = ["Migrated", "MigrationStats", "StateLayout", "migrate", "plan_transfers"]
+__all__ = [
+    "Migrated",
+    "MigrationStats",
+    "StateLayout",
+    "migrate",
+    "plan_transfers",
+    "transfer_bytes",
+]
 
 _TAG = 7_340_033  # far above the executor's tags (2 * unit index * 64 + tensor index)
 
@@ -175,6 +199,18 @@ def plan_transfers(old: StateLayout, new: StateLayout) -> dict[tuple[int, int], 
             f"({sorted(missing)[:6]}); build both layouts from the same model"
         )
     return {pair: sorted(names) for pair, names in sorted(moves.items())}
+
+
+def transfer_bytes(
+    moves: Mapping[tuple[int, int], Sequence[str]], nbytes: Mapping[str, int]
+) -> dict[tuple[int, int], int]:
+    """Bytes each pair of :func:`plan_transfers` carries, from each name's bytes ``nbytes``.
+
+    With ``nbytes`` counting a parameter's optimizer state too (Adam: three times the
+    parameter's bytes plus its ``step``), this is what :func:`migrate` sends: a re-plan
+    decision can price a switch before making it (divided by the link's bandwidth).
+    """
+    return {pair: sum(nbytes[n] for n in names) for pair, names in moves.items()}
 
 
 def migrate(

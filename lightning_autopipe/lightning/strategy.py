@@ -75,10 +75,6 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.launchers import (
-    _MultiProcessingLauncher,
-    _SubprocessScriptLauncher,
-)
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -89,13 +85,19 @@ from typing_extensions import override
 from lightning_autopipe import checkpoint as ckpt
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.lightning import summary
+from lightning_autopipe.lightning.example import _example
 from lightning_autopipe.lightning.held_pipeline import HeldPipeline, destroy_released_groups
-from lightning_autopipe.lightning.precision import check_precision, install_loss_scaling
+from lightning_autopipe.lightning.precision import install_loss_scaling
+from lightning_autopipe.lightning.prelaunch import (
+    CheckedMultiProcessingLauncher,
+    CheckedScriptLauncher,
+    check_before_launch,
+    check_trainer,
+)
 from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.checks import check_microbatches
-from lightning_autopipe.lightning.example import _example
 from lightning_autopipe.runtime.failure import describe, watch_launcher
 from lightning_autopipe.runtime.materialize import deferred_init, is_deferred
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline
@@ -244,11 +246,22 @@ class AutoPipeStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         start_method = self.options.start_method
         if start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = CheckedScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes,
+                check=self._check_before_launch,
             )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=start_method)
+            self._launcher = CheckedMultiProcessingLauncher(
+                self, start_method=start_method, check=self._check_before_launch
+            )
+
+    def _check_before_launch(self, trainer: Any) -> None:
+        """Judge the configuration in the launching process, once, before any rank starts
+        (:mod:`~lightning_autopipe.lightning.prelaunch`)."""
+        check_before_launch(
+            self.options, self.num_nodes * self.num_processes, self.num_nodes, trainer,
+            self.precision_plugin, self.lightning_module,
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -281,7 +294,7 @@ class AutoPipeStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         fn = trainer.state.fn
-        _check_trainer(trainer, self.precision_plugin)
+        check_trainer(trainer, self.precision_plugin)
         module = self.lightning_module
         assert module is not None
         if not module.automatic_optimization:
@@ -642,17 +655,6 @@ def _step_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tupl
 
 def _batch_idx(rest: tuple[Any, ...], extra: dict[str, Any]) -> Any:
     return rest[0] if rest else extra.get("batch_idx")
-
-
-def _check_trainer(trainer: Any, precision_plugin: Any) -> None:
-    """What the Trainer asks for must be something the pipeline runs (checked at setup)."""
-    if trainer.accumulate_grad_batches != 1:
-        raise PlanError(
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
-            "AutoPipeStrategy; the pipeline already accumulates over micro-batches: raise "
-            "num_microbatches or the batch size instead"
-        )
-    check_precision(precision_plugin)
 
 
 def _run_dir(trainer: Any) -> Path:

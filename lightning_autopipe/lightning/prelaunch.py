@@ -18,6 +18,7 @@ from lightning.pytorch.strategies.launchers import (
 
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.lightning.precision import check_precision
+from lightning_autopipe.lightning.reproducible import check_reproducible
 from lightning_autopipe.options import AutoPipeOptions
 
 __all__ = ["CheckedMultiProcessingLauncher", "CheckedScriptLauncher", "check_before_launch",
@@ -55,8 +56,9 @@ def check_before_launch(
 
     Raises:
         PlanError: ``accumulate_grad_batches`` other than 1, an unsupported precision, manual
-            optimization, a pinned ``num_stages`` that does not divide the world, or a given
-            plan for another number of devices.
+            optimization, ``deterministic=True`` with an automatic depth, a pinned
+            ``num_stages`` that does not divide the world, or a given plan for another number
+            of devices.
         ClusterError: a cluster file that cannot be read or does not fit the launched world.
     """
     if trainer is not None and precision_plugin is not None:
@@ -66,6 +68,7 @@ def check_before_launch(
             "AutoPipeStrategy needs automatic optimization (the schedule runs forward and "
             "backward itself); remove `self.automatic_optimization = False`"
         )
+    check_reproducible(options)  # deterministic=True: the depth must be pinned
     stages = options.pins["num_stages"]
     if stages is not None and world_size % stages:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]

@@ -94,9 +94,13 @@ from lightning_autopipe.lightning.prelaunch import (
     check_before_launch,
     check_trainer,
 )
+from lightning_autopipe.lightning.report_once import install_excepthook, shown_by_rank_zero
+from lightning_autopipe.lightning.reproducible import BatchNormSteps, reproducible_options
+from lightning_autopipe.lightning.reproducible import note as reproducible_note
 from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.runtime.batchnorm import has_batch_norm
 from lightning_autopipe.runtime.checks import check_microbatches
 from lightning_autopipe.runtime.failure import describe, watch_launcher
 from lightning_autopipe.runtime.materialize import deferred_init, is_deferred
@@ -159,6 +163,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._grads: list[Tensor | None] | None = None
         self._hidden_example: Any = None
         self._initial_state: Any = None  # a checkpoint's weights for a meta-device module
+        self._bn: BatchNormSteps | None = None  # BatchNorm's step work for the held pipeline
         # Filled by setup (the recipes' plan report reads them):
         self.plan: Plan | None = None
         self.profile: Any = None
@@ -283,6 +288,8 @@ class AutoPipeStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._backend, timeout=self.options.timeout_delta
         )
+        if self.global_rank > 0:
+            install_excepthook()  # an error every rank raises alike: rank 0's traceback only
         if self.local_rank > 0:  # launched by rank 0 of this node: do not outlive its failure
             self._watch = watch_launcher(self.global_rank)
             if self._watch is not None:
@@ -303,7 +310,10 @@ class AutoPipeStrategy(ParallelStrategy):
                 "backward itself); remove `self.automatic_optimization = False`"
             )
         if not self._held.serves(module):
-            self._build(trainer, module)
+            batch_norm = has_batch_norm(module)  # before the split: any stage's
+            # an error every rank raises alike: one traceback (rank 0's), from here down
+            shown_by_rank_zero(self.global_rank, lambda: self._build(trainer, module))
+            self._note_batch_norm(batch_norm)
         else:  # the same module again (validate / test / predict / fit after fit)
             assert self._pipe is not None
             self._pipe.stage.to(self.root_device)  # teardown moved the module to the CPU
@@ -334,7 +344,8 @@ class AutoPipeStrategy(ParallelStrategy):
         self._held.check_splittable(module)
         runner = StepRunner(module)
         example, batch_size, example_batch = _example(trainer, module)
-        pins = self.options.pins
+        options = reproducible_options(self.options, batch_size)  # deterministic=True: fixed
+        pins = options.pins
         check_microbatches(
             batch_size,
             pins["num_microbatches"],
@@ -348,7 +359,7 @@ class AutoPipeStrategy(ParallelStrategy):
             module,
             example,
             batch_size,
-            self.options,
+            options,
             rank=self.global_rank,
             world_size=self.world_size,
             device=self.root_device,
@@ -368,6 +379,18 @@ class AutoPipeStrategy(ParallelStrategy):
         )
         self.plan, self.profile, self.cluster = pipe.plan, pipe.profile, pipe.cluster
         rank_zero_info(pipe.table)
+
+    def _note_batch_norm(self, batch_norm: bool) -> None:
+        """New pipeline: BatchNorm's step work for its stage, and the note, logged once."""
+        if self._bn is not None:
+            self._bn.close()
+            self._bn = None
+        if self._pipe is None:
+            return
+        self._bn = BatchNormSteps(self._pipe, track=not self.options.compile)
+        text = reproducible_note(self._pipe.plan, batch_norm)
+        if text is not None:
+            rank_zero_info(text)
 
     def _check_optimizers(self) -> None:
         assert self._pipe is not None
@@ -406,6 +429,8 @@ class AutoPipeStrategy(ParallelStrategy):
         step = self.lightning_module.trainer.global_step if self.lightning_module else None
         with self.precision_plugin.train_step_context():
             loss = self._pipe.executor.train_step(batch, step=step)
+        if self._bn is not None:  # whole-batch BatchNorm statistics; replica 0's buffers
+            self._bn.after_step()
         self._grads = [p.grad for p in params]
         for p in params:
             p.grad = None

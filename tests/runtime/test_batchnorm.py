@@ -36,8 +36,8 @@ def _reference(net: nn.Module, x: torch.Tensor, steps: int) -> dict[str, torch.T
     bns = [m for m in net.modules() if isinstance(m, _BatchNorm)]
     for _ in range(steps):
         seen: dict[int, list[torch.Tensor]] = {id(m): [] for m in bns}
-        hooks = [m.register_forward_pre_hook(lambda m, a: seen[id(m)].append(a[0].detach()))
-                 for m in bns]
+        hooks = [m.register_forward_pre_hook(
+            lambda m, a, seen=seen: seen[id(m)].append(a[0].detach())) for m in bns]
         for m in bns:
             m.track_running_stats = False
         for lo, hi in SLICES:
@@ -117,7 +117,8 @@ def test_training_outputs_stay_normalised_per_slice_and_eval_is_untouched():
 
 
 def test_note_says_what_batch_norm_normalises_over():
-    assert has_batch_norm(_net()) and not has_batch_norm(C.build_net("cnn"))
+    assert has_batch_norm(_net())
+    assert not has_batch_norm(C.build_net("cnn"))
     text = batch_norm_note(16, 4, 2, 1, replicas=2)
     assert "micro-batch of 4 samples" in text
     assert "slices down to 2" in text

@@ -16,7 +16,7 @@ from lightning_autopipe import AutoPipeStrategy
 from lightning_autopipe.graph import split_model
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan, StagePlan
-from lightning_autopipe.runtime.materialize import Materializer, deferred_init
+from lightning_autopipe.runtime.materialize import Materializer
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
 
 T, D, V, BATCH = 8, 16, 32, 8

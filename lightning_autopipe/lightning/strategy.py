@@ -29,8 +29,14 @@ The LightningModule contract
   ``"best"`` too) reuse it. The model summary counts every stage's parameters.
 * The dataloader's batch size is the batch of one data-parallel replica (as with DDP, the
   global batch is ``batch_size x replicas``); every stage of a replica loads the same batches.
-* Batch norm normalises over each micro-batch slice (statistics per slice, as a single process
-  running those slices one after another would).
+* BatchNorm normalises each micro-batch slice by its own statistics in training; its running
+  statistics are tracked over each replica's whole batch, once per step, and the first
+  replica's buffers are broadcast to the others after every step (DDP's ``broadcast_buffers``;
+  :mod:`lightning_autopipe.runtime.batchnorm`, ``docs/batchnorm.md``). Under
+  ``Trainer(deterministic=True)`` the plan's counts left ``"auto"`` follow a noise-free rule
+  (:mod:`lightning_autopipe.lightning.reproducible`).
+* Configuration mistakes that need no rank are raised by the launcher before any process
+  starts (:mod:`lightning_autopipe.lightning.prelaunch`).
 * ``accumulate_grad_batches`` must be 1: micro-batching is the plan's ``num_microbatches``.
 * Gradient clipping by norm uses the norm over all stages (tied copies counted once).
 * Precision ``32-true``, ``bf16-mixed`` and ``16-mixed`` (fp16 loss scaling decided over every

@@ -23,3 +23,20 @@ def test_plan_only_table_keeps_the_device_type_column(tmp_path, monkeypatch, cap
     out = capsys.readouterr().out
     assert "device type (speed)" in out
     assert "x the reference" in out
+
+
+def test_the_recipes_progress_bar_shows_no_v_num(tmp_path, monkeypatch):
+    """The loggers' version is the folder name ``csv``: not a number to show in the bar."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.loggers import CSVLogger
+
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    from _common import _progress_bars
+
+    assert _progress_bars({"enable_progress_bar": False}) == []
+    (bar,) = _progress_bars({"enable_progress_bar": True})
+    logger = CSVLogger(str(tmp_path), name="", version="csv")
+    trainer = pl.Trainer(logger=logger, callbacks=[bar], accelerator="cpu", devices=1)
+    assert "v_num" in TQDMProgressBar().get_metrics(trainer, None)  # Lightning's own bar
+    assert "v_num" not in bar.get_metrics(trainer, None)

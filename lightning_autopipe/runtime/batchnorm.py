@@ -11,9 +11,11 @@ accumulates the per-channel sum and sum of squares of every slice's input, and
 mini-batch (the same ``momentum`` update, unbiased variance, and ``num_batches_tracked``
 count a single process makes for that batch), so they do not depend on the plan.
 
-:func:`broadcast_buffers` then copies the buffers of the stage's first data-parallel replica
-to the others after every step, as DDP's ``broadcast_buffers=True`` copies rank 0's before
-each forward: every replica evaluates and checkpoints the same model.
+:func:`broadcast_buffers` then copies the BatchNorm buffers of the stage's first
+data-parallel replica to the others after every step, as DDP's ``broadcast_buffers=True``
+copies rank 0's before each forward: every replica evaluates and checkpoints the same model.
+(DDP copies every buffer; the others of the models trained here are constants, see
+:func:`batch_norm_buffers`.)
 
 Only BatchNorm modules that the stage still holds as modules (torch.fx traced models) are
 tracked; a model captured by ``torch.export`` has its normalisation inlined as operators and
@@ -30,7 +32,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["WholeBatchStats", "batch_norm_note", "broadcast_buffers", "has_batch_norm"]
+__all__ = ["WholeBatchStats", "batch_norm_buffers", "batch_norm_note", "broadcast_buffers",
+           "has_batch_norm"]
 
 
 def has_batch_norm(module: nn.Module) -> bool:
@@ -123,12 +126,23 @@ class WholeBatchStats:
             m.track_running_stats = True
 
 
+def batch_norm_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The running statistics and counters of ``module``'s BatchNorm layers.
+
+    These are the buffers training changes. Other buffers of the models trained here are
+    constants every replica builds alike (causal masks, position ids); copying them too, as DDP
+    does, would cost a collective per step and change nothing.
+    """
+    return [b for m in module.modules() if isinstance(m, _BatchNorm)
+            for b in m.buffers(recurse=False) if b is not None]
+
+
 def broadcast_buffers(module: nn.Module, group: Any, src: int) -> None:
-    """Copy ``module``'s buffers from global rank ``src`` to every rank of ``group``.
+    """Copy ``module``'s BatchNorm buffers from global rank ``src`` to every rank of ``group``.
 
     One flat broadcast per dtype (BatchNorm has float statistics and an int64 counter).
     """
-    buffers = [b for b in module.buffers() if b is not None]
+    buffers = batch_norm_buffers(module)
     if not buffers or group is None or dist.get_world_size(group) < 2:
         return
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}

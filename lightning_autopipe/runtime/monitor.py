@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_autopipe.errors import PipelineRuntimeError
+from lightning_autopipe.errors import ClusterError, PipelineRuntimeError
 
 __all__ = [
     "Prediction",
@@ -126,6 +126,14 @@ class Prediction:
     @property
     def compute_ms(self) -> float:
         return self.forward_ms + self.backward_ms + self.weight_ms
+
+    @classmethod
+    def unknown(cls, device: str, plan: Any, speed: float = math.nan) -> Prediction:
+        """No profile to simulate (a plan given without one): the plan's own step and peak
+        only; the compute per kind, and so the measured speed, are unknown (NaN)."""
+        step = float(plan.iteration_ms) if plan.iteration_ms else math.nan
+        return cls(device, step, math.nan, math.nan, math.nan, float(plan.bubble_fraction or
+                   math.nan), int(plan.peak_memory_bytes.get(device, 0)), float(speed))
 
 
 def predict_rank(plan: Any, profile: Any, cluster: Any, device: str, sim: Any = None
@@ -216,7 +224,7 @@ def summarise(records: Sequence[StepRecord], prediction: Prediction, rank: int, 
         return float(statistics.median(values))
 
     ratios = [prediction.compute_ms / m.compute_ms for m in ms if m.compute_ms > 0]
-    speed = prediction.speed * med(ratios) if ratios else math.nan
+    speed = prediction.speed * med(ratios) if ratios else math.nan  # NaN stays NaN
     return RankSummary(
         rank=rank, stage=stage, replica=replica, steps=len(records),
         step_ms=med([m.step_ms for m in ms]),
@@ -264,7 +272,16 @@ class StepMonitor:
         """The monitor of a :class:`~lightning_autopipe.runtime.pipeline.LocalPipeline`."""
         lay = pipe.layout
         device = pipe.plan.stages[lay.stage].devices[lay.replica]
-        prediction = predict_rank(pipe.plan, pipe.profile, pipe.cluster, device)
+        if pipe.profile is not None and pipe.cluster is not None:
+            prediction = predict_rank(pipe.plan, pipe.profile, pipe.cluster, device)
+        else:
+            speed = math.nan
+            if pipe.cluster is not None:
+                try:
+                    speed = float(pipe.cluster.device(device).spec.speed)
+                except ClusterError:  # a plan for other device names than the cluster's
+                    speed = math.nan
+            prediction = Prediction.unknown(device, pipe.plan, speed)
         return cls(pipe.executor, prediction, rank=lay.rank, stage=lay.stage,
                    replica=lay.replica, device=pipe.executor.device, window=window)
 
@@ -288,11 +305,12 @@ class StepMonitor:
         if events is not None:
             events[1].record()
             events[1].synchronize()
+        t1 = time.perf_counter()
+        if events is not None:
             step_ms = float(events[0].elapsed_time(events[1]))
             peak = int(torch.cuda.max_memory_allocated(self.device))
         else:
             peak = _resident_peak_bytes()
-        t1 = time.perf_counter()
         measured = breakdown(self.executor.timeline, t0, t1, step_ms)
         self.records.append(StepRecord(self._count if number is None else int(number),
                                        measured, peak))

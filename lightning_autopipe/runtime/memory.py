@@ -198,7 +198,7 @@ class MemoryMeter:
             self._peak = max(self._peak, self._current)
         else:
             entry[1] += 1
-        return _Saved(t, ptr, self)
+        return _Saved(t.detach(), ptr, self)  # no cycle through a saved output's grad_fn
 
     def _drop(self, ptr: int) -> None:
         entry = self._held.get(ptr)

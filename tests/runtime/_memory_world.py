@@ -8,7 +8,6 @@ meter's readings of every rank (step 2, gathered on rank 0) to ``OUT/memory.pt``
 from __future__ import annotations
 
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +43,3 @@ def run(rank: int, port: int, out: str, plans: dict[str, tuple[str, str]]) -> No
     if rank == 0:
         torch.save(readings, Path(out) / "memory.pt")
 
-
-if __name__ == "__main__":
-    sys.exit(0)

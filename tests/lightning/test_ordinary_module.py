@@ -8,9 +8,6 @@ batches (``_module.run_sequence``) as the reference.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,38 +18,26 @@ from lightning_autopipe.checkpoint import read_model_state
 from lightning_autopipe.errors import UnsafeCheckpointError
 from lightning_autopipe.planner.plan import Plan
 from tests.lightning import _module as M
-from tests.lightning._run import NO_HANG_S, readme_inputs
+from tests.lightning._run import (
+    NO_HANG_S,
+    SLOW_FORWARD_S,
+    TELEMETRY_EVERY,
+    TELEMETRY_STEPS,
+    crafted_checkpoint,
+    readme_inputs,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "lightning" / "_run.py"
-CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "crafted", "readme"],
+CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "crafted", "readme", "telemetry"],
          4: ["ordinary", "twice-replica1"]}
 RTOL, ATOL = 1e-5, 1e-6
 
 pytestmark = pytest.mark.slow
 
 
-class _RunsCode:
-    """Unpickles as ``open(marker, "w")``: loading it unsafely creates the marker file."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
-def crafted_checkpoint(path: Path, marker: Path) -> None:
-    """A Lightning-shaped checkpoint whose payload would run code on unpickling."""
-    torch.save({"epoch": 0, "global_step": 0, "pytorch-lightning_version": "2.6.6",
-                "state_dict": {}, "payload": _RunsCode(marker)}, path)
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
+MODULE = "tests.lightning._run"
+WORLD_CASES = {world: [f"{MODULE}:{case}" for case in cases] for world, cases in CASES.items()}
 
 
 def _auto(tmp: Path, replicas: int) -> dict:
@@ -66,35 +51,24 @@ def _auto(tmp: Path, replicas: int) -> dict:
     return M.run_sequence(factory, replicas, explicit_sampler=True, ckpt_dir=tmp / "ckpt")
 
 
-def _launch(world: int, out: Path) -> dict[str, list[dict]]:
-    if world == 2:
-        crafted_checkpoint(out / "crafted.ckpt", out / "code_ran")
-    cmd = [sys.executable, str(SCRIPT), str(out), str(world), *CASES[world]]
-    proc = subprocess.run(cmd, cwd=out, env=_env(), capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"launch of {world} ranks failed:\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-6000:]}")
-    return {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False) for r in range(world)]
-            for c in CASES[world]}
-
-
-def _runs(world: int, tmp_path_factory) -> SimpleNamespace:
-    out = tmp_path_factory.mktemp(f"w{world}")
+def _runs(world: int, worlds, tmp_path_factory) -> SimpleNamespace:
     torch.set_num_threads(1)
-    return SimpleNamespace(world=world, replicas=world // 2, out=out,
-                           auto=_auto(out / "auto", world // 2), ranks=_launch(world, out))
+    ranks = {c: worlds.results(world, MODULE, c) for c in CASES[world]}
+    return SimpleNamespace(world=world, replicas=world // 2, out=worlds.folder(world, MODULE),
+                           auto=_auto(tmp_path_factory.mktemp(f"auto{world}"), world // 2),
+                           ranks=ranks)
 
 
 @pytest.fixture(scope="module")
-def runs2(tmp_path_factory):
+def runs2(worlds, tmp_path_factory):
     """2 stages x 1 replica."""
-    return _runs(2, tmp_path_factory)
+    return _runs(2, worlds, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def runs4(tmp_path_factory):
+def runs4(worlds, tmp_path_factory):
     """2 stages x 2 replicas."""
-    return _runs(4, tmp_path_factory)
+    return _runs(4, worlds, tmp_path_factory)
 
 
 @pytest.fixture(params=["runs2", "runs4"], ids=["2x1", "2x2"])
@@ -271,3 +245,41 @@ def test_readme_contract_example_runs_on_two_ranks_and_learns(runs2):
                               for x, y in inputs["loader"]]).mean()
     after = ranks[0]["metrics"]["val_loss"]
     assert after < 0.8 * float(before), (after, float(before))
+
+
+# ------------------------------------------------------------------------------ telemetry
+def test_step_telemetry_reaches_the_csv_logger_and_finds_the_slowed_rank(runs2):
+    """Rank 1's forwards were made ``SLOW_FORWARD_S`` slower on purpose: its measured speed
+    must be what that slowdown gives when rank 1 otherwise runs as fast (relative to its
+    prediction) as rank 0 does, and rank 0's CSV must hold every rank's gathered figures."""
+    import csv
+    import io
+
+    ranks = runs2.ranks["telemetry"]
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+    rows = [r for r in csv.DictReader(io.StringIO(ranks[0]["csv"])) if r["autopipe/step_ms"]]
+    assert [int(r["step"]) for r in rows] == [
+        n - 1 for n in range(TELEMETRY_EVERY, TELEMETRY_STEPS + 1, TELEMETRY_EVERY)]
+    keys = {"autopipe/step_ms", "autopipe/step_ms_predicted", "autopipe/bubble"} | {
+        f"autopipe/{k}/rank{r}" for k in ("speed", "peak_mem_mb") for r in (0, 1)}
+    assert keys <= set(rows[-1])
+    last = {k: float(v) for k, v in rows[-1].items() if v}
+    s0, s1 = (rec["summary"] for rec in sorted(ranks, key=lambda r: r["rank"]))
+    for r, summ in enumerate((s0, s1)):  # what rank 0 logged is what each rank measured
+        assert last[f"autopipe/speed/rank{r}"] == pytest.approx(summ["speed"], rel=1e-9)
+        assert last[f"autopipe/peak_mem_mb/rank{r}"] == pytest.approx(
+            summ["peak_memory_bytes"] / 2**20)
+        assert summ["peak_memory_bytes"] > 0
+    assert last["autopipe/step_ms"] == pytest.approx(max(s0["step_ms"], s1["step_ms"]))
+    assert last["autopipe/step_ms_predicted"] == pytest.approx(s0["predicted_step_ms"])
+    plan = Plan.from_json(ranks[0]["plan"])
+    m, k, j = plan.num_microbatches, plan.startup_slices, plan.drain_slices
+    forwards = m + (k - 1) + ((j - 1) if m > 1 else 0)
+    slow_ms = forwards * SLOW_FORWARD_S * 1e3
+    assert s1["forward_ms"] >= slow_ms
+    fast_ratio = s0["speed"] / s0["speed_planned"]
+    base = s1["predicted_compute_ms"] / fast_ratio  # rank 1 at rank 0's pace
+    want = s1["predicted_compute_ms"] / (base + slow_ms)
+    assert s1["speed"] / s1["speed_planned"] == pytest.approx(want, rel=0.25)
+    assert s1["speed"] < 0.5 * s0["speed"]

@@ -39,9 +39,9 @@ from lightning_autopipe.checkpoint import safe_load
 from lightning_autopipe.errors import InputError, PlanError
 from lightning_autopipe.lightning import elastic
 from lightning_autopipe.lightning.sampler import ElasticDataLoader, check_width
+from tests._launch import launch_env
 from tests.reliability import _elastic_run as W
 from tests.reliability import _task as T
-from tests.reliability._run import launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 900  # the whole scenario; each wait below is bounded by what is left of it
@@ -88,8 +88,7 @@ class _Scenario:
         ]
         # torch's shared rendezvous store keeps the first round's MASTER_ADDR, which a node
         # joining a later round waits for in vain (pytorch#135712): one store per round.
-        env = {**launch_env(), "AUTOPIPE_HOST": host, "PYTHONUNBUFFERED": "1",
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env = launch_env({"AUTOPIPE_HOST": host, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.agents.append((host, proc))

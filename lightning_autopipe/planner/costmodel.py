@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from lightning_autopipe.planner.compiled import (
     B,
     Compiled,
@@ -38,6 +40,7 @@ from lightning_autopipe.planner.compiled import (
     splits_backward,
 )
 from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.levels import levels_of, replay_levels
 from lightning_autopipe.planner.pricing import (
     allreduce_finish,
     peak_memory_bytes,
@@ -45,7 +48,11 @@ from lightning_autopipe.planner.pricing import (
     unit_parts,
 )
 
-__all__ = ["Estimate", "evaluate", "stage_times"]
+__all__ = ["Estimate", "evaluate", "evaluate_batch", "stage_times"]
+
+#: candidates x mean actions per level from which a batch is replayed level by level (a
+#: level costs about as much as 50 scalar actions; a single deep pipeline stays scalar too)
+_LEVEL_WIDTH = 64.0
 
 
 @dataclass
@@ -123,45 +130,135 @@ def evaluate(
     by the mean period between them (within about 1% of the full replay; the steady phase can
     cycle over several micro-batches).
     """
+    return evaluate_batch(
+        costs, layout, [cuts], batch, num_microbatches, startup_slices,
+        drain_slices=drain_slices, schedule=schedule, optimizer_factor=optimizer_factor,
+        critical_path=critical_path, exact=exact, recompute=recompute,
+    )[0]
+
+
+@dataclass
+class _Inputs:
+    """One candidate's replay inputs (see :func:`evaluate`)."""
+
+    layout: Layout
+    cuts: list[int]
+    parts: list[list[tuple[float, float]]]
+    scale: list[float]
+    var: list[list[float]]
+    per_call: list[list[float]]
+    cut_ms: list[float]
+    mb: int
+
+
+def _inputs(
+    costs: BlockCosts, layout: Layout, cuts: list[int], batch: int, m: int, split: bool,
+    recompute: Sequence[bool],
+) -> _Inputs:
     num = layout.num_stages
-    m, k, j = num_microbatches, startup_slices, drain_slices
-    mb = max(1, batch // (m * max(layout.replicas)))
-    split = splits_backward(schedule)
     parts, scale = stage_times(costs, layout, cuts, batch, m, split, recompute)
     ovh = layout.overhead_ms
     # a unit pays its fraction of the scaling part and the whole per-call part (with overhead),
     # per kind code (F, B and, split, W)
-    var = [[row[c][0] for row in parts] for c in range(len(parts[0]))]
-    per_call = [[row[c][1] + ovh[s] for s, row in enumerate(parts)] for c in range(len(parts[0]))]
+    kinds = range(len(parts[0]))
+    var = [[row[c][0] for row in parts] for c in kinds]
+    per_call = [[row[c][1] + ovh[s] for s, row in enumerate(parts)] for c in kinds]
     cut_ms = [
         costs.act[cuts[s + 1] - 1] * scale[s] * layout.link_ms_per_byte[s] for s in range(num - 1)
     ]
-    grads = [float(costs.params[cuts[s + 1]] - costs.params[cuts[s]]) for s in range(num)]
-    ar = [0.0] * num  # all-reduces are added after the replay, contending with each other
+    mb = max(1, batch // (m * max(layout.replicas)))
+    return _Inputs(layout, list(cuts), parts, scale, var, per_call, cut_ms, mb)
+
+
+def _replay_group(
+    comp: Compiled, group: list[_Inputs], queue: bool, via: bool
+) -> list[tuple[list[float], list[bool] | None]]:
+    """Per candidate of ``group`` (one shape): each stage's last end and, with ``via``, each
+    action's start cause; level by level when that pays (:mod:`~.levels`), else scalar."""
+    if len(group) * levels_of(comp, queue).width < _LEVEL_WIDTH:
+        out = []
+        for x in group:
+            lay = x.layout
+            finish, _, started = _replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
+                                         [0.0] * lay.num_stages, queue)
+            out.append((finish, started if via else None))
+        return out
+    var = np.array([x.var for x in group]).transpose(1, 2, 0)
+    per_call = np.array([x.per_call for x in group]).transpose(1, 2, 0)
+    cut_ms = np.array([x.cut_ms for x in group]).reshape(len(group), -1).T
+    lat = np.array([x.layout.link_lat_ms for x in group]).reshape(len(group), -1).T
+    finish, started = replay_levels(comp, var, per_call, cut_ms, lat, queue, via)
+    ends = finish.T.tolist()
+    if started is None:
+        return [(e, None) for e in ends]
+    return [(e, started[:, i].tolist()) for i, e in enumerate(ends)]
+
+
+def evaluate_batch(
+    costs: BlockCosts,
+    layouts: Layout | Sequence[Layout],
+    cuts_list: Sequence[Sequence[int]],
+    batch: int,
+    num_microbatches: int,
+    startup_slices: int = 1,
+    *,
+    drain_slices: int = 1,
+    schedule: str = "1f1b",
+    optimizer_factor: float = 2.0,
+    critical_path: bool = True,
+    exact: bool = False,
+    recompute: Sequence[bool] = (),
+) -> list[Estimate]:
+    """:func:`evaluate` of every cut list (on ``layouts``: one for all, or one per cut list),
+    the replays of candidates of one shape done together (:func:`~.levels.replay_levels`).
+
+    Equal to the bit to evaluating them one by one with the scalar replay.
+    """
+    num = (layouts if isinstance(layouts, Layout) else layouts[0]).num_stages
+    lays = [layouts] * len(cuts_list) if isinstance(layouts, Layout) else list(layouts)
+    m, k, j = num_microbatches, startup_slices, drain_slices
+    split = splits_backward(schedule)
+    inputs = [_inputs(costs, lay, list(c), batch, m, split, recompute)
+              for lay, c in zip(lays, cuts_list)]
     m0 = extrapolation_point(num)
-    lat, queue = layout.link_lat_ms, not layout.optimistic
-    if exact or m <= m0:
-        comp = compiled(schedule, num, m, k, mb, j)
-        finish, end, via = _replay(comp, var, per_call, cut_ms, lat, ar, queue)
-        finish = allreduce_finish(layout, finish, grads)
-        total = max(finish)
-    else:
-        win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
-        first = compiled(schedule, num, m0, k, mb, j)
-        f1, _, _ = _replay(first, var, per_call, cut_ms, lat, ar, queue)
-        comp = compiled(schedule, num, m0 + win, k, mb, j)
-        finish, end, via = _replay(comp, var, per_call, cut_ms, lat, ar, queue)
-        period = max(0.0, max(finish) - max(f1)) / win
-        shift = (m - m0 - win) * period
-        finish = allreduce_finish(layout, [f + shift for f in finish], grads)
-        total = max(finish)
-    held = inflight(schedule, num, m, k, mb, j)
+    win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
+    long = not exact and m > m0
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, x in enumerate(inputs):
+        groups.setdefault((x.mb, not x.layout.optimistic), []).append(i)
+    out: list[Estimate | None] = [None] * len(inputs)
+    for (mb, queue), idx in groups.items():
+        group = [inputs[i] for i in idx]
+        comp = compiled(schedule, num, m0 + win if long else m, k, mb, j)
+        ends = _replay_group(comp, group, queue, critical_path)
+        firsts = (_replay_group(compiled(schedule, num, m0, k, mb, j), group, queue, False)
+                  if long else [None] * len(idx))
+        held = inflight(schedule, num, m, k, mb, j)
+        for i, x, (finish, via), first in zip(idx, group, ends, firsts):
+            grads = [float(costs.params[x.cuts[s + 1]] - costs.params[x.cuts[s]])
+                     for s in range(num)]
+            if first is not None:
+                period = max(0.0, max(finish) - max(first[0])) / win
+                shift = (m - m0 - win) * period
+                finish = [f + shift for f in finish]
+            finish = allreduce_finish(x.layout, finish, grads)
+            out[i] = _estimate(costs, x, comp, finish, via, held, optimizer_factor, recompute)
+    return out  # type: ignore[return-value]
+
+
+def _estimate(
+    costs: BlockCosts, x: _Inputs, comp: Compiled, finish: list[float], via: list[bool] | None,
+    held: tuple[float, ...], optimizer_factor: float, recompute: Sequence[bool],
+) -> Estimate:
+    """The estimate of one replayed candidate: step, memory, critical path, stage times."""
+    layout, cuts, num = x.layout, x.cuts, x.layout.num_stages
+    total = max(finish)
     peaks, fits = [], True
     for s in range(num):
         i, j = cuts[s], cuts[s + 1]
-        mem, once = (costs.mem[j] - costs.mem[i]) * scale[s], 0.0
+        mem, once = (costs.mem[j] - costs.mem[i]) * x.scale[s], 0.0
         if recompute and recompute[s]:
-            inputs = costs.act[i - 1] * scale[s] if i > 0 else 0.0
+            inputs = costs.act[i - 1] * x.scale[s] if i > 0 else 0.0
             _, mem, once = recomputed(0.0, 0.0, mem, inputs)
         peak = peak_memory_bytes(costs.params[j] - costs.params[i], mem, held[s],
                                  optimizer_factor, once)
@@ -169,15 +266,16 @@ def evaluate(
         fits = fits and peak <= layout.capacity[s]
     share = [0.0] * num
     crit = 0
-    if critical_path:
-        order, fracs = comp.order, comp.fracs
+    if via is not None:
+        order, fracs, var, per_call = comp.order, comp.fracs, x.var, x.per_call
         n = comp.last[max(range(num), key=finish.__getitem__)]
         while n >= 0:
             s, code, u, prev, cross = order[n]
             share[s] += var[code][s] * fracs[u] + per_call[code][s]
             n = cross if via[n] else prev
         crit = max(range(num), key=share.__getitem__)
-    stage_ms = [sum(sum(p) for p in row) + len(row) * ovh[s] for s, row in enumerate(parts)]
+    ovh = layout.overhead_ms
+    stage_ms = [sum(sum(p) for p in row) + len(row) * ovh[s] for s, row in enumerate(x.parts)]
     return Estimate(total, crit, stage_ms, peaks, fits, share)
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.balance import StageLimits, balanced_cuts
 from lightning_autopipe.planner.compiled import inflight
-from lightning_autopipe.planner.costmodel import Estimate, evaluate
+from lightning_autopipe.planner.costmodel import Estimate, evaluate, evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 
 __all__ = [
@@ -99,13 +99,35 @@ def step_budget(max_evaluations: int) -> int:
 
 
 class _Scorer:
-    """Memoised fast-model evaluation of cut lists for one (layout, batch, m, k)."""
+    """Memoised fast-model evaluation of cut lists for one (layout, batch, m, k).
 
-    def __init__(self, fn: Callable[[list[int]], Estimate], max_steps: int) -> None:
+    ``cache`` holds the cut lists the search has looked at (its size is the search's
+    evaluation count); :meth:`prefetch` prices candidates the search is about to look at in
+    one batch and keeps them aside until it does, so batching changes no step of the search.
+    """
+
+    def __init__(
+        self, fn: Callable[[list[int]], Estimate], max_steps: int,
+        many: Callable[[list[list[int]]], list[Estimate]] | None = None,
+    ) -> None:
         self._fn = fn
+        self._many = many
         self.cache: dict[tuple[int, ...], Estimate] = {}
+        self._ahead: dict[tuple[int, ...], Estimate] = {}
         self.steps = 0
         self.max_steps = max_steps
+
+    def prefetch(self, cands: Sequence[Sequence[int]], room: int) -> None:
+        """Price together the first ``room`` of ``cands`` not looked at yet."""
+        todo: dict[tuple[int, ...], None] = {}
+        for c in cands:
+            if len(todo) >= room:
+                break
+            key = tuple(c)
+            if key not in self.cache and key not in self._ahead:
+                todo[key] = None
+        if self._many is not None and len(todo) > 1:
+            self._ahead.update(zip(todo, self._many([list(k) for k in todo])))
 
     def step(self) -> bool:
         """Count one descent pass; False once the step budget is spent."""
@@ -116,7 +138,10 @@ class _Scorer:
         key = tuple(cuts)
         hit = self.cache.get(key)
         if hit is None:
-            hit = self.cache[key] = self._fn(list(key))
+            hit = self._ahead.pop(key, None)
+            if hit is None:
+                hit = self._fn(list(key))
+            self.cache[key] = hit
         return hit
 
 
@@ -169,6 +194,10 @@ def autopipe_partition(
             optimizer_factor=optimizer_factor, schedule=schedule,
         ),
         step_budget(max_evaluations),
+        lambda cs: evaluate_batch(
+            costs, layout, cs, batch, num_microbatches, startup_slices,
+            optimizer_factor=optimizer_factor, schedule=schedule,
+        ),
     )
 
     def rebalance(lo: int, hi: int, first: int, count: int) -> list[int] | None:
@@ -238,10 +267,13 @@ def _nudge(
         w = max(1, left // max(1, 2 * (len(cur) - 2)))
         for p in range(1, len(cur) - 1):
             lo, hi = max(cur[p - 1] + 1, cur[p] - w), min(cur[p + 1] - 1, cur[p] + w)
-            for c in sorted(range(lo, hi + 1), key=lambda x: abs(x - cur[p])):
-                if c == cur[p]:
-                    continue
-                cand = cur[:p] + [c] + cur[p + 1 :]
+            # every candidate of this cut differs from ``cur`` at ``p`` only, whichever is
+            # taken: price them together
+            cands = [cur[:p] + [c] + cur[p + 1 :]
+                     for c in sorted(range(lo, hi + 1), key=lambda x: abs(x - cur[p]))
+                     if c != cur[p]]
+            score.prefetch(cands, budget - len(score.cache))
+            for cand in cands:
                 e = score(cand)
                 if _better(e, best):
                     cur, best, improved = cand, e, True
@@ -249,7 +281,9 @@ def _nudge(
                     return cur, best
         if improved:
             continue
-        for cand in _chain_shifts(cur):
+        shifts = _chain_shifts(cur)
+        score.prefetch(shifts, budget - len(score.cache))
+        for cand in shifts:
             e = score(cand)
             if _better(e, best):
                 cur, best, improved = cand, e, True

@@ -28,6 +28,7 @@ Pure functions over numbers and a :class:`~lightning_autopipe.cluster.Cluster`; 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster, DeviceSpec
@@ -286,6 +287,34 @@ def _reduce_of(layout: Any, s: int) -> float:
     return layout.ar_reduce_ms_per_byte[s] if layout.ar_reduce_ms_per_byte else 0.0
 
 
+def _ring_use(layout: Any) -> tuple[tuple[float, float, tuple[tuple[int, int], ...]], ...]:
+    """Per stage's all-reduce ring: its slowest resource's capacity, the slowest share it gets
+    of the resources no other ring of the layout crosses (capacity over the ring's own edges
+    on it, whatever else runs), and the shared resources with the ring's edge count on each.
+    Computed once per layout: the fluid model below then only walks the shared resources."""
+    got = layout.__dict__.get("_ring_use")
+    if got is None:
+        counts = []
+        rings_of: dict[int, int] = {}
+        for edges in layout.ar_rings:
+            count: dict[int, int] = {}
+            for e in edges:
+                for r in e:
+                    count[r] = count.get(r, 0) + 1
+            counts.append(count)
+            for r in count:
+                rings_of[r] = rings_of.get(r, 0) + 1
+        caps = layout.ar_caps
+        got = tuple(
+            (min((caps[r] for r in c), default=math.inf),
+             min((caps[r] / n for r, n in c.items() if rings_of[r] == 1), default=math.inf),
+             tuple((r, n) for r, n in c.items() if rings_of[r] > 1))
+            for c in counts
+        )
+        object.__setattr__(layout, "_ring_use", got)  # a frozen layout: cache beside its fields
+    return got
+
+
 def allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) -> list[float]:
     """When each stage's gradient all-reduce ends, rings sharing links splitting their bandwidth.
 
@@ -310,14 +339,14 @@ def allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) -
     if not jobs:
         return out
     caps = layout.ar_caps
+    use = _ring_use(layout)
     users: dict[int, int] = {}
     for s in jobs:
-        for r in {r for e in layout.ar_rings[s] for r in e}:
+        for r, _ in use[s][2]:
             users[r] = users.get(r, 0) + 1
-    if max(users.values()) == 1:  # no two rings share a link: each runs at its own pace
+    if max(users.values(), default=1) == 1:  # no two rings share a link: each at its own pace
         for s, (start, volume, reduce) in jobs.items():
-            rate = min(caps[r] for e in layout.ar_rings[s] for r in e)
-            out[s] = start + volume / rate + layout.ar_lat_ms[s] + reduce
+            out[s] = start + volume / use[s][0] + layout.ar_lat_ms[s] + reduce
         return out
     pending = sorted(jobs, key=lambda s: jobs[s][0])
     active: dict[int, float] = {}
@@ -335,10 +364,9 @@ def allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) -
             continue
         load: dict[int, int] = {}
         for s in active:
-            for e in layout.ar_rings[s]:
-                for r in e:
-                    load[r] = load.get(r, 0) + 1
-        rate = {s: min(caps[r] / load[r] for e in layout.ar_rings[s] for r in e) for s in active}
+            for r, times in use[s][2]:
+                load[r] = load.get(r, 0) + times
+        rate = {s: min((use[s][1], *(caps[r] / load[r] for r, _ in use[s][2]))) for s in active}
         left = {s: active[s] / rate[s] for s in active}
         first = min(left.values())
         nxt = jobs[pending[0]][0] if pending else float("inf")

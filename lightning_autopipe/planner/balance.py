@@ -8,7 +8,7 @@ subject to each stage's memory. Pure functions over prefix sums; no cluster, no 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_autopipe.planner.pricing import param_state_factor, peak_memory_bytes
@@ -32,17 +32,6 @@ class StageLimits:
         need = peak_memory_bytes(self.params[j] - self.params[i], self.mem[j] - self.mem[i],
                                  self.act_factor[s], self.optimizer_factor)
         return need <= self.capacity[s]
-
-    def fits(self, s: int) -> Callable[[int, int], bool]:
-        """:meth:`ok` for stage ``s`` as a closure over plain locals (the partitioner's inner
-        loop calls it tens of thousands of times); the same arithmetic."""
-        params, mem, cap = self.params, self.mem, self.capacity[s]
-        act, factor = self.act_factor[s], param_state_factor(self.optimizer_factor)
-
-        def ok(i: int, j: int) -> bool:
-            return (params[j] - params[i]) * factor + (mem[j] - mem[i]) * act + 0.0 <= cap
-
-        return ok
 
 
 def balanced_cuts(
@@ -143,11 +132,17 @@ def _reach(
 ) -> int:
     """The furthest ``j`` (``>= i``) a stage starting at ``i`` can reach within ``cap``."""
     j = bisect_right(work, work[i] + cap * speed + 1e-12, i + 1, hi + 1) - 1
-    if limits is not None and j > i and not (ok := limits.fits(stage))(i, j):
+    if limits is None or j <= i:
+        return j
+    # StageLimits.ok written out on locals (the partitioner's innermost loop): same arithmetic
+    params, mem, room = limits.params, limits.mem, limits.capacity[stage]
+    act, factor = limits.act_factor[stage], param_state_factor(limits.optimizer_factor)
+    p0, m0 = params[i], mem[i]
+    if not (params[j] - p0) * factor + (mem[j] - m0) * act + 0.0 <= room:
         lo_ok, hi_bad = i, j  # memory is monotone in j: binary search the last fit
         while hi_bad - lo_ok > 1:
             mid = (lo_ok + hi_bad) // 2
-            if ok(i, mid):
+            if (params[mid] - p0) * factor + (mem[mid] - m0) * act + 0.0 <= room:
                 lo_ok = mid
             else:
                 hi_bad = mid

@@ -16,7 +16,6 @@ The levels of a compiled shape are computed once and cached.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,9 +44,18 @@ class Levels:
     width: float  # mean actions per level
 
 
-@functools.lru_cache(maxsize=256)
 def levels_of(comp: Compiled, queue: bool) -> Levels:
-    """The levels of ``comp`` (with ``queue``: each link's transfers in the sender's order)."""
+    """The levels of ``comp`` (with ``queue``: each link's transfers in the sender's order),
+    computed once per compiled schedule and kept beside it (hashing a compiled schedule to
+    look it up would cost as much as a short replay)."""
+    cache = comp.__dict__.setdefault("_levels", {})
+    got = cache.get(queue)
+    if got is None:
+        got = cache[queue] = _levels(comp, queue)
+    return got
+
+
+def _levels(comp: Compiled, queue: bool) -> Levels:
     order = comp.order
     n = len(order)
     level = [0] * n

@@ -16,22 +16,24 @@ scalar replay (a test holds them equal).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from lightning_autopipe.planner.costmodel import evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 
-__all__ = ["MOVES", "evaluate_many", "neighbours", "polish", "sweep_budget"]
+__all__ = ["MOVES", "Polished", "evaluate_many", "neighbours", "polish", "sweep_budget"]
 
 #: One boundary by ±1..3 blocks, or two adjacent boundaries by ±1 each.
 MOVES = ("single ±1..3", "adjacent pair ±1")
 
 
 def sweep_budget(num_stages: int) -> int:
-    """Most sweeps :func:`polish` takes: eight. Each sweep strictly improves the step, so the
-    walk ends anyway; from the partitioner's answer it takes one to three, while a long walk
-    of small gains on a large pipeline (every sweep replays the step twice over) would cost
-    seconds. A plan whose walk stopped here says so (``Plan.search_notes``)."""
-    return 8
+    """Most sweeps :func:`polish` takes: 24. Each sweep strictly improves the step, so the
+    walk ends anyway; from the partitioner's answer it takes one to three, and a sweep is one
+    batched replay (:func:`evaluate_many`), so the budget only bounds a long walk of small
+    gains. A plan whose walk stopped here says so, with the last sweep's gain
+    (``Plan.search_notes``)."""
+    return 24
 
 
 def neighbours(cuts: Sequence[int]) -> list[list[int]]:
@@ -73,9 +75,23 @@ def evaluate_many(
         critical_path=False)]
 
 
+@dataclass
+class Polished:
+    """Where :func:`polish` walked to: the cuts, the sweeps taken and, when the walk stopped
+    at its budget, the relative gain of its last sweep (0 otherwise)."""
+
+    cuts: list[int]
+    sweeps: int
+    last_gain: float = 0.0
+
+    @property
+    def at_budget(self) -> bool:
+        return self.sweeps >= sweep_budget(len(self.cuts) - 1) and self.last_gain > 0
+
+
 def polish(
     cuts: Sequence[int], price: Callable[[list[list[int]]], list[tuple[float, bool]]]
-) -> tuple[list[int], int]:
+) -> Polished:
     """The best cuts a walk over :func:`neighbours` reaches from ``cuts``, and the sweeps taken.
 
     ``price`` gives ``(iteration_ms, fits)`` of each cut list (:func:`evaluate_many` with the
@@ -85,7 +101,7 @@ def polish(
     """
     cur = list(cuts)
     (best_ms, best_fit), = price([cur])
-    sweeps = 0
+    sweeps, gain = 0, 0.0
     while sweeps < sweep_budget(len(cur) - 1):
         cands = neighbours(cur)
         if not cands:
@@ -95,6 +111,7 @@ def polish(
         i = min(range(len(cands)), key=lambda x: (not scores[x][1], scores[x][0]))
         ms, fit = scores[i]
         if (fit, -ms) <= (best_fit, -best_ms * (1 - 1e-9)):
-            break
+            return Polished(cur, sweeps)
+        gain = 1 - ms / best_ms if best_ms > 0 and fit == best_fit else 1.0
         cur, best_ms, best_fit = cands[i], ms, fit
-    return cur, sweeps
+    return Polished(cur, sweeps, gain)

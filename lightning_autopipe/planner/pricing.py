@@ -19,9 +19,12 @@ through these functions, so a change to how something costs is a change in one p
 * **Peak memory of a stage**: parameter bytes x (weights + gradients + ``optimizer_factor``)
   plus the activation memory of the micro-batches it holds in flight
   (:func:`peak_memory_bytes`).
+* **A stage's unit prices** (forward, backward, or input and weight backward when split; the
+  first stage's W is its whole backward; a recomputing stage's backward pays the forward again):
+  :func:`unit_prices`, the one place the fast model and the simulator take them from.
 * **Activation recomputation** of a stage (chosen only when nothing fits otherwise): each unit
-  in flight holds only the stage's inputs, one micro-batch's activations live again while its
-  backward runs, and the backward pays the recomputed forward (:func:`recomputed`).
+  in flight holds only the stage's inputs and one micro-batch's activations live again while
+  its backward runs (:func:`recompute_memory`); its time is in :func:`unit_prices`.
 
 Pure functions over numbers and a :class:`~lightning_autopipe.cluster.Cluster`; no torch.
 """
@@ -42,7 +45,7 @@ __all__ = [
     "device_profile",
     "param_state_factor",
     "peak_memory_bytes",
-    "recomputed",
+    "recompute_memory",
     "reduce_ms_per_byte",
     "replica_pairs",
     "ring_costs",
@@ -52,6 +55,7 @@ __all__ = [
     "type_profiles",
     "unit_ms",
     "unit_parts",
+    "unit_prices",
 ]
 
 
@@ -176,26 +180,58 @@ def peak_memory_bytes(
     ``activation_bytes`` is the memory one micro-batch holds for its backward on the stage;
     ``inflight`` the most micro-batches (fractions for slices) held at once under the
     schedule; ``once_bytes`` what is held once on top (a recomputing stage's backward, see
-    :func:`recomputed`). Works on numbers and on numpy arrays alike.
+    :func:`recompute_memory`). Works on numbers and on numpy arrays alike.
     """
     return (param_bytes * param_state_factor(optimizer_factor) + activation_bytes * inflight
             + once_bytes)
 
 
-def recomputed(
-    forward: float, backward: float, memory_bytes: float, input_bytes: float
-) -> tuple[float, float, float]:
-    """A stage that recomputes its activations: (backward cost, bytes one unit holds in flight,
-    bytes held once).
+def recompute_memory(memory_bytes: Any, input_bytes: Any) -> tuple[Any, Any]:
+    """A stage that recomputes its activations: (bytes one unit holds in flight, bytes held
+    once).
 
-    The backward runs the forward again first (``forward`` is added: its ms, or its fixed
-    part, since the recomputed forward is a whole forward of the unit); a unit in flight
-    keeps only the stage's ``input_bytes`` (the boundary tensors it received); while one
-    backward runs, one micro-batch's ``memory_bytes`` live again. For schedules whose
-    backward is not split: a split one would hold the recomputed activations until each
-    weight backward.
+    A unit in flight keeps only the stage's ``input_bytes`` (the boundary tensors it
+    received); while one backward runs, one micro-batch's ``memory_bytes`` live again. Its
+    time is :func:`unit_prices` with ``recompute``. For schedules whose backward is not
+    split: a split one would hold the recomputed activations until each weight backward.
     """
-    return backward + forward, input_bytes, memory_bytes
+    return input_bytes, memory_bytes
+
+
+# ---------------------------------------------------------------------------- unit prices
+def unit_prices(
+    forward: tuple[float, float],
+    backward: tuple[float, float],
+    split_parts: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
+    *,
+    first: bool = False,
+    split: bool = False,
+    recompute: bool = False,
+) -> list[tuple[float, float]]:
+    """A stage's compute per action kind, each ``(ms, fixed ms)`` at the profile's
+    micro-batch: ``[F, B]``, or ``[F, B, W]`` when the schedule splits the backward.
+
+    The fast model and the simulator both price a stage's units from this (then
+    :func:`unit_parts` / :func:`unit_ms` scale them to a unit's samples and the device):
+
+    * ``forward`` and ``backward`` are the stage's summed (ms, fixed ms); ``split_parts`` its
+      split backward (input ms, weight ms, input fixed, weight fixed:
+      :meth:`~lightning_autopipe.profile.BlockProfile.split_backward` summed);
+    * split, B is the input gradient and W the weight gradient, except on the ``first``
+      stage, which has no input gradient to send: its B is empty and its W is the whole
+      backward, as the executor runs it;
+    * a stage that recomputes its activations (``recompute``; never with a split backward)
+      runs the forward again before its backward: the backward costs both (its fixed part
+      too, since the recomputed forward is a whole forward of the unit).
+    """
+    if recompute:
+        backward = (backward[0] + forward[0], backward[1] + forward[1])
+    if not split:
+        return [forward, backward]
+    if first:
+        return [forward, (0.0, 0.0), backward]
+    b_in, b_wt, fix_in, fix_wt = split_parts
+    return [forward, (b_in, fix_in), (b_wt, fix_wt)]
 
 
 # ---------------------------------------------------------------------------- links (fast model)

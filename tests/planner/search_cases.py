@@ -1,7 +1,8 @@
 """Seeded random profiles and clusters for the search-quality reference (see
-``test_fast_pricing.py``); also run against an older planner to freeze its figures:
+``test_fast_pricing.py``); also run against an older planner to freeze its figures
+(``PYTHONPATH=<its checkout>``, output to ``tests/planner/data/search_reference.json``):
 
-    PYTHONPATH=<checkout> python tests/planner/search_cases.py > tests/planner/data/search_reference.json
+    python tests/planner/search_cases.py > search_reference.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ simulated. The model is the simulator's, minus link contention:
   its share of the scaling part and the whole per-call part);
 * a transfer between stages costs the link latency plus bytes over the bandwidth of the slowest
   replica pair (a pure delay: sends do not block the sender);
-* each stage all-reduces its gradients (ring, :func:`~.pricing.allreduce_finish`) after its
+* each stage all-reduces its gradients (ring, :func:`~.allreduce.allreduce_finish`) after its
   last backward; the step ends when the last all-reduce does;
 * peak memory is :func:`~.pricing.peak_memory_bytes` with the most activation memory in flight
   under the schedule;
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_autopipe.planner.allreduce import allreduce_finish
 from lightning_autopipe.planner.compiled import (
     B,
     Compiled,
@@ -42,7 +43,6 @@ from lightning_autopipe.planner.compiled import (
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.levels import levels_of, replay_levels
 from lightning_autopipe.planner.pricing import (
-    allreduce_finish,
     peak_memory_bytes,
     recompute_memory,
     unit_parts,

@@ -35,6 +35,7 @@ from lightning_autopipe.planner.balance import StageLimits, balanced_cuts
 from lightning_autopipe.planner.compiled import inflight
 from lightning_autopipe.planner.costmodel import Estimate, evaluate, evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.slicer import better, choose_drain_slices, choose_startup_slices
 
 __all__ = [
     "balanced_cuts",
@@ -48,7 +49,6 @@ __all__ = [
     "step_budget",
 ]
 
-_EPS = 1e-9
 _ALTERNATIVES = 2  # runner-up cut lists handed on, for the simulator to judge
 
 
@@ -145,15 +145,6 @@ class _Scorer:
         return hit
 
 
-def _better(a: Estimate, b: Estimate | None, rel: float = _EPS) -> bool:
-    """Plans that fit memory beat plans that do not; then the clearly shorter step wins."""
-    if b is None:
-        return True
-    if a.fits != b.fits:
-        return a.fits
-    return a.iteration_ms < b.iteration_ms * (1 - rel)
-
-
 def autopipe_partition(
     costs: BlockCosts,
     layout: Layout,
@@ -223,7 +214,7 @@ def autopipe_partition(
                         cands.append(cur[: c + 1] + suf)
                 for cand in cands:
                     e = score(cand)  # memoised: a visited cut list costs nothing to compare
-                    if _better(e, best):
+                    if better(e, best):
                         cur, best, moved = cand, e, True
                 if moved:
                     break
@@ -244,7 +235,7 @@ def autopipe_partition(
                 continue
             limit = len(score.cache) + max(10, max_evaluations // 4)
             c2, b2 = descend(list(alt), min(limit, max_evaluations))
-            if _better(b2, best):
+            if better(b2, best):
                 cur, best = c2, b2
     seen = sorted(score.cache.items(), key=lambda kv: (not kv[1].fits, kv[1].iteration_ms))
     alts = [(list(c), e) for c, e in seen if list(c) != cur][:_ALTERNATIVES]
@@ -275,7 +266,7 @@ def _nudge(
             score.prefetch(cands, budget - len(score.cache))
             for cand in cands:
                 e = score(cand)
-                if _better(e, best):
+                if better(e, best):
                     cur, best, improved = cand, e, True
                 if len(score.cache) >= budget:
                     return cur, best
@@ -285,7 +276,7 @@ def _nudge(
         score.prefetch(shifts, budget - len(score.cache))
         for cand in shifts:
             e = score(cand)
-            if _better(e, best):
+            if better(e, best):
                 cur, best, improved = cand, e, True
                 break
             if len(score.cache) >= budget:
@@ -311,66 +302,6 @@ def _chain_shifts(cuts: list[int]) -> list[list[int]]:
                 if all(cand[q] < cand[q + 1] for q in range(n)) and cand != cuts:
                     out.append(cand)
     return out
-
-
-def choose_startup_slices(
-    costs: BlockCosts,
-    layout: Layout,
-    cuts: list[int],
-    batch: int,
-    num_microbatches: int,
-    max_slices: int = 8,
-    *,
-    optimizer_factor: float = 2.0,
-    schedule: str = "1f1b",
-) -> tuple[int, Estimate]:
-    """The number of startup slices (1 = off) with the shortest predicted step that fits memory.
-
-    ``k`` is limited by the per-replica micro-batch size (a slice holds at least one sample).
-    """
-    mb = batch // (num_microbatches * max(layout.replicas))
-    return _fewest_best(
-        max(1, min(max_slices, mb)),
-        lambda k: evaluate(costs, layout, cuts, batch, num_microbatches, k,
-                           optimizer_factor=optimizer_factor, schedule=schedule,
-                           critical_path=False),
-    )
-
-
-def choose_drain_slices(
-    costs: BlockCosts,
-    layout: Layout,
-    cuts: list[int],
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int,
-    max_slices: int = 8,
-    *,
-    optimizer_factor: float = 2.0,
-    schedule: str = "1f1b",
-) -> tuple[int, Estimate]:
-    """Slices ``j`` of the last micro-batch (1 = off) with the shortest predicted step.
-
-    Chosen after ``k`` (coordinate descent): the drain tail and the fill head are at opposite
-    ends of the step and barely interact. Only with two or more micro-batches.
-    """
-    mb = batch // (num_microbatches * max(layout.replicas))
-    return _fewest_best(
-        max(1, min(max_slices, mb)) if num_microbatches >= 2 else 1,
-        lambda j: evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
-                           drain_slices=j, optimizer_factor=optimizer_factor, schedule=schedule,
-                           critical_path=False),
-    )
-
-
-def _fewest_best(top: int, estimate: Callable[[int], Estimate]) -> tuple[int, Estimate]:
-    """The smallest slice count in ``1..top`` whose estimate no larger count clearly beats."""
-    best_n, best = 1, estimate(1)
-    for n in range(2, top + 1):
-        e = estimate(n)
-        if _better(e, best, 1e-6):
-            best_n, best = n, e
-    return best_n, best
 
 
 def partition_and_slice(

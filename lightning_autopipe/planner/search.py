@@ -32,8 +32,7 @@ from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner.autopipe import autopipe_proposals
 from lightning_autopipe.planner.baselines import propose
-from lightning_autopipe.planner.compiled import splits_backward
-from lightning_autopipe.planner.generators import schedule_generator
+from lightning_autopipe.planner.generators import schedule_generator, splits_backward
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
 from lightning_autopipe.planner.polish import evaluate_many, polish

@@ -1,9 +1,9 @@
 """What the simulator reads and returns: per-stage costs, unit sizes, timeline events, results.
 
 :func:`stage_costs` sums a plan's blocks per stage, :func:`unit_samples` sizes every unit of the
-step, :func:`overlaps` says which replica feeds which, :func:`stage_peaks` is each stage's peak
-memory under a schedule; :class:`SimResult` and its :class:`Event` list are what
-:func:`~.simulate.simulate` predicts.
+step, :func:`overlaps` and :func:`peers` say which replica feeds which over which link,
+:func:`stage_peaks` is each stage's peak memory under a schedule; :class:`SimResult` and its
+:class:`Event` list are what :func:`~.simulate.simulate` predicts.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.pricing import peak_memory_bytes, recompute_memory, unit_prices
@@ -24,8 +25,8 @@ from lightning_autopipe.planner.schedule import (
 )
 from lightning_autopipe.profile import Profile
 
-__all__ = ["CODE", "Event", "SimResult", "StageCost", "overlaps", "stage_costs", "stage_peaks",
-           "unit_samples"]
+__all__ = ["CODE", "Event", "Peer", "SimResult", "StageCost", "overlaps", "peers", "stage_costs",
+           "stage_peaks", "unit_samples"]
 
 #: action codes of the simulator's per-stage lists and of its raw timeline records
 F, B, SF, SB, RF, RB, AR, W = range(8)
@@ -188,6 +189,42 @@ def overlaps(r_a: int, r_b: int) -> list[tuple[int, int, float]]:
             if ov > 0:
                 out.append((i, j, ov / (r_a * r_b)))
     return out
+
+
+@dataclass
+class Peer:
+    """Where a device sends one direction's messages: bytes per global sample and link."""
+
+    dst: int
+    bytes_per_sample: float
+    gbps: float
+    latency_ms: float
+    resources: tuple
+
+
+def peers(
+    plan: Plan, profile: Profile, cluster: Cluster, costs: list[StageCost], reps: list[int],
+    stage_devs: list[list[int]],
+) -> tuple[list[list[Peer]], list[list[Peer]], list[list[int]]]:
+    """Per device (index in ``plan.devices``): whom it sends activations and gradients, and
+    how many messages it receives per unit from the previous and from the next stage."""
+    names = plan.devices
+    nd, link = len(names), cluster._link
+    out_f: list[list[Peer]] = [[] for _ in range(nd)]
+    out_b: list[list[Peer]] = [[] for _ in range(nd)]
+    indeg = [[0, 0] for _ in range(nd)]  # [from previous stage, from next stage]
+    mbs = float(profile.micro_batch_size)
+    for s in range(plan.num_stages - 1):
+        per_sample = costs[s].activation_bytes / mbs  # activations out = gradients back
+        for i, j, frac in overlaps(reps[s], reps[s + 1]):
+            a, b = stage_devs[s][i], stage_devs[s + 1][j]
+            gbps, lat, res = link(names[a], names[b])
+            out_f[a].append(Peer(b, per_sample * frac, gbps, lat / 1e3, res))
+            gbps, lat, res = link(names[b], names[a])
+            out_b[b].append(Peer(a, per_sample * frac, gbps, lat / 1e3, res))
+            indeg[b][0] += 1
+            indeg[a][1] += 1
+    return out_f, out_b, indeg
 
 
 def stage_peaks(

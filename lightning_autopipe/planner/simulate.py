@@ -74,7 +74,7 @@ from lightning_autopipe.planner.simdata import (
     SimResult,
     StageCost,
     W,
-    overlaps,
+    peers,
     stage_costs,
     stage_peaks,
     unit_samples,
@@ -132,17 +132,6 @@ class _RingDone:
     stage: int
 
 
-@dataclass
-class _Peer:
-    """Where a device sends one direction's messages: bytes per global sample and link."""
-
-    dst: int
-    bytes_per_sample: float
-    gbps: float
-    latency_ms: float
-    resources: tuple
-
-
 # ---------------------------------------------------------------------------- simulator
 class _Simulator:
     """One replay of a lowered schedule for a plan on a cluster (see the module docstring)."""
@@ -178,7 +167,8 @@ class _Simulator:
         type_profiles(profile, cluster)  # ClusterError when a type's profile is of other blocks
         self.own: dict[str, list[StageCost]] = {}  # per profiled device type
         self.dur = [self._durations(d) for d in range(len(self.names))]
-        self.out_f, self.out_b, indeg = self._peers()
+        self.out_f, self.out_b, indeg = peers(plan, profile, cluster, self.costs, self.reps,
+                                              self.stage_devs)
         nu = len(self.units)
         # event loop state
         self.heap: list[tuple] = []
@@ -216,25 +206,6 @@ class _Simulator:
         prices = self._cost(d).prices(s == 0, self.split)
         return [[unit_ms(ms, fixed, g / per, speed, spec.overhead_ms) for g in self.gsamples]
                 for ms, fixed in prices]
-
-    def _peers(self) -> tuple[list[list[_Peer]], list[list[_Peer]], list[list[int]]]:
-        """Transfer peers per device (forward, backward) and in-degree per direction."""
-        nd, names, link = len(self.names), self.names, self.cluster._link
-        out_f: list[list[_Peer]] = [[] for _ in range(nd)]
-        out_b: list[list[_Peer]] = [[] for _ in range(nd)]
-        indeg = [[0, 0] for _ in range(nd)]  # [from previous stage, from next stage]
-        mbs = float(self.profile.micro_batch_size)
-        for s in range(self.plan.num_stages - 1):
-            per_sample = self.costs[s].activation_bytes / mbs  # activations out = gradients back
-            for i, j, frac in overlaps(self.reps[s], self.reps[s + 1]):
-                a, b = self.stage_devs[s][i], self.stage_devs[s + 1][j]
-                gbps, lat, res = link(names[a], names[b])
-                out_f[a].append(_Peer(b, per_sample * frac, gbps, lat / 1e3, res))
-                gbps, lat, res = link(names[b], names[a])
-                out_b[b].append(_Peer(a, per_sample * frac, gbps, lat / 1e3, res))
-                indeg[b][0] += 1
-                indeg[a][1] += 1
-        return out_f, out_b, indeg
 
     # ------------------------------------------------------------------ actions
     def _push(self, t: float, event: object) -> None:

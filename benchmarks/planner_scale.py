@@ -15,7 +15,8 @@ searches in one process, since the machine is shared) and the command's wall tim
 checkout and for the reference (``--baseline``: a git revision, checked out into a temporary
 worktree; the default is the commit the faster search started from), with their ratio, and
 the predicted iteration of both (a ratio below 1 is a shorter predicted step). ``notes`` says
-when a local search stopped at its budget. The reference and this checkout run one after
+when a local search stopped at its budget (this planner's, then the reference's). The shipped
+profiles come first. The reference and this checkout run one after
 the other in separate processes, each case in both before the next case.
 """
 
@@ -78,6 +79,14 @@ def cases(quick: bool) -> list[dict]:
     """Every case as files on disk: (name, profile path, cluster path, batch)."""
     tmp = Path(tempfile.mkdtemp(prefix="planner-scale-"))
     out = []
+    for model, batch in SHIPPED.items():
+        for cname in CLUSTERS:
+            if quick and cname == "mixed_64":
+                continue
+            out.append({"case": f"{model} / {cname} (B={batch})",
+                        "profile": str(ROOT / "benchmarks" / "profiles" / f"{model}.json"),
+                        "cluster": str(ROOT / "conf" / "cluster" / f"{cname}.yaml"),
+                        "batch": batch})
     for n in BLOCKS:
         prof = tmp / f"random-{n}.json"
         prof.write_text(json.dumps(random_profile_dict(n)))
@@ -88,14 +97,6 @@ def cases(quick: bool) -> list[dict]:
             cl.write_text(json.dumps(two_type_cluster_dict(d)))
             out.append({"case": f"random {n} blocks x {d} devices (B={BATCH})",
                         "profile": str(prof), "cluster": str(cl), "batch": BATCH})
-    for model, batch in SHIPPED.items():
-        for cname in CLUSTERS:
-            if quick and cname == "mixed_64":
-                continue
-            out.append({"case": f"{model} / {cname} (B={batch})",
-                        "profile": str(ROOT / "benchmarks" / "profiles" / f"{model}.json"),
-                        "cluster": str(ROOT / "conf" / "cluster" / f"{cname}.yaml"),
-                        "batch": batch})
     return out
 
 
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     base = _baseline_root(args.baseline)
+    flags = (f" --baseline {args.baseline}" if args.baseline != BASELINE else "") + (
+        " --quick" if args.quick else "")
     try:
         rows = []
         for case in cases(args.quick):
@@ -172,15 +175,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case['case']}: search {new['search_ms']:.0f} ms (was "
                   f"{old['search_ms']:.0f}), iteration {new['iteration_ms']:.1f} "
                   f"(was {old['iteration_ms']:.1f})", file=sys.stderr)
+            if args.out:  # the table so far, so that an interrupted run still leaves one
+                args.out.write_text(_report(rows, args.baseline, flags, t0) + "\n")
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
                        capture_output=True)
-    flags = (f" --baseline {args.baseline}" if args.baseline != BASELINE else "") + (
-        " --quick" if args.quick else "")
+    report = _report(rows, args.baseline, flags, t0)
+    print(report)
+    if args.out:
+        args.out.write_text(report + "\n")
+    return 0
+
+
+def _report(rows: list, baseline: str, flags: str, t0: float) -> str:
     lines = [
         "# Planner search at scale\n",
         f"Reproduce: `{COMMAND}{flags}`\n",
-        f"Reference: the planner at `{args.baseline}`, run in its own worktree in the same "
+        f"Reference: the planner at `{baseline}`, run in its own worktree in the same "
         "run. `search` is `Plan.search_ms` (the better of two searches), `CLI` the wall time "
         "of one `python -m lightning_autopipe plan` (interpreter start included); the "
         "machine has 2 cores shared with other jobs. `iteration x ref` < 1 is a shorter "
@@ -191,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for case, old, new in rows:
         notes = "; ".join(new["notes"]) or "-"
+        if old["notes"]:
+            notes += " (reference: " + "; ".join(old["notes"]) + ")"
         lines.append(
             f"| {case['case']} | {new['search_ms']:.0f} | {old['search_ms']:.0f} | "
             f"{_ratio(new['search_ms'], old['search_ms'])} | {new['cli_s']:.2f} | "
@@ -198,11 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{_ratio(new['iteration_ms'], old['iteration_ms'])} | {new['shape']} | {notes} |"
         )
     lines.append(f"\nTotal benchmark time {time.perf_counter() - t0:.0f} s.")
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        args.out.write_text(report + "\n")
-    return 0
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

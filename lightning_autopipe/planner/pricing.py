@@ -241,6 +241,11 @@ def replica_pairs(a: list[str], b: list[str]) -> list[tuple[str, str]]:
 
 def contended_gbps(cluster: Cluster, pairs: list[tuple[str, str]]) -> float:
     """Bandwidth of the slowest of ``pairs`` when all transfer at once over shared links."""
+    cache = _memo(cluster, "contended")
+    key = tuple(pairs)
+    got = cache.get(key)
+    if got is not None:
+        return got
     use: dict[tuple, int] = {}
     res = [cluster.link_resources(x, y) for x, y in pairs]
     for rs in res:
@@ -252,7 +257,29 @@ def contended_gbps(cluster: Cluster, pairs: list[tuple[str, str]]) -> float:
         for r in rs:
             bw = min(bw, cluster.resource_gbps(r) / use[r])
         worst = min(worst, bw)
+    cache[key] = worst
     return worst
+
+
+def _memo(cluster: Cluster, what: str) -> dict:
+    """A cache of link figures kept on ``cluster`` (the mapper builds dozens of layouts over
+    the same device groups; a cluster's links never change once it is built)."""
+    return cluster.__dict__.setdefault("_planner_memo", {}).setdefault(what, {})
+
+
+def _ring(
+    cluster: Cluster, group: list[str]
+) -> tuple[list[tuple[str, str]], list[tuple], list[float], list[float]]:
+    """The ring of ``group``: its edges and each edge's resources, Gb/s and latency (us)."""
+    cache = _memo(cluster, "rings")
+    key = tuple(group)
+    got = cache.get(key)
+    if got is None:
+        edges = _ring_edges(cluster, list(group))
+        links = [cluster._link(a, b) for a, b in edges]
+        got = cache[key] = (edges, [x[2] for x in links], [x[0] for x in links],
+                            [x[1] for x in links])
+    return got
 
 
 def ring_costs(
@@ -264,29 +291,25 @@ def ring_costs(
     share a NIC or a PCIe level split its bandwidth, which decides between keeping a stage's
     replicas in one server and spreading them.
     """
-    rings = []
+    rings = [_ring(cluster, g) for g in groups]
     use: dict[tuple, int] = {}
-    for g in groups:
-        edges = _ring_edges(cluster, g)
-        res = [cluster.link_resources(a, b) for a, b in edges]
+    for _, res, _, _ in rings if contended else ():
         for rs in res:
             for r in rs:
                 use[r] = use.get(r, 0) + 1
-        rings.append((edges, res))
     lat, per_byte = [], []
-    for edges, res in rings:
+    for edges, res, gbps, lats in rings:
         n = len(edges)
         if n < 2:
             lat.append(0.0)
             per_byte.append(0.0)
             continue
         bw = float("inf")
-        for (a, b), rs in zip(edges, res):
-            e = cluster.bandwidth_gbps(a, b)
+        for rs, e in zip(res, gbps):
             for r in rs if contended else ():
                 e = min(e, cluster.resource_gbps(r) / use[r])
             bw = min(bw, e)
-        lat.append(ring_latency_ms(n, max(cluster.latency_us(a, b) for a, b in edges) / 1e3))
+        lat.append(ring_latency_ms(n, max(lats) / 1e3))
         per_byte.append(ring_volume(n, 1.0) / (bw * BYTES_PER_MS_PER_GBPS))
     return lat, per_byte
 
@@ -300,9 +323,10 @@ def ring_resources(
     rings = []
     for g in groups:
         edges = []
-        for a, b in _ring_edges(cluster, g):
+        ring_edges, ring_res, _, _ = _ring(cluster, g)
+        for (a, b), res in zip(ring_edges, ring_res):
             ids = []
-            for r in cluster.link_resources(a, b):
+            for r in res:
                 if r not in index:
                     index[r] = len(caps)
                     caps.append(cluster.resource_gbps(r) * BYTES_PER_MS_PER_GBPS)

@@ -32,6 +32,7 @@ from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner.autopipe import autopipe_proposals
 from lightning_autopipe.planner.baselines import propose
+from lightning_autopipe.planner.costmodel import evaluate
 from lightning_autopipe.planner.generators import schedule_generator, splits_backward
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
@@ -130,8 +131,8 @@ def make_plan(
         # (the proposal right after it, see _autopipe)
         chosen = props[:2]
     if len(chosen) >= 2:
-        plans = [finish_plan(p, planner, profile, cluster, global_batch_size, optimizer_factor)
-                 for p in chosen]
+        plans = _simulate_finalists(chosen, planner, profile, costs, cluster, global_batch_size,
+                                    optimizer_factor)
         search_ms = (time.perf_counter() - t0) * 1e3 - excluded
     else:
         search_ms = (time.perf_counter() - t0) * 1e3 - excluded
@@ -149,6 +150,37 @@ def make_plan(
     best.search_ms = search_ms
     best.search_notes = notes
     return best
+
+
+def _simulate_finalists(
+    chosen: list[Proposal], planner: str, profile: Profile, costs: BlockCosts, cluster: Cluster,
+    batch: int, optimizer_factor: float,
+) -> list[Plan]:
+    """The finalists as simulated plans, skipping those that cannot win.
+
+    Once a simulated finalist fits memory, a later one is simulated only if its optimistic
+    replay (every stage on its fastest replica over uncontended links, the whole step
+    replayed: a lower bound of the simulator) does not exceed the best fitting step so far;
+    the others could not be chosen (the fastest fitting plan is), so skipping them changes
+    nothing but the time spent.
+    """
+    plans: list[Plan] = []
+    best = float("inf")
+    for p in chosen:
+        if best < float("inf"):
+            bound = evaluate(
+                costs, Layout.from_cluster(cluster, p.groups, optimistic=True), p.cuts, batch,
+                p.num_microbatches, p.startup_slices, drain_slices=p.drain_slices,
+                schedule=p.schedule, optimizer_factor=optimizer_factor, critical_path=False,
+                exact=True,
+            ).iteration_ms
+            if bound * (1 - 1e-9) > best:
+                continue
+        plan = finish_plan(p, planner, profile, cluster, batch, optimizer_factor)
+        plans.append(plan)
+        if _fits(plan, cluster):
+            best = min(best, plan.iteration_ms)
+    return plans
 
 
 def _polish_favourite(

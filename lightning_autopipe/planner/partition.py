@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 _ALTERNATIVES = 2  # runner-up cut lists handed on, for the simulator to judge
+_SHIFT_BATCH = 8  # chain shifts priced together (the first better one is taken)
 
 
 def stage_limits(
@@ -273,8 +274,9 @@ def _nudge(
         if improved:
             continue
         shifts = _chain_shifts(cur)
-        score.prefetch(shifts, budget - len(score.cache))
-        for cand in shifts:
+        for q, cand in enumerate(shifts):
+            if q % _SHIFT_BATCH == 0:  # the walk stops at the first improvement: a few at once
+                score.prefetch(shifts[q : q + _SHIFT_BATCH], budget - len(score.cache))
             e = score(cand)
             if better(e, best):
                 cur, best, improved = cand, e, True

@@ -45,6 +45,7 @@ from lightning_autopipe.planner.compiled import (
     inflight,
     splits_backward,
 )
+from lightning_autopipe.planner.extrapolate import Tail, tail_of
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.levels import levels_of, replay_levels
 from lightning_autopipe.planner.pricing import (
@@ -169,27 +170,39 @@ def _inputs(
 
 
 def _replay_group(
-    comp: Compiled, group: list[_Inputs], queue: bool, via: bool
-) -> list[tuple[list[float], list[bool] | None]]:
-    """Per candidate of ``group`` (one shape): each stage's last end and, with ``via``, each
-    action's start cause; level by level when that pays (:mod:`~.levels`), else scalar."""
+    comp: Compiled, group: list[_Inputs], queue: bool, via: bool,
+    first: Compiled | None = None, tail: Tail | None = None,
+) -> list[tuple[list[float], list[bool] | None, list[float] | None]]:
+    """Per candidate of ``group`` (one shape): each stage's last end, with ``via`` each
+    action's start cause, and with ``first`` (the shorter step of an extrapolation, sharing
+    ``tail``'s prefix with ``comp``) that step's last ends; level by level when that pays
+    (:mod:`~.levels`), else scalar, the shorter step only from where it departs from ``comp``."""
     if len(group) * levels_of(comp, queue).width < _LEVEL_WIDTH:
         out = []
         for x in group:
             lay = x.layout
-            finish, _, started = _replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
-                                         [0.0] * lay.num_stages, queue)
-            out.append((finish, started if via else None))
+            sent = [0.0] * len(comp.order) if first is not None and queue else None
+            finish, end, started = _replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
+                                           [0.0] * lay.num_stages, queue, record=sent)
+            head = None
+            if first is not None and tail is not None:
+                head = _replay(first, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
+                               [0.0] * lay.num_stages, queue,
+                               resume=tail.resume(end, sent, len(x.cut_ms)))[0]
+            out.append((finish, started if via else None, head))
         return out
     var = np.array([x.var for x in group]).transpose(1, 2, 0)
     per_call = np.array([x.per_call for x in group]).transpose(1, 2, 0)
     cut_ms = np.array([x.cut_ms for x in group]).reshape(len(group), -1).T
     lat = np.array([x.layout.link_lat_ms for x in group]).reshape(len(group), -1).T
     finish, started = replay_levels(comp, var, per_call, cut_ms, lat, queue, via)
+    heads: list = [None] * len(group)
+    if first is not None:
+        heads = replay_levels(first, var, per_call, cut_ms, lat, queue)[0].T.tolist()
     ends = finish.T.tolist()
     if started is None:
-        return [(e, None) for e in ends]
-    return [(e, started[:, i].tolist()) for i, e in enumerate(ends)]
+        return [(e, None, h) for e, h in zip(ends, heads)]
+    return [(e, started[:, i].tolist(), h) for i, (e, h) in enumerate(zip(ends, heads))]
 
 
 def evaluate_batch(
@@ -228,15 +241,15 @@ def evaluate_batch(
     for (mb, queue), idx in groups.items():
         group = [inputs[i] for i in idx]
         comp = compiled(schedule, num, m0 + win if long else m, k, mb, j)
-        ends = _replay_group(comp, group, queue, critical_path)
-        firsts = (_replay_group(compiled(schedule, num, m0, k, mb, j), group, queue, False)
-                  if long else [None] * len(idx))
+        first = compiled(schedule, num, m0, k, mb, j) if long else None
+        tail = tail_of(schedule, num, m0, win, k, mb, j) if long else None
+        ends = _replay_group(comp, group, queue, critical_path, first, tail)
         held = inflight(schedule, num, m, k, mb, j)
-        for i, x, (finish, via), first in zip(idx, group, ends, firsts):
+        for i, x, (finish, via, head) in zip(idx, group, ends):
             grads = [float(costs.params[x.cuts[s + 1]] - costs.params[x.cuts[s]])
                      for s in range(num)]
-            if first is not None:
-                period = max(0.0, max(finish) - max(first[0])) / win
+            if head is not None:
+                period = max(0.0, max(finish) - max(head)) / win
                 shift = (m - m0 - win) * period
                 finish = [f + shift for f in finish]
             finish = allreduce_finish(x.layout, finish, grads)
@@ -285,8 +298,15 @@ def _replay(
     lat: tuple[float, ...],
     ar: list[float],
     queue: bool = True,
+    *,
+    record: list[float] | None = None,
+    resume: tuple | None = None,
 ) -> tuple[list[float], list[float], list[bool]]:
     """Finish time per stage (all-reduce included), end time and start cause per action.
+
+    ``record`` (one slot per action) receives when each queued transfer leaves its link;
+    ``resume`` = (ends, actions still to run, each cut's link free time per direction) starts
+    from a state where the other actions have run (:class:`~.extrapolate.Tail`).
 
     With ``queue`` each cut's link carries one transfer per direction at a time, in the
     sender's order (startup slices leave back to back and would otherwise overtake each
@@ -296,11 +316,16 @@ def _replay(
     """
     fracs = comp.fracs
     order = comp.order
-    end = [0.0] * len(order)
     via = [False] * len(order)  # True: started by the cross-stage message
-    free_f = [0.0] * len(cut_ms)  # when each cut's link is next free, per direction
-    free_b = [0.0] * len(cut_ms)
-    for n, (s, code, u, prev, cross) in enumerate(order):
+    if resume is None:
+        end = [0.0] * len(order)
+        todo: Sequence[int] = range(len(order))
+        free_f = [0.0] * len(cut_ms)  # when each cut's link is next free, per direction
+        free_b = [0.0] * len(cut_ms)
+    else:
+        end, todo, free_f, free_b = resume
+    for n in todo:
+        s, code, u, prev, cross = order[n]
         t = end[prev] if prev >= 0 else 0.0
         if cross >= 0:
             is_b = code == B
@@ -312,6 +337,8 @@ def _replay(
                 if free[c] > sent:
                     sent = free[c]
                 free[c] = sent + dur
+                if record is not None:
+                    record[n] = free[c]
             tc = sent + dur + lat[c]
             if tc > t:
                 t = tc

@@ -5,7 +5,9 @@ planner before it.
   replay to the bit, on a grid of schedules, depths, micro-batch and slice counts, with and
   without link queues;
 * ``evaluate_batch`` equals ``evaluate`` one candidate at a time (estimates, critical path
-  included), for one layout and for one layout per candidate;
+  included), for one layout and for one layout per candidate; past the extrapolation point
+  this also holds the shorter replay resumed from the longer one's shared prefix
+  (``planner/extrapolate.py``, taken by the scalar path) equal to the whole replay;
 * level 1's array scoring (``planner/shapes.py``) equals the scalar closed form it replaced
   (kept below as the reference), shape for shape and bit for bit;
 * on 50 seeded random profiles and clusters the whole search predicts a step no longer than
@@ -75,8 +77,9 @@ def test_evaluate_batch_equals_evaluate_one_by_one(seed):
     stages = rng.randint(2, min(12, len(devs)))
     m = rng.choice([1, stages, 3 * stages + 9])  # past the extrapolation point too
     batch = m * rng.choice([2, 4])  # two startup / drain slices need two samples
-    layouts = [Layout.from_cluster(cluster, g)
-               for g in candidate_groupings(cluster, devs, stages, 1).values()]
+    layouts = [Layout.from_cluster(cluster, g, optimistic=opt)
+               for g in candidate_groupings(cluster, devs, stages, 1).values()
+               for opt in (False, True)]  # with link queues and without
     base = [round(i * costs.num_blocks / stages) for i in range(stages)] + [costs.num_blocks]
     cands = [base] + neighbours(base)[:40]
     for schedule in ("1f1b", "zb-h1"):

@@ -47,7 +47,7 @@ from lightning_autopipe.planner.compiled import (
 )
 from lightning_autopipe.planner.extrapolate import Tail, tail_of
 from lightning_autopipe.planner.layout import BlockCosts, Layout
-from lightning_autopipe.planner.levels import levels_of, replay_levels
+from lightning_autopipe.planner.levels import replay_levels
 from lightning_autopipe.planner.pricing import (
     peak_memory_bytes,
     recompute_memory,
@@ -177,18 +177,18 @@ def _replay_group(
     action's start cause, and with ``first`` (the shorter step of an extrapolation, sharing
     ``tail``'s prefix with ``comp``) that step's last ends; level by level when that pays
     (:mod:`~.levels`), else scalar, the shorter step only from where it departs from ``comp``."""
-    if len(group) * levels_of(comp, queue).width < _LEVEL_WIDTH:
+    if len(group) * _width(comp) < _LEVEL_WIDTH:
         out = []
         for x in group:
             lay = x.layout
-            sent = [0.0] * len(comp.order) if first is not None and queue else None
+            sent = [0.0] * len(comp.order) if tail is not None and queue else None
             finish, end, started = _replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
                                            [0.0] * lay.num_stages, queue, record=sent)
             head = None
-            if first is not None and tail is not None:
+            if first is not None:  # the whole shorter step, or its part after the shared one
+                resume = tail.resume(end, sent, len(x.cut_ms)) if tail is not None else None
                 head = _replay(first, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
-                               [0.0] * lay.num_stages, queue,
-                               resume=tail.resume(end, sent, len(x.cut_ms)))[0]
+                               [0.0] * lay.num_stages, queue, resume=resume)[0]
             out.append((finish, started if via else None, head))
         return out
     var = np.array([x.var for x in group]).transpose(1, 2, 0)
@@ -203,6 +203,14 @@ def _replay_group(
     if started is None:
         return [(e, None, h) for e, h in zip(ends, heads)]
     return [(e, started[:, i].tolist(), h) for i, (e, h) in enumerate(zip(ends, heads))]
+
+
+def _width(comp: Compiled) -> float:
+    """About how many actions a level of ``comp`` holds (:mod:`~.levels` counts them exactly,
+    at the price of a pass over the schedule): a stage's list, about ``N / S`` actions, plus
+    the fill and drain across the stages, over ``N`` actions."""
+    n, num = len(comp.order), len(comp.last)
+    return n / (n / num + 2 * num)
 
 
 def evaluate_batch(
@@ -242,7 +250,7 @@ def evaluate_batch(
         group = [inputs[i] for i in idx]
         comp = compiled(schedule, num, m0 + win if long else m, k, mb, j)
         first = compiled(schedule, num, m0, k, mb, j) if long else None
-        tail = tail_of(schedule, num, m0, win, k, mb, j) if long else None
+        tail = tail_of(schedule, num, m0, win, k, mb, j) if long else None  # None: not yet
         ends = _replay_group(comp, group, queue, critical_path, first, tail)
         held = inflight(schedule, num, m, k, mb, j)
         for i, x, (finish, via, head) in zip(idx, group, ends):

@@ -45,8 +45,25 @@ class Tail:
                 [pick(i) for i in self.link_b[:cuts]])
 
 
+_USES: dict[tuple, int] = {}
+_PAYS_FROM = 3  # a tail costs about two replays to find: worth it from the third use
+
+
+def tail_of(
+    schedule: str, num: int, m0: int, win: int, k: int, mb: int, j: int
+) -> Tail | None:
+    """The :class:`Tail` of this shape, or None for its first uses (then the shorter step is
+    replayed whole: finding the shared prefix costs about two replays, so it pays only for a
+    shape priced again and again, as the partitioner's are)."""
+    key = (schedule, num, m0, win, k, mb, j)
+    uses = _USES[key] = _USES.get(key, 0) + 1
+    if uses < _PAYS_FROM:
+        return None
+    return _tail(*key)
+
+
 @functools.lru_cache(maxsize=256)
-def tail_of(schedule: str, num: int, m0: int, win: int, k: int, mb: int, j: int) -> Tail:
+def _tail(schedule: str, num: int, m0: int, win: int, k: int, mb: int, j: int) -> Tail:
     short, long = compiled(schedule, num, m0, k, mb, j), compiled(schedule, num, m0 + win, k, mb, j)
     key_s, key_l = units(m0, k, j), units(m0 + win, k, j)
     list_s, list_l = lists(schedule, num, m0, k, j), lists(schedule, num, m0 + win, k, j)

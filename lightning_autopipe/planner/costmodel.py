@@ -57,9 +57,11 @@ from lightning_autopipe.planner.pricing import (
 
 __all__ = ["Estimate", "evaluate", "evaluate_batch", "stage_times"]
 
-#: candidates x mean actions per level from which a batch is replayed level by level (a
-#: level costs about as much as 50 scalar actions; a single deep pipeline stays scalar too)
-_LEVEL_WIDTH = 64.0
+#: candidates x mean actions per level from which a batch is replayed level by level: a
+#: level costs a dozen numpy calls and the batch's arrays must be built, so on the search's
+#: usual batches (a few dozen candidates of shallow pipelines) the scalar replay is faster in
+#: CPU time (measured on whole searches); only big batches of deep pipelines go by levels
+_LEVEL_WIDTH = 2048.0
 
 
 @dataclass

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS
-from lightning_autopipe.planner import make_plan
+from lightning_autopipe.planner import costmodel, make_plan
 from lightning_autopipe.planner.compiled import compiled
 from lightning_autopipe.planner.costmodel import _replay, evaluate, evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
@@ -68,7 +68,7 @@ def test_level_replay_equals_the_scalar_replay_to_the_bit(schedule):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_evaluate_batch_equals_evaluate_one_by_one(seed):
+def test_evaluate_batch_equals_evaluate_one_by_one(seed, monkeypatch):
     rng = random.Random(300 + seed)
     profile = _random_profile(rng, rng.randint(30, 90))
     cluster = _random_cluster(rng)
@@ -84,10 +84,12 @@ def test_evaluate_batch_equals_evaluate_one_by_one(seed):
     cands = [base] + neighbours(base)[:40]
     for schedule in ("1f1b", "zb-h1"):
         kw = dict(schedule=schedule, drain_slices=rng.choice([1, 2]) if m > 1 else 1)
-        many = evaluate_batch(costs, layouts[0], cands, batch, m, 2, **kw)
+        with monkeypatch.context() as patch:  # the batches go level by level
+            patch.setattr(costmodel, "_LEVEL_WIDTH", 0.0)
+            many = evaluate_batch(costs, layouts[0], cands, batch, m, 2, **kw)
+            per_layout = evaluate_batch(costs, layouts, [base] * len(layouts), batch, m, 1,
+                                        critical_path=False, **kw)
         assert many == [evaluate(costs, layouts[0], c, batch, m, 2, **kw) for c in cands]
-        per_layout = evaluate_batch(costs, layouts, [base] * len(layouts), batch, m, 1,
-                                    critical_path=False, **kw)
         assert per_layout == [evaluate(costs, lay, base, batch, m, 1, critical_path=False, **kw)
                               for lay in layouts]
 

@@ -89,13 +89,13 @@ from typing_extensions import override
 from lightning_autopipe import checkpoint as ckpt
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.lightning import summary
+from lightning_autopipe.lightning.example import _example
 from lightning_autopipe.lightning.held_pipeline import HeldPipeline, destroy_released_groups
 from lightning_autopipe.lightning.precision import check_precision, install_loss_scaling
 from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.checks import check_microbatches
-from lightning_autopipe.lightning.example import _example
 from lightning_autopipe.runtime.failure import describe, watch_launcher
 from lightning_autopipe.runtime.materialize import deferred_init, is_deferred
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline

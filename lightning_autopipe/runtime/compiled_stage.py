@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -50,6 +49,7 @@ from lightning_autopipe.errors import PlanError
 from lightning_autopipe.options import SPLIT_BACKENDS
 from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.profile import Profile, fit_affine
+from lightning_autopipe.runtime.clock import now
 from lightning_autopipe.runtime.compiled_split import Deferral, split_backend
 
 __all__ = ["CompiledStage", "compiled_profile", "compiled_stage", "profile_for"]
@@ -240,21 +240,15 @@ def _timed(fn: Callable, inputs: tuple[Any, ...], device: torch.device,
     """Median (forward ms, backward ms) of ``fn`` on ``inputs``, after one untimed pass."""
     fwd, bwd = [], []
     for i in range(repeats + 1):
-        _sync(device)
-        t0 = time.perf_counter()
+        t0 = now(device)
         outs = fn(*inputs)
-        _sync(device)
-        t1 = time.perf_counter()
+        t1 = now(device)
         outs = outs if isinstance(outs, tuple | list) else (outs,)
         floats = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
         torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
-        _sync(device)
+        t2 = now(device)
         if i:  # the first pass compiles (and warms the caches)
             fwd.append((t1 - t0) * 1e3)
-            bwd.append((time.perf_counter() - t1) * 1e3)
+            bwd.append((t2 - t1) * 1e3)
     return statistics.median(fwd), statistics.median(bwd)
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

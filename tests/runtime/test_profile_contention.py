@@ -16,8 +16,8 @@ from torch import nn
 import lightning_autopipe.runtime.pipeline as pipeline_mod
 import lightning_autopipe.runtime.profiler as profile_mod
 from lightning_autopipe.errors import PipelineRuntimeError
-from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.lightning.example import _batch_like
+from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from tests.runtime import _cases as C
 

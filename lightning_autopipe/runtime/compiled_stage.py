@@ -49,6 +49,7 @@ from lightning_autopipe.errors import PlanError
 from lightning_autopipe.options import SPLIT_BACKENDS
 from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.profile import Profile, fit_affine
+from lightning_autopipe.runtime.backward import splits_backward_at
 from lightning_autopipe.runtime.clock import now
 from lightning_autopipe.runtime.compiled_split import Deferral, split_backend
 
@@ -128,10 +129,11 @@ class CompiledStage(nn.Module):
             graph.accumulate(w_inputs)
 
 
-def compiled_stage(stage: nn.Module, schedule: str, backend: str,
-                   first: bool = False) -> CompiledStage:
-    """``stage`` compiled for a run under ``schedule`` (``first``: the pipeline's first stage,
-    whose backward stays whole even when the schedule splits).
+def compiled_stage(stage: nn.Module, schedule: str, backend: str, *,
+                   stage_index: int) -> CompiledStage:
+    """``stage`` compiled for a run under ``schedule`` as the pipeline's stage ``stage_index``
+    (its backward graph is cut where :func:`~lightning_autopipe.runtime.backward.splits_backward_at`
+    says: not on the first stage, whose backward stays whole even when the schedule splits).
 
     Raises:
         PlanError: the schedule splits the backward and ``backend`` cannot be split.
@@ -144,7 +146,7 @@ def compiled_stage(stage: nn.Module, schedule: str, backend: str,
             f"backward can be split for {SPLIT_BACKENDS}: compile with one of them, re-plan "
             "with schedule='auto' or '1f1b', or pass compile=False"
         )
-    return CompiledStage(stage, backend, split_backward=split and not first)
+    return CompiledStage(stage, backend, split_backward=splits_backward_at(stage_index, split))
 
 
 def profile_for(

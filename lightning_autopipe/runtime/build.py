@@ -39,6 +39,7 @@ from lightning_autopipe.runtime.local_stage import (
     as_call_args,
     bind_local_stage,
     model_inputs,
+    restore_tensors,
     tensor_names,
 )
 from lightning_autopipe.runtime.materialize import Materializer, retarget_devices
@@ -69,8 +70,10 @@ class StageSource:
         deferred: the module was built on the meta device.
         aliases: every original name of each parameter or buffer, keyed by each of its names
             (tied weights have several), taken before the first build unbinds foreign ones.
-        shapes: each parameter's and buffer's shape by original name, taken then too (a
-            binding releases another stage's storage, and a rebuild allocates it again).
+        tensors: each parameter and buffer object by original name, taken then too (a
+            binding empties the slots of other stages' tensors, a rebuild restores them).
+        shapes: their shapes, taken then too (a binding releases another stage's storage,
+            and a rebuild allocates it again).
     """
 
     module: nn.Module
@@ -86,15 +89,17 @@ class StageSource:
     measure_memory: bool = True
     deferred: bool = False
     aliases: dict[str, list[str]] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     shapes: dict[str, torch.Size] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.aliases:
             self.aliases = tensor_names(self.module)
+        if not self.tensors:
+            self.tensors = dict([*self.module.named_parameters(remove_duplicate=False),
+                                 *self.module.named_buffers(remove_duplicate=False)])
         if not self.shapes:
-            self.shapes = {name: t.shape for name, t in [
-                *self.module.named_parameters(remove_duplicate=False),
-                *self.module.named_buffers(remove_duplicate=False)]}
+            self.shapes = {name: t.shape for name, t in self.tensors.items()}
 
 
 @dataclass
@@ -153,6 +158,8 @@ def build_pipeline(
     layout = layout_for_rank(plan, source.names, rank)
     s = layout.stage
     i, j = plan.stages[s].blocks
+    if not fresh:  # the slots an earlier binding emptied, which the stages share
+        restore_tensors(source.module, source.tensors)
     # Tie groups first: they look at every stage, which binding strips of foreign parameters.
     ties = list(source.blocks.tie_groups(plan.cuts))
     stage = source.blocks.stage(i, j)

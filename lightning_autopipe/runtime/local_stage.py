@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["as_call_args", "bind_local_stage", "model_inputs", "tensor_names"]
+__all__ = ["as_call_args", "bind_local_stage", "model_inputs", "restore_tensors", "tensor_names"]
 
 
 def model_inputs(module: nn.Module, batch: Any) -> Any:
@@ -49,6 +49,27 @@ def tensor_names(module: nn.Module) -> dict[str, list[str]]:
                     *module.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(t), []).append(name)
     return {name: list(group) for group in names.values() for name in group}
+
+
+def restore_tensors(module: nn.Module, tensors: dict[str, Tensor]) -> None:
+    """Put every tensor of ``tensors`` (original name -> the parameter or buffer object taken
+    before a binding) back into its slot of ``module``.
+
+    Stages share the user's submodules, so a slot :func:`bind_local_stage` emptied is empty in
+    every stage holding that submodule too: a stage of another plan has its tensors again only
+    once they are restored (their storage may still be released; binding then releases the
+    foreign ones again)."""
+    for name, t in tensors.items():
+        owner, attr = _owner(module, name)
+        if isinstance(t, nn.Parameter):
+            owner._parameters[attr] = t
+        else:
+            owner._buffers[attr] = t
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), attr
 
 
 def _slots(module: nn.Module, kind: str) -> dict[str, tuple[nn.Module, str, Tensor | None]]:

@@ -25,7 +25,7 @@ from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.profile import Profile
-from lightning_autopipe.runtime import profiler
+from lightning_autopipe.runtime import log, profiler
 from lightning_autopipe.runtime.compiled_stage import profile_for
 from lightning_autopipe.runtime.discover import (
     compare_with_declared,
@@ -35,7 +35,6 @@ from lightning_autopipe.runtime.discover import (
     host_name,
     write_cluster,
 )
-from lightning_autopipe.runtime.log import rank_zero_info
 from lightning_autopipe.runtime.units import slice_batch
 
 __all__ = ["Measurement", "is_distributed", "measure", "resolve_cluster"]
@@ -125,7 +124,7 @@ def measure(
         names = [d.name for d in cluster.devices]
         if rank == 0 and run_dir is not None:
             where = write_cluster(cluster, run_dir, profile)
-            rank_zero_info(
+            log.rank_zero_info(
                 f"discovered cluster written to {where} (reuse it as cluster=<that file>)")
     elif planning and distributed:
         reports = gather_reports(mine, device)
@@ -172,7 +171,7 @@ def resolve_cluster(
             return Cluster.local(world_size, device_name=name)
         latency_us, gbps = link
         if dist.get_rank() == 0:
-            rank_zero_info(
+            log.rank_zero_info(
                 f"local cluster: {dist.get_backend()} link measured at {gbps:.2f} Gb/s, "
                 f"{latency_us:.1f} us per message; all-reduce reduces at "
                 + (f"{reduce:.2f} Gb/s" if math.isfinite(reduce) else "no extra cost")
@@ -186,7 +185,7 @@ def resolve_cluster(
     cluster.validate_nodes(num_nodes, world_size // max(num_nodes, 1))
     if cluster.num_devices > world_size and (not dist.is_initialized() or dist.get_rank() == 0):
         used = cluster.devices[:world_size]
-        rank_zero_info(
+        log.rank_zero_info(
             f"cluster {cluster.name!r} describes {cluster.num_devices} devices; this run of "
             f"{world_size} processes is planned on the first {world_size} in file order "
             f"({used[0].name} .. {used[-1].name})"

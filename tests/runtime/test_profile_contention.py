@@ -89,7 +89,8 @@ def _rank0_payload(example_batch: Any = None) -> tuple[Any, Any]:
 def test_every_rank_profiles_with_the_same_settings_and_rank0_plans(calls):
     pipe0, payload = _rank0_payload()
     assert isinstance(payload, PlanMessage)
-    assert payload.ok and payload.error_kind is None
+    assert payload.ok
+    assert payload.error_kind is None
     assert len(calls) == 1
     pipe1 = _build(1, lambda obj, src: payload)
     assert len(calls) == 2  # rank 1 profiled too (as load), with rank 0's settings

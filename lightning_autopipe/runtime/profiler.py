@@ -9,6 +9,10 @@ block by block: a block's parameters are materialised on the device (by the mode
 initialisers; random values would do for timing, these keep activations in range), the block
 is timed alone and its parameters go back to the meta device before the next one, so
 profiling never holds more than one block's parameters, gradients and activations.
+
+Over ~400 lines because the timing passes (chained forward/backward, the split B/W pass, the
+fixed-cost half-batch pass, activation memory) share one per-block run record and its
+materialisation: split apart they would pass that private state across modules.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Tests run single-threaded in the pytest process: on a shared 2-core box, two intra-op
 threads competing with other processes make every op wait for the slower thread. Tests marked
-``gpu`` are skipped where no CUDA device is present."""
+``gpu`` are skipped where no CUDA device is present. Multi-rank Lightning cases share one
+launch per world size (``worlds``, :mod:`tests._worlds`), cases on gloo without Lightning one
+set of processes per size (``gloo``, :mod:`tests._gloo`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,25 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
+from tests._gloo import GlooWorlds
+from tests._worlds import Worlds, collect_cases
+
+_WORLD_CASES = pytest.StashKey[dict]()
+
+
+@pytest.fixture(scope="session")
+def worlds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Worlds:
+    """The shared Lightning worlds (:mod:`tests._worlds`) of the selected tests' cases."""
+    return Worlds(tmp_path_factory.mktemp("worlds"), request.config.stash[_WORLD_CASES])
+
+
+@pytest.fixture(scope="session")
+def gloo() -> Iterator[GlooWorlds]:
+    """Long-lived gloo worlds for runtime cases without Lightning (:mod:`tests._gloo`)."""
+    worlds = GlooWorlds()
+    yield worlds
+    worlds.close()
 
 
 @pytest.fixture(autouse=True)
@@ -19,6 +40,8 @@ def _one_thread() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    modules = {id(item.module): item.module for item in items if getattr(item, "module", None)}
+    config.stash[_WORLD_CASES] = collect_cases(modules.values())
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

@@ -7,14 +7,10 @@ this process computes the single-process reference with plain torch on the same 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.generators import build_schedule
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.schedule import lower_communication
@@ -22,8 +18,6 @@ from lightning_autopipe.runtime.discover import device_names, host_name
 from lightning_autopipe.runtime.groups import layout_for_rank
 from tests.runtime import _cases as C
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "runtime" / "_lightning_run.py"
 CASES = {
     2: [
         "gpt-2s-k1",
@@ -58,36 +52,31 @@ CASES = {
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _launch(world: int, out: Path) -> dict[str, list[dict]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, str(SCRIPT), str(out), str(world), *CASES[world]]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    if proc.returncode:
-        # a case's error is caught on the rank that raised it, which goes on to the next case
-        # while its peers time out: the caught errors (printed by the script) come first
-        caught = "\n".join(ln for ln in proc.stderr.splitlines() if ln.startswith("[rank "))
-        pytest.fail(
-            f"launch of {world} ranks failed; errors caught by the cases:\n{caught or 'none'}\n"
-            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    results: dict[str, list[dict]] = {}
-    for case in CASES[world]:
-        results[case] = [torch.load(out / f"{case}.rank{r}.pt") for r in range(world)]
-        for rec in results[case]:
-            rec["ckpt_dir"] = out / f"ckpt-{case}"
-    return results
+MODULE = "tests.runtime._lightning_run"
+WORLD_CASES = {world: [f"{MODULE}:{case}" for case in cases] for world, cases in CASES.items()}
+
+
+class _Cases:
+    """The ranks' records of each case of one shared world, loaded on first use."""
+
+    def __init__(self, worlds, world: int) -> None:
+        self.worlds, self.world = worlds, world
+
+    def __getitem__(self, case: str) -> list[dict]:
+        ranks = self.worlds.results(self.world, MODULE, case)
+        for rec in ranks:
+            rec["ckpt_dir"] = self.worlds.folder(self.world, MODULE) / f"ckpt-{case}"
+        return ranks
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _launch(2, tmp_path_factory.mktemp("w2"))
+def world2(worlds):
+    return _Cases(worlds, 2)
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return _launch(4, tmp_path_factory.mktemp("w4"))
+def world4(worlds):
+    return _Cases(worlds, 4)
 
 
 # ------------------------------------------------------------------------------- reference
@@ -116,16 +105,19 @@ def _reference(
     for t in range(len(idx[0]) // b if steps is None else steps):
         opt.zero_grad()
         parts = [tuple(d[i[t * b : (t + 1) * b]] for d in data) for i in idx]
-        if bn:  # statistics per unit, each replica with its own running buffers
+        if bn:  # normalised per unit; running statistics once per step over replica 0's
+            # whole batch, then every replica holds replica 0's buffers (broadcast_buffers)
             total = 0.0
+            seen = _frozen_batch_norm(net)
             for r, part_r in enumerate(parts):
-                _load_buffers(net, buffers[r])
+                seen["record"] = r == 0
                 for lo, hi in C.unit_slices(b, m, k, j):
                     part = tuple(d[lo:hi] for d in part_r)
                     loss = C.loss_fn(net(*part[:-1]), part) * ((hi - lo) / b) / replicas
                     loss.backward()
                     total += loss.detach()
-                buffers[r] = {k_: v.clone() for k_, v in net.named_buffers()}
+            _commit_batch_norm(net, seen)
+            buffers = [{k_: v.clone() for k_, v in net.named_buffers()}] * replicas
             losses.append(total)
         else:
             whole = tuple(torch.cat(ds) for ds in zip(*parts))
@@ -158,6 +150,39 @@ def _reference(
     return losses_t, torch.stack(val).mean(), states
 
 
+def _frozen_batch_norm(net) -> dict:
+    """BatchNorm normalises each unit and leaves its running statistics alone; while
+    ``seen["record"]`` each layer's inputs are kept for :func:`_commit_batch_norm`."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    seen: dict = {"record": True, "handles": [], "inputs": {}}
+    for mod in net.modules():
+        if isinstance(mod, _BatchNorm):
+            mod.track_running_stats = False
+            seen["inputs"][mod] = []
+
+            def keep(mod, args, seen=seen):
+                if seen["record"]:
+                    seen["inputs"][mod].append(args[0].detach())
+
+            seen["handles"].append(mod.register_forward_pre_hook(keep))
+    return seen
+
+
+def _commit_batch_norm(net, seen: dict) -> None:
+    """torch's own running-statistics update, once, over the recorded whole batch."""
+    from torch.nn import functional as F
+
+    for h in seen["handles"]:
+        h.remove()
+    with torch.no_grad():
+        for mod, inputs in seen["inputs"].items():
+            mod.track_running_stats = True
+            mod.num_batches_tracked += 1
+            F.batch_norm(torch.cat(inputs), mod.running_mean, mod.running_var, training=True,
+                         momentum=mod.momentum, eps=mod.eps)
+
+
 def _load_buffers(net, bufs):
     for name, buf in net.named_buffers():
         buf.copy_(bufs[name])
@@ -181,7 +206,10 @@ def _check_case(case: str, ranks: list[dict], world: int) -> None:
         j=plan.drain_slices,
         clip=0.05 if "clip" in case else None,
     )
-    names = device_names([host_name()] * world)  # the discovered cluster's, in rank order
+    planned = {d for st in plan.stages for d in st.devices}
+    # rank order: the given local cluster's names, else the discovered cluster's ("string")
+    names = ([d.name for d in Cluster.local(world).devices] if planned <= {
+        d.name for d in Cluster.local(world).devices} else device_names([host_name()] * world))
     expected_trace = lower_communication(build_schedule(plan))
     for rec in ranks:
         assert "error" not in rec, rec.get("error")

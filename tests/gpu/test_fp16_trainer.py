@@ -10,7 +10,6 @@ Tolerances: those of ``tests/lightning/test_fp16.py`` (slices are rounded to fp1
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._launch import launch_env
 from tests.lightning import _fp16 as F16
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ LOSS_RTOL, WEIGHT_ATOL = 2 * 2.0**-11, 2e-4
     "accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "cuda"]
 )
 def test_16_mixed_on_one_device_skips_the_overflow_like_grad_scaler(tmp_path, accelerator):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = launch_env()
     for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT"):
         env.pop(key, None)
     cmd = [sys.executable, str(SCRIPT), str(tmp_path), accelerator]

@@ -12,9 +12,6 @@ on the CPU with those weights.
 
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests._launch import free_port, init_gloo
 from tests.gpu._common import Model, batch, close
 
 pytestmark = pytest.mark.gpu
@@ -30,10 +28,6 @@ DEVICE = "cuda:0"
 WORLD, REPLICA_BATCH, STEPS, LR = 2, 8, 2, 0.1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _broadcast(obj, src: int):
@@ -54,8 +48,7 @@ def _rank(rank: int, port: int, out: str, device: str) -> None:
 
     torch.set_num_threads(1)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    init_gloo(rank, WORLD, port, timeout_s=60)
     try:
         dev = torch.device(device)
         x, y = batch(REPLICA_BATCH * STEPS)
@@ -128,7 +121,7 @@ def _reference(device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tens
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> dict:
     out = str(Path(tmp_path_factory.mktemp("shared")) / "run")
-    mp.spawn(_rank, args=(_free_port(), out, DEVICE), nprocs=WORLD, join=True)
+    mp.spawn(_rank, args=(free_port(), out, DEVICE), nprocs=WORLD, join=True)
     ranks = [torch.load(f"{out}.rank{r}") for r in range(WORLD)]
     return {"ranks": ranks, "ckpt": f"{out}.ckpt", "reference": _reference(torch.device(DEVICE))}
 

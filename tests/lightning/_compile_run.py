@@ -1,6 +1,6 @@
 """Launched by tests/lightning/test_compile.py: the same 2-stage run eager and compiled.
 
-    python tests/lightning/_compile_run.py OUT_DIR CASE [CASE ...]
+    run by tests/_world.py in the shared 2-rank world: run_case(CASE, 2, OUT_DIR)
 
 Two ranks, a fixed 1F1B plan (blocks 0-3 | 4-6 of the tiny GPT whose LM head is tied to its
 embedding, so the tie spans the stages), two micro-batches of 4, the first in two startup
@@ -64,7 +64,8 @@ def plan(schedule: str = "1f1b") -> Plan:
     return Plan("fixed", BATCH, 2, 2, stages, schedule=schedule)
 
 
-def run_case(case: str, out: Path) -> None:
+def run_case(case: str, world: int, out: Path) -> None:
+    assert world == 2, "the compile cases run on the 2-rank world"
     schedule = "zb-h1" if case.endswith("-zb") else "1f1b"
     strategy = lightning_autopipe.AutoPipeStrategy(plan=plan(schedule), timeout=300,
                                                    compile=case.startswith("compiled"))
@@ -93,14 +94,3 @@ def run_case(case: str, out: Path) -> None:
             stage.deferral.split, stage.deferral.unsplit),
         "actions": actions,  # of the last training step
     }, out / f"{case}.rank{trainer.global_rank}.pt")
-
-
-def main() -> None:
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    for case in sys.argv[2:]:
-        run_case(case, out)
-
-
-if __name__ == "__main__":
-    main()

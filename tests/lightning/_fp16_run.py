@@ -1,6 +1,6 @@
 """Launched by tests/lightning/test_fp16.py: fp16 with loss scaling on real gloo ranks.
 
-    python tests/lightning/_fp16_run.py OUT_DIR WORLD CASE [CHECKPOINT]
+    run by tests/_world.py in the shared worlds (tests._worlds): run_case(CASE, WORLD, OUT_DIR)
 
 Two stages x WORLD/2 replicas (a fixed plan: micro-batches of 4 in two slices each at both
 ends), ``MixedPrecision("16-mixed", "cpu")`` with a plain ``torch.amp.GradScaler`` that the
@@ -8,7 +8,7 @@ strategy takes over, norm clipping on. Cases:
 
 * ``fp16``: :data:`~tests.lightning._fp16.STEPS` steps from the start; the checkpoint is
   written to ``OUT_DIR/fp16.ckpt``.
-* ``resume``: ``fit(ckpt_path=CHECKPOINT)`` (written by another layout) for
+* ``resume``: ``fit(ckpt_path=...)`` from the 2-rank world's ``fp16`` checkpoint for
   :data:`~tests.lightning._fp16.RESUME_STEPS` more steps.
 
 Every rank writes ``OUT_DIR/<case>.rank<r>.pt``: per step its batch, the loss handed to
@@ -68,9 +68,9 @@ class Record(pl.Callback):
                                     for k, v in pl_module.state_dict().items()}})
 
 
-def main() -> None:
-    out, world, case = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    out.mkdir(parents=True, exist_ok=True)
+def run_case(case: str, world: int, out: Path) -> dict:
+    """One case on this rank (run by tests/_world.py); ``resume`` reads the checkpoint the
+    ``fp16`` case of the 2-rank world wrote."""
     record = Record()
     steps = F16.STEPS + (F16.RESUME_STEPS if case == "resume" else 0)
     trainer = pl.Trainer(
@@ -78,19 +78,19 @@ def main() -> None:
         accelerator="cpu", devices=world, plugins=[F16.plugin()], max_steps=steps,
         gradient_clip_val=F16.CLIP, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        default_root_dir=str(out / "root"), callbacks=[record],
+        default_root_dir=str(out / f"root-{case}"), callbacks=[record],
     )
     task = F16.Task()
     data = F16.loader(F16.REPLICA_BATCH * (world // 2) * F16.STEPS, seed=1)
-    trainer.fit(task, data, ckpt_path=sys.argv[4] if case == "resume" else None)
+    trainer.fit(task, data, ckpt_path=resume_checkpoint(out) if case == "resume" else None)
     if case == "fp16":
         trainer.save_checkpoint(out / "fp16.ckpt")
     pipe = trainer.strategy.pipeline
-    torch.save({"rows": record.rows, "start_scale": record.start_scale,
-                "scaler_class": record.scaler_class, "stage": pipe.layout.stage,
-                "replica": pipe.layout.replica},
-               out / f"{case}.rank{trainer.global_rank}.pt")
+    return {"rows": record.rows, "start_scale": record.start_scale,
+            "scaler_class": record.scaler_class, "stage": pipe.layout.stage,
+            "replica": pipe.layout.replica}
 
 
-if __name__ == "__main__":
-    main()
+def resume_checkpoint(out: Path) -> Path:
+    """The 2-rank world's ``fp16`` checkpoint, beside this world's folder (tests._worlds)."""
+    return out.parent.parent / "w2" / out.name / "fp16.ckpt"

@@ -129,6 +129,28 @@ def run_case(case: str, world: int, out: Path) -> dict:
     return record
 
 
+class _RunsCode:
+    """Unpickles as ``open(marker, "w")``: loading it unsafely creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def crafted_checkpoint(path: Path, marker: Path) -> None:
+    """A Lightning-shaped checkpoint whose payload would run code on unpickling."""
+    torch.save({"epoch": 0, "global_step": 0, "pytorch-lightning_version": "2.6.6",
+                "state_dict": {}, "payload": _RunsCode(marker)}, path)
+
+
+def prepare(world: int, out: Path) -> None:
+    """Before the launch (tests._worlds): the crafted checkpoint the ``crafted`` case fits from."""
+    if world == 2:
+        crafted_checkpoint(out / "crafted.ckpt", out / "code_ran")
+
+
 def main() -> None:
     out, world = Path(sys.argv[1]), int(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)

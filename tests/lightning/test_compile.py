@@ -15,37 +15,27 @@ here: losses equal to the printed digits, weights within ``6e-8``.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from lightning_autopipe.runtime.units import fit_units, unit_bounds
 from tests.lightning import _compile_run as R
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "lightning" / "_compile_run.py"
 RTOL, ATOL = 1e-5, 1e-6
 CASES = ("eager", "compiled", "compiled-zb")
 
 pytestmark = pytest.mark.slow
 
 
+MODULE = "tests.lightning._compile_run"
+WORLD_CASES = {2: [f"{MODULE}:{case}" for case in CASES]}
+WORLD_ORDER = 90  # after the eager cases of other modules: compiling leaves Dynamo's caches
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("compile")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, str(SCRIPT), str(out), *CASES]
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"the launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return {case: [torch.load(out / f"{case}.rank{r}.pt", weights_only=False) for r in (0, 1)]
-            for case in CASES} | {"out": out}
+def runs(worlds) -> dict:
+    return {case: worlds.results(2, MODULE, case, weights_only=False) for case in CASES} | {
+        "out": worlds.folder(2, MODULE)}
 
 
 def _unit_sizes(batch: int) -> set[int]:

@@ -1,8 +1,8 @@
 """fp16 with loss scaling under the pipeline equals one process with the same scaler (gloo ranks).
 
-One launch of ``tests/lightning/_fp16_run.py`` per layout (2 stages x 1 replica, then 2 x 2,
-which also resumes from the 2x1 run's checkpoint); this process trains the same net in one
-process on the global batches the ranks saw (:func:`tests.lightning._fp16.reference`:
+The cases of ``tests/lightning/_fp16_run.py`` run in the shared worlds (2 stages x 1 replica,
+then 2 x 2, which also resumes from the 2x1 run's checkpoint); this process trains the same
+net in one process on the global batches the ranks saw (:func:`tests.lightning._fp16.reference`:
 ``torch.autocast(float16)``, ``torch.amp.GradScaler`` with the same settings, ``unscale_``, norm
 clipping, SGD). The settings make stage 1 alone overflow at step 2 (see ``_fp16.py``).
 
@@ -18,9 +18,6 @@ clipping of scaled gradients, fails.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,24 +26,14 @@ import torch
 
 from tests.lightning import _fp16 as F16
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "lightning" / "_fp16_run.py"
 U = 2.0**-11
 LOSS_RTOL, WEIGHT_ATOL = 2 * U, 2e-4
 
 pytestmark = pytest.mark.slow
 
 
-def _launch(out: Path, world: int, case: str, *extra: str) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, str(SCRIPT), str(out), str(world), case, *extra]
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode:
-        pytest.fail(f"{case} on {world} ranks failed:\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-6000:]}")
-    return [torch.load(out / f"{case}.rank{r}.pt", weights_only=False) for r in range(world)]
+MODULE = "tests.lightning._fp16_run"
+WORLD_CASES = {2: [f"{MODULE}:fp16"], 4: [f"{MODULE}:fp16", f"{MODULE}:resume"]}
 
 
 def _global_batches(ranks: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,18 +49,17 @@ def _run(ranks: list[dict], world: int, ckpt: Path | None = None) -> SimpleNames
 
 
 @pytest.fixture(scope="module")
-def runs2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp16-2x1")
+def runs2(worlds):
     torch.set_num_threads(1)
-    return _run(_launch(out, 2, "fp16"), 2, out / "fp16.ckpt")
+    ranks = worlds.results(2, MODULE, "fp16", weights_only=False)
+    return _run(ranks, 2, worlds.folder(2, MODULE) / "fp16.ckpt")
 
 
 @pytest.fixture(scope="module")
-def runs4(tmp_path_factory, runs2):
-    out = tmp_path_factory.mktemp("fp16-2x2")
+def runs4(worlds, runs2):
     torch.set_num_threads(1)
-    run = _run(_launch(out, 4, "fp16"), 4)
-    run.resumed = _launch(out, 4, "resume", str(runs2.ckpt))
+    run = _run(worlds.results(4, MODULE, "fp16", weights_only=False), 4)
+    run.resumed = worlds.results(4, MODULE, "resume", weights_only=False)
     return run
 
 

@@ -8,9 +8,6 @@ batches (``_module.run_sequence``) as the reference.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +18,7 @@ from lightning_autopipe.checkpoint import read_model_state
 from lightning_autopipe.errors import UnsafeCheckpointError
 from lightning_autopipe.planner.plan import Plan
 from tests.lightning import _module as M
-from tests.lightning._run import NO_HANG_S, readme_inputs
+from tests.lightning._run import NO_HANG_S, crafted_checkpoint, readme_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "lightning" / "_run.py"
@@ -32,27 +29,8 @@ RTOL, ATOL = 1e-5, 1e-6
 pytestmark = pytest.mark.slow
 
 
-class _RunsCode:
-    """Unpickles as ``open(marker, "w")``: loading it unsafely creates the marker file."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
-def crafted_checkpoint(path: Path, marker: Path) -> None:
-    """A Lightning-shaped checkpoint whose payload would run code on unpickling."""
-    torch.save({"epoch": 0, "global_step": 0, "pytorch-lightning_version": "2.6.6",
-                "state_dict": {}, "payload": _RunsCode(marker)}, path)
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
+MODULE = "tests.lightning._run"
+WORLD_CASES = {world: [f"{MODULE}:{case}" for case in cases] for world, cases in CASES.items()}
 
 
 def _auto(tmp: Path, replicas: int) -> dict:
@@ -66,35 +44,24 @@ def _auto(tmp: Path, replicas: int) -> dict:
     return M.run_sequence(factory, replicas, explicit_sampler=True, ckpt_dir=tmp / "ckpt")
 
 
-def _launch(world: int, out: Path) -> dict[str, list[dict]]:
-    if world == 2:
-        crafted_checkpoint(out / "crafted.ckpt", out / "code_ran")
-    cmd = [sys.executable, str(SCRIPT), str(out), str(world), *CASES[world]]
-    proc = subprocess.run(cmd, cwd=out, env=_env(), capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"launch of {world} ranks failed:\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-6000:]}")
-    return {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False) for r in range(world)]
-            for c in CASES[world]}
-
-
-def _runs(world: int, tmp_path_factory) -> SimpleNamespace:
-    out = tmp_path_factory.mktemp(f"w{world}")
+def _runs(world: int, worlds, tmp_path_factory) -> SimpleNamespace:
     torch.set_num_threads(1)
-    return SimpleNamespace(world=world, replicas=world // 2, out=out,
-                           auto=_auto(out / "auto", world // 2), ranks=_launch(world, out))
+    ranks = {c: worlds.results(world, MODULE, c) for c in CASES[world]}
+    return SimpleNamespace(world=world, replicas=world // 2, out=worlds.folder(world, MODULE),
+                           auto=_auto(tmp_path_factory.mktemp(f"auto{world}"), world // 2),
+                           ranks=ranks)
 
 
 @pytest.fixture(scope="module")
-def runs2(tmp_path_factory):
+def runs2(worlds, tmp_path_factory):
     """2 stages x 1 replica."""
-    return _runs(2, tmp_path_factory)
+    return _runs(2, worlds, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def runs4(tmp_path_factory):
+def runs4(worlds, tmp_path_factory):
     """2 stages x 2 replicas."""
-    return _runs(4, tmp_path_factory)
+    return _runs(4, worlds, tmp_path_factory)
 
 
 @pytest.fixture(params=["runs2", "runs4"], ids=["2x1", "2x2"])

@@ -3,11 +3,11 @@ multi-rank run must never be started from inside pytest) and read what they logg
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tests._launch import launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,10 +25,7 @@ TINY_GPT = [
 
 
 def env() -> dict[str, str]:
-    out = dict(os.environ)
-    out.pop("AUTOPIPE_RUN_DIR", None)
-    out.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return out
+    return launch_env()
 
 
 def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -61,7 +58,3 @@ def losses(run_dir: Path, key: str = "train_loss") -> dict[int, float]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

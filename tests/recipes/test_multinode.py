@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from tests.recipes._run import ROOT, TINY_GPT, env, free_port, losses, run
+from tests._launch import free_port
+from tests.recipes._run import ROOT, TINY_GPT, env, losses, run
 
 pytestmark = pytest.mark.slow
 

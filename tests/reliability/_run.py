@@ -27,6 +27,7 @@ import psutil  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import lightning_autopipe  # noqa: E402
+from lightning_autopipe.cluster import Cluster  # noqa: E402
 from lightning_autopipe.graph import split_model  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from tests._recording import RecordingLogger  # noqa: E402
@@ -39,16 +40,6 @@ WORLD = 4
 # The strategy timeout of the failure cases: a hang is only noticed when it expires.
 FAIL_TIMEOUT = {"raise": 20, "kill": 20, "hang": 10}
 SOAK = {"optimizer": "sgd", "d_model": 128, "steps_per_epoch": 20, "global_batch": 64}
-
-
-def launch_env() -> dict[str, str]:
-    """The environment a test launches this script with: the repository importable, one
-    thread, and none of the launching process's own rank variables."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-           "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 class RssSampler(Callback):
@@ -122,8 +113,9 @@ def _fixed_plan(stages: int) -> Plan:
 
 
 def _strategy(stages: int, **kw) -> lightning_autopipe.AutoPipeStrategy:
-    if "plan" not in kw:
-        kw.update(num_stages=stages, num_microbatches=2, startup_slices=2)
+    if "plan" not in kw:  # planned for a given local cluster: these cases test no discovery
+        kw.update(num_stages=stages, num_microbatches=2, startup_slices=2,
+                  cluster=Cluster.local(WORLD))
     return lightning_autopipe.AutoPipeStrategy(
         profile_repeats=1, timeout=kw.pop("timeout", 60), **kw
     )
@@ -169,7 +161,9 @@ def _fit(out: Path, case: str, *, stages: int, epochs: int, ckpt_path=None, call
     return record
 
 
-def run_case(case: str, out: Path) -> dict:
+def run_case(case: str, world: int, out: Path) -> dict:
+    global WORLD
+    WORLD = world
     ck = out / "ckpt"
     every_epoch = dict(filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     if case == "ckpt_2x2":  # uninterrupted 2 stages x 2 replicas; a file every epoch + one after
@@ -214,6 +208,31 @@ def run_case(case: str, out: Path) -> dict:
     raise ValueError(f"unknown case {case!r}")
 
 
+def auto_fit(out: Path, ckpt_path: Path | None = None) -> list[float]:
+    """strategy="auto" on one CPU device, the single-process reference: its step losses; from
+    the start it writes a checkpoint every epoch under ``out/ckpt/auto``."""
+    task = T.Task(1, explicit_sampler=True)
+    callbacks = []
+    if ckpt_path is None:
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt" / "auto", filename="{epoch}",
+                                         save_top_k=-1))
+    trainer = pl.Trainer(
+        strategy="auto", accelerator="cpu", devices=1, max_epochs=4, logger=False,
+        callbacks=callbacks, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(task, ckpt_path=ckpt_path)
+    return task.step_losses
+
+
+def prepare(world: int, out: Path) -> None:
+    """Before the 4-rank launch (tests._worlds): the "auto" run whose checkpoint
+    ``resume_auto_2x2`` continues; its losses are kept for the tests."""
+    if world == 4:
+        torch.set_num_threads(1)
+        torch.save(auto_fit(out), out / "auto_losses.pt")
+
+
 def main() -> None:
     global WORLD
     out = Path(sys.argv[1])
@@ -221,7 +240,7 @@ def main() -> None:
     WORLD = int(sys.argv[2])
     (out / f"pid.rank{os.environ.get('LOCAL_RANK', '0')}").write_text(str(os.getpid()))
     for case in sys.argv[3:]:
-        record = run_case(case, out)
+        record = run_case(case, WORLD, out)
         torch.save(record, out / f"{case}.rank{record['rank']}.pt")
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.reliability._run import FAIL_TIMEOUT, launch_env
+from tests._launch import launch_env
+from tests.reliability._run import FAIL_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "reliability" / "_run.py"

@@ -8,8 +8,6 @@ every layout (see ``_task.py``), so per-step losses must agree across layouts an
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,10 +17,8 @@ import torch
 
 from lightning_autopipe.checkpoint import read_model_state
 from tests.reliability import _task as T
-from tests.reliability._run import SOAK, launch_env
+from tests.reliability._run import SOAK, auto_fit
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "reliability" / "_run.py"
 CASES = [
     "ckpt_2x2",
     "resume_4x1",
@@ -45,46 +41,17 @@ LEAK_KIB_PER_STEP = 24.0
 pytestmark = pytest.mark.slow
 
 
-def _auto_fit(out: Path, ckpt_path: Path | None = None) -> T.Task:
-    """strategy="auto" on one CPU device, the single-process reference."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    torch.set_num_threads(1)
-    task = T.Task(1, explicit_sampler=True)
-    callbacks = []
-    if ckpt_path is None:
-        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt" / "auto", filename="{epoch}",
-                                         save_top_k=-1))
-    trainer = pl.Trainer(
-        strategy="auto",
-        accelerator="cpu",
-        devices=1,
-        max_epochs=4,
-        logger=False,
-        callbacks=callbacks,
-        enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(task, ckpt_path=ckpt_path)
-    return task
+MODULE = "tests.reliability._run"
+WORLD_CASES = {4: [f"{MODULE}:{case}" for case in CASES]}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reliability")
-    auto = _auto_fit(out)
-    cmd = [sys.executable, str(SCRIPT), str(out), "4", *CASES]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode:
-        pytest.fail(f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    records = {c: [torch.load(out / f"{c}.rank{r}.pt") for r in range(4)] for c in CASES}
-    auto_resumed = _auto_fit(out, ckpt_path=out / "ckpt" / "2x2" / "epoch=1.ckpt")
-    return SimpleNamespace(out=out, auto=auto.step_losses, records=records,
-                           auto_resumed=auto_resumed.step_losses)
+def runs(worlds):
+    out = worlds.folder(4, MODULE)
+    records = {c: worlds.results(4, MODULE, c) for c in CASES}
+    auto_resumed = auto_fit(out, ckpt_path=out / "ckpt" / "2x2" / "epoch=1.ckpt")
+    return SimpleNamespace(out=out, auto=torch.load(out / "auto_losses.pt"), records=records,
+                           auto_resumed=auto_resumed)
 
 
 def _losses(runs, case: str) -> torch.Tensor:

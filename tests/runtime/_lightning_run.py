@@ -1,14 +1,14 @@
-"""Launched by tests/runtime/test_strategy_equivalence.py: several Trainer.fit runs in one launch.
+"""The cases of tests/test_strategy.py: Trainer.fit runs on the shared worlds (tests._worlds).
 
-    python tests/runtime/_lightning_run.py OUT_DIR WORLD CASE [CASE ...]
+    run by tests/_world.py: run_case(CASE, WORLD, OUT_DIR)
 
 CASE is ``<model>-<stages>s-k<slices>[-j2][-zb][-bf16][-clip][-validate][-ckpt]`` (``j2``: two
 drain slices, else the planner's choice; ``zb``: the zero-bubble ZB-H1 schedule pinned, else the
 planner's choice of schedule) (model: gpt, hfgpt, hfbert, cnn, cnn_bn;
-``validate`` runs ``Trainer.validate`` only), ``string`` (``Trainer(strategy="autopipe")`` with
-every option on auto) or ``untraceable``. Lightning's
-popen launcher re-runs this script in every rank, so every rank runs every case in order and
-writes ``OUT_DIR/<case>.rank<r>.pt`` with what it saw.
+``validate`` runs ``Trainer.validate`` only), planned for the given local cluster,
+``string`` (``Trainer(strategy="autopipe")`` with every option on auto: the cluster discovered)
+or ``untraceable``. Every rank runs every case in order and writes
+``OUT_DIR/<case>.rank<r>.pt`` with what it saw.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_autopipe  # noqa: E402
+from lightning_autopipe.cluster import Cluster  # noqa: E402
 from tests._recording import RecordingLogger  # noqa: E402
 from tests.runtime import _cases as C  # noqa: E402
 
@@ -110,6 +111,8 @@ def run_case(case: str, world: int, out: Path) -> None:
             schedule="zb-h1" if "zb" in parts else "auto",
             profile_repeats=1,
             timeout=60,
+            # a given cluster: equivalence needs no discovery ("string" tests it)
+            cluster=Cluster.local(world),
         )
     task = Task(model)
     task.replicas = world // stages if stages else world  # only sizes the dataset

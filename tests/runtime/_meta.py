@@ -8,11 +8,7 @@ Adam steps, which tensors it ever materialised, its memory reading.
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,12 +74,6 @@ def example(kind: str, batch: tuple[torch.Tensor, ...]) -> Any:
     if kind == "hfbert":
         return {"x": batch[0], "attention_mask": batch[1]}
     return (batch[0],)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def broadcast(obj: Any, src: int) -> Any:
@@ -152,16 +142,9 @@ def close(pipe: LocalPipeline) -> None:
         destroy_groups(pipe.groups)
 
 
-def spawned(rank: int, world: int, port: int, case: str, out: str, arg: Any) -> None:
-    """The ``torch.multiprocessing.spawn`` entry point: one gloo rank running ``case``."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        result = CASES[case](rank, world, arg)
-        torch.save(result, Path(out) / f"{case}.rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def on_rank(rank: int, world: int, case: str, arg: Any) -> Any:
+    """One rank of a shared gloo world (tests._gloo) running ``case``; what it found."""
+    return CASES[case](rank, world, arg)
 
 
 # --------------------------------------------------------------------------- the cases

@@ -1,9 +1,10 @@
 """Launched by tests/runtime/test_meta_lightning.py: a GPT built in ``configure_model``, then
 the same GPT built eagerly, through ``Trainer(strategy=AutoPipeStrategy(...))``.
 
-    python tests/runtime/_meta_lightning_run.py OUT_DIR WORLD
+    run by tests/_world.py in the shared worlds: run_case(CASE, WORLD, OUT_DIR), CASE one of
+    resume (2 ranks), meta, eager
 
-Lightning's popen launcher re-runs this script in every rank. For each build every rank
+For each build every rank
 resets its peak resident set (``/proc/self/clear_refs``, then ``VmHWM`` is the peak since)
 right before the LightningModule is built and reads the peak when training starts (after the
 strategy's setup: trace, profile or given plan, local stage). ``WORLD`` 2 plans from the ranks'
@@ -157,16 +158,13 @@ def _tiny_plan(world: int) -> Plan:
                                        for s in range(world)])
 
 
-def main() -> None:
-    out, world = Path(sys.argv[1]), int(sys.argv[2])
-    out.mkdir(parents=True, exist_ok=True)
-    if world == 2:
+def run_case(case: str, world: int, out: Path) -> None:
+    """``resume`` (2 ranks), or the ``meta`` / ``eager`` build (run by tests/_world.py)."""
+    if case == "resume":
         resume(world, out)
-    for build in ("meta", "eager"):
-        run(build, world, out)
-        gc.collect()  # hand the finished run's heap back, so the next one starts from none
-        _give_back_host_memory()
-
-
-if __name__ == "__main__":
-    main()
+        return
+    gc.collect()  # hand earlier cases' heap back, so this build starts from none
+    _give_back_host_memory()
+    run(case, world, out)
+    gc.collect()
+    _give_back_host_memory()

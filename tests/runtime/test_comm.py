@@ -9,14 +9,8 @@ be handed a tensor without host memory). ``tests/gpu`` runs the same path with C
 
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_autopipe.runtime.calibrate import link_device
 from lightning_autopipe.runtime.comm import recv_tensors, send_tensors, transport_device
@@ -45,10 +39,6 @@ def test_transport_device_per_backend_and_stage_device(backend, device, expected
         assert transport_device(backend, str(device)) == expected
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _message() -> list[torch.Tensor | None]:
@@ -58,37 +48,31 @@ def _message() -> list[torch.Tensor | None]:
     return [act, None, torch.randint(0, 9, (3,), generator=g), half]
 
 
-def _staging_worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    try:
-        assert link_device(None, META) == CPU  # the link is measured where messages travel
-        if rank == 0:
-            # a stage on a device gloo cannot move: the header (and any tensor) go via the CPU
-            works = send_tensors(_message(), 1, tag=3, device=META, ack=5)
-            works += send_tensors(_message(), 1, tag=4, device=CPU)
-            assert all(buf.device == CPU for _, buf in works)
-            for work, _ in works:
-                work.wait()
-        else:
-            staged, ack = recv_tensors(0, tag=3, device=META)
-            plain, _ = recv_tensors(0, tag=4, device=CPU)
-            rows = [
-                None if t is None else (t.device.type, t.dtype, tuple(t.shape),
-                                        t.requires_grad, t.is_leaf)
-                for t in staged
-            ]
-            torch.save({"staged": rows, "ack": ack, "plain": [
-                None if t is None else (t.detach().clone(), t.requires_grad) for t in plain
-            ]}, out)
-    finally:
-        dist.destroy_process_group()
+def _staging_case(rank: int, world: int, out: str) -> None:
+    assert link_device(None, META) == CPU  # the link is measured where messages travel
+    if rank == 0:
+        # a stage on a device gloo cannot move: the header (and any tensor) go via the CPU
+        works = send_tensors(_message(), 1, tag=3, device=META, ack=5)
+        works += send_tensors(_message(), 1, tag=4, device=CPU)
+        assert all(buf.device == CPU for _, buf in works)
+        for work, _ in works:
+            work.wait()
+    else:
+        staged, ack = recv_tensors(0, tag=3, device=META)
+        plain, _ = recv_tensors(0, tag=4, device=CPU)
+        rows = [
+            None if t is None else (t.device.type, t.dtype, tuple(t.shape),
+                                    t.requires_grad, t.is_leaf)
+            for t in staged
+        ]
+        torch.save({"staged": rows, "ack": ack, "plain": [
+            None if t is None else (t.detach().clone(), t.requires_grad) for t in plain
+        ]}, out)
 
 
-def test_messages_of_a_stage_gloo_cannot_move_are_staged_through_the_host(tmp_path):
+def test_messages_of_a_stage_gloo_cannot_move_are_staged_through_the_host(tmp_path, gloo):
     out = str(tmp_path / "received.pt")
-    mp.spawn(_staging_worker, args=(_free_port(), out), nprocs=2, join=True)
+    gloo(2).run(_staging_case, out)
     got = torch.load(out)
     sent = _message()
     assert got["ack"] == 5

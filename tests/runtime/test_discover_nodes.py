@@ -5,8 +5,6 @@ loads back through the cluster loader and plans the same."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,22 +15,19 @@ from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.search import search_plan
 from lightning_autopipe.profile import Profile
+from tests._launch import free_port, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_are_two_servers_and_the_written_cluster_plans_the_same(tmp_path):
-    port = _port()
+    port = free_port()
     nodes = []
     for node, host in enumerate(("node-a", "node-b")):
-        env = dict(os.environ, AUTOPIPE_HOST=host, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = launch_env({"AUTOPIPE_HOST": host})
         nodes.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
              f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_autopipe.runtime.gradsync import GradientSync
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> nn.Module:
@@ -25,41 +14,35 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _worker(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    try:
-        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
-        ref = _model()
-        ref(x).pow(2).mean().backward()  # mean over both ranks' halves = mean of the whole
-        model = _model()
-        params = list(model.parameters())
-        # bucket of 100 bytes: several buckets, launched one by one during the backward
-        sync = GradientSync(params, dist.group.WORLD, 2, bucket_bytes=100)
-        assert len(sync.buckets) > 2
-        for step in range(2):  # second step: gradients left from the first accumulate
-            sync.prepare()
-            sync.arm()
-            model(x[rank * 3 : rank * 3 + 3]).pow(2).mean().backward()
-            sync.finish()
-            for p, r in zip(params, ref.parameters()):
-                torch.testing.assert_close(p.grad, r.grad * (step + 1), rtol=1e-5, atol=1e-7)
-        # a gradient replaced after prepare() (e.g. by user code) is still averaged
-        for p in params:
-            p.grad = None
+def _case(rank: int, world: int) -> None:
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    ref = _model()
+    ref(x).pow(2).mean().backward()  # mean over both ranks' halves = mean of the whole
+    model = _model()
+    params = list(model.parameters())
+    # bucket of 100 bytes: several buckets, launched one by one during the backward
+    sync = GradientSync(params, dist.group.WORLD, 2, bucket_bytes=100)
+    assert len(sync.buckets) > 2
+    for step in range(2):  # second step: gradients left from the first accumulate
         sync.prepare()
-        params[0].grad = torch.zeros_like(params[0])
         sync.arm()
         model(x[rank * 3 : rank * 3 + 3]).pow(2).mean().backward()
         sync.finish()
         for p, r in zip(params, ref.parameters()):
-            torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-7)
-        sync.remove()  # the hooks hold the group: it must not outlive destroy_process_group
-        del sync
-    finally:
-        dist.destroy_process_group()
+            torch.testing.assert_close(p.grad, r.grad * (step + 1), rtol=1e-5, atol=1e-7)
+    # a gradient replaced after prepare() (e.g. by user code) is still averaged
+    for p in params:
+        p.grad = None
+    sync.prepare()
+    params[0].grad = torch.zeros_like(params[0])
+    sync.arm()
+    model(x[rank * 3 : rank * 3 + 3]).pow(2).mean().backward()
+    sync.finish()
+    for p, r in zip(params, ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-7)
+    sync.remove()  # the hooks hold the group: it must not outlive destroy_process_group
+    del sync
 
 
-def test_bucketed_average_equals_whole_batch_gradients_and_keeps_accumulation():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=2, join=True)
+def test_bucketed_average_equals_whole_batch_gradients_and_keeps_accumulation(gloo):
+    gloo(2).run(_case)

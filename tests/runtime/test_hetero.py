@@ -10,12 +10,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from torch import nn
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from lightning_autopipe.zoo.models import TinyGPT
+from tests._launch import free_port, init_gloo
 from tests.runtime import _cases as C
 
 pytestmark = pytest.mark.slow
@@ -79,8 +78,7 @@ def _broadcast(obj, src):
 def _worker(rank: int, port: int, out: str) -> None:
     os.sched_setaffinity(0, {CORES[rank]})
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    init_gloo(rank, 2, port, timeout_s=120)
     try:
         _check(rank, Path(out))
     finally:
@@ -148,10 +146,6 @@ def _check(rank: int, out: Path) -> None:
     (out / "result.json").write_text(json.dumps(result))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to pin the ranks to")
@@ -164,7 +158,7 @@ def test_a_rank_slowed_by_a_core_neighbour_is_discovered_and_given_less_work(tmp
             [sys.executable, "-c", busy], preexec_fn=lambda: os.sched_setaffinity(0, {core})
         )
         try:
-            mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+            mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
         finally:  # the neighbour's lifetime is bounded by the test's
             neighbour.kill()
             neighbour.wait()
@@ -201,8 +195,7 @@ def _alike_worker(rank: int, port: int, out: str) -> None:
 
     os.sched_setaffinity(0, {CORES[rank]})
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    init_gloo(rank, 2, port, timeout_s=120)
     try:
         x, y = _data(0)
         kw = dict(rank=rank, world_size=2, device=torch.device("cpu"), broadcast=_broadcast,
@@ -245,7 +238,7 @@ def _alike_worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to pin the ranks to")
 def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_warns(tmp_path):
     def run() -> dict:
-        mp.spawn(_alike_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+        mp.spawn(_alike_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
         return json.loads((tmp_path / "alike.json").read_text())
 
     r = run()
@@ -263,8 +256,7 @@ def _failing_worker(rank: int, port: int, out: str) -> None:
     import lightning_autopipe.runtime.profiler as profiler
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    init_gloo(rank, 2, port, timeout_s=60)
     real = profiler.profile_blocks
 
     def broken(*args, **kwargs):
@@ -289,7 +281,7 @@ def _failing_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_a_rank_whose_profiling_fails_ends_discovery_on_every_rank(tmp_path):
-    mp.spawn(_failing_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_failing_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     # rank 0 learns rank 1's own error (a hang would end in the collective's timeout instead)
     assert "this rank's device is gone" in (tmp_path / "rank1.txt").read_text()
     theirs = (tmp_path / "rank0.txt").read_text()

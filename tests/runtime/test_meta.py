@@ -11,7 +11,6 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.graph import split_model
@@ -24,11 +23,10 @@ from tests.runtime import _meta as M
 SIZES = {"d": 16, "layers": 2}
 
 
-def _spawn(case: str, world: int, tmp_path, arg) -> list:
-    mp.spawn(M.spawned, args=(world, M.free_port(), case, str(tmp_path), arg), nprocs=world,
-             join=True)
-    return [torch.load(tmp_path / f"{case}.rank{r}.pt", weights_only=False)
-            for r in range(world)]
+@pytest.fixture
+def spawn_case(gloo):
+    """``spawn_case(case, world, tmp_path, arg)``: every rank's result of ``case``."""
+    return lambda case, world, tmp_path, arg: gloo(world).run(M.on_rank, case, arg)
 
 
 def _whole(seed: int) -> M.Task:
@@ -39,13 +37,13 @@ def _whole(seed: int) -> M.Task:
     return module
 
 
-def test_the_same_seed_gives_the_same_weights_under_1_2_and_4_stages(tmp_path):
+def test_the_same_seed_gives_the_same_weights_under_1_2_and_4_stages(tmp_path, spawn_case):
     """4 ranks as 1 stage x 4 replicas, 2 x 2 and 4 x 1 (given plans): every parameter each
     rank materialised equals the one-process materialisation, and no rank materialised
     anything but its own stage (nothing was profiled)."""
     seed = 1234
     layouts = [([0, 7], 4), ([0, 4, 7], 2), ([0, 2, 4, 6, 7], 1)]
-    ranks = _spawn("layouts", 4, tmp_path, {"seed": seed, "sizes": SIZES, "layouts": layouts})
+    ranks = spawn_case("layouts", 4, tmp_path, {"seed": seed, "sizes": SIZES, "layouts": layouts})
     want = _whole(seed).state_dict()
     blocks = split_model(M.deferred("gpt", **SIZES), M.example("gpt", M.data("gpt", 8)))
     for cuts, replicas in layouts:
@@ -70,7 +68,8 @@ def test_the_same_seed_gives_the_same_weights_under_1_2_and_4_stages(tmp_path):
     assert not torch.equal(other["net.wte.weight"], want["net.wte.weight"])
 
 
-def test_training_from_a_checkpoint_loaded_into_the_meta_model_equals_one_process(tmp_path):
+def test_training_from_a_checkpoint_loaded_into_the_meta_model_equals_one_process(
+        tmp_path, spawn_case):
     """A consolidated file (memory-mapped) and a sharded directory, 2 stages: each rank asks
     the sharded reader for its stage's names only, and both runs' losses equal one process
     training the checkpointed model."""
@@ -83,7 +82,7 @@ def test_training_from_a_checkpoint_loaded_into_the_meta_model_equals_one_proces
         dcp.save({f"model.{k}": v for k, v in state.items()},
                  storage_writer=dcp.FileSystemWriter(tmp_path / "sharded"), no_dist=True)
     cuts = [0, 4, 7]
-    ranks = _spawn("checkpoint", 2, tmp_path,
+    ranks = spawn_case("checkpoint", 2, tmp_path,
                    {"file": str(tmp_path / "model.pt"), "dir": str(tmp_path / "sharded"),
                     "cuts": cuts})
     want = M.reference_losses(eager, "gpt", replicas=1)
@@ -97,10 +96,10 @@ def test_training_from_a_checkpoint_loaded_into_the_meta_model_equals_one_proces
             torch.testing.assert_close(r[source]["losses"], want, rtol=1e-5, atol=0)
 
 
-def test_hugging_face_gpt2_and_bert_built_on_meta_train_as_built_eagerly(tmp_path):
+def test_hugging_face_gpt2_and_bert_built_on_meta_train_as_built_eagerly(tmp_path, spawn_case):
     """Traced with torch.export on the meta device, split on 2 stages (planned), initialised by
     their own _init_weights: 2 steps equal the eagerly built model given the same weights."""
-    ranks = _spawn("hf", 2, tmp_path, {"seed": 3})
+    ranks = spawn_case("hf", 2, tmp_path, {"seed": 3})
     for kind in ("hfgpt", "hfbert"):
         state: dict[str, torch.Tensor] = {}
         for r in ranks:
@@ -122,13 +121,14 @@ def test_hugging_face_gpt2_and_bert_built_on_meta_train_as_built_eagerly(tmp_pat
         assert {r[kind]["stage"] for r in ranks} == {0, 1}
 
 
-def test_measured_peak_memory_per_stage_is_within_20_percent_of_the_prediction(tmp_path):
+def test_measured_peak_memory_per_stage_is_within_20_percent_of_the_prediction(
+        tmp_path, spawn_case):
     """2 ranks plan from block-by-block profiles of a meta-device GPT (no more than one block's
     parameters ever materialised while profiling) and train 2 Adam steps; each rank's
     measured peak (tensor bytes: parameters, gradients, Adam state, saved activations) is
     within 20% of the plan's, and so is its activation part."""
     sizes = {"d": 64, "layers": 2, "seq": 32}
-    ranks = _spawn("memory", 2, tmp_path, {"sizes": sizes})
+    ranks = spawn_case("memory", 2, tmp_path, {"sizes": sizes})
     for r in ranks:
         assert r["held_while_profiling"]
         assert max(r["held_while_profiling"]) <= r["largest_block"]
@@ -150,7 +150,8 @@ def test_measured_peak_memory_per_stage_is_within_20_percent_of_the_prediction(t
         assert 0.8 <= x.activations / predicted_activations <= 1.2, (x, predicted_activations)
 
 
-def test_recomputation_is_chosen_only_when_memory_requires_it_and_equals_one_process(tmp_path):
+def test_recomputation_is_chosen_only_when_memory_requires_it_and_equals_one_process(
+        tmp_path, spawn_case):
     """The planner recomputes a stage only under a memory limit that nothing fits otherwise;
     the 2-rank run of that plan trains exactly as one process."""
     sizes = {"d": 32, "layers": 2, "seq": 16}
@@ -179,7 +180,7 @@ def test_recomputation_is_chosen_only_when_memory_requires_it_and_equals_one_pro
     tight, cluster = plan_on(0.9 * least / 2**30)
     assert any(tight.recompute)
     assert max(tight.peak_memory_bytes.values()) <= 0.9 * least
-    ranks = _spawn("recompute", 2, tmp_path,
+    ranks = spawn_case("recompute", 2, tmp_path,
                    {"sizes": sizes, "plan": tight.to_json(), "cluster": cluster})
     torch.manual_seed(0)
     reference = M.reference_losses(M.Task(lambda: M.build("gpt", **sizes)), "gpt", replicas=1)

@@ -9,9 +9,6 @@ starts): everything the rank touched, not only tensors. The model's fp32 weights
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +17,6 @@ import torch
 from lightning_autopipe.runtime.materialize import deferred_init
 from lightning_autopipe.zoo.models import TinyGPT
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "runtime" / "_meta_lightning_run.py"
 MiB = 2**20
 SLACK = 32 * MiB  # process groups, the plan, Lightning's own setup: not the model
 
@@ -38,17 +33,9 @@ pytestmark = pytest.mark.skipif(not _clear_refs_works(),
                                 reason="needs Linux /proc/self/clear_refs to reset VmHWM")
 
 
-def _launch(world: int, out: Path) -> dict[str, list[dict]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(world)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"launch of {world} ranks failed:\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-6000:]}")
-    return {b: [torch.load(out / f"{b}.rank{r}.pt") for r in range(world)]
-            for b in ("meta", "eager")}
+MODULE = "tests.runtime._meta_lightning_run"
+WORLD_CASES = {2: [f"{MODULE}:resume", f"{MODULE}:meta", f"{MODULE}:eager"],
+               4: [f"{MODULE}:meta", f"{MODULE}:eager"]}
 
 
 def _whole_model_bytes() -> int:
@@ -61,11 +48,11 @@ def _whole_model_bytes() -> int:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_rank_holds_its_stage_not_the_model_while_the_eager_build_holds_the_model(
-        world, tmp_path):
+        world, worlds):
     """2 ranks plan from block-by-block profiles: growth < stage + one block's parameters and
     gradients + slack; 4 ranks run a given plan (nothing profiled): growth < stage + slack and
     < 0.35 x the model. The eager build of the same model grows by the whole model and more."""
-    runs = _launch(world, tmp_path)
+    runs = {b: worlds.results(world, MODULE, b) for b in ("meta", "eager")}
     whole = _whole_model_bytes()
     for meta, eager in zip(runs["meta"], runs["eager"]):
         stage = meta["stage_bytes"]
@@ -81,7 +68,7 @@ def test_a_rank_holds_its_stage_not_the_model_while_the_eager_build_holds_the_mo
     # one global loss: every rank of the step agrees
     assert len({round(m["losses"][0], 6) for m in runs["meta"]}) == 1
     if world == 2:
-        _check_resumed(tmp_path)
+        _check_resumed(worlds.folder(2, MODULE))
 
 
 def _check_resumed(out: Path) -> None:

@@ -3,13 +3,7 @@ one rank skips the step and backs off the scale on every rank, a rank without gr
 
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_autopipe.runtime.scaler import PipelineGradScaler
 
@@ -44,37 +38,28 @@ def test_alone_it_decides_as_torch_grad_scaler():
         assert torch.equal(a, b)
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    try:
-        finite = torch.tensor([0.5, 0.5, 0.5])
-        inf = torch.tensor([float("inf"), 0.0, 0.0])
-        # step 1: only rank 1 overflows; step 3: rank 0 has no gradient at all, rank 1 overflows
-        mine = [finite, inf if rank == 1 else finite, finite, None if rank == 0 else inf, finite]
-        scaler = PipelineGradScaler("cpu", **SETTINGS)
-        p = torch.nn.Parameter(torch.ones(3))
-        opt = torch.optim.SGD([p], lr=0.5)
-        rows = []
-        for g in mine:
-            p.grad = None if g is None else g * scaler.get_scale()
-            scaler.unscale_(opt)  # no scale() on this rank: the scale starts from init_scale
-            scaler.step(opt)
-            scaler.update()
-            rows.append((scaler.local_found_inf, scaler.found_inf, scaler.get_scale(),
-                         p.detach().clone()))
-        torch.save(rows, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _case(rank: int, world: int, out: str) -> None:
+    finite = torch.tensor([0.5, 0.5, 0.5])
+    inf = torch.tensor([float("inf"), 0.0, 0.0])
+    # step 1: only rank 1 overflows; step 3: rank 0 has no gradient at all, rank 1 overflows
+    mine = [finite, inf if rank == 1 else finite, finite, None if rank == 0 else inf, finite]
+    scaler = PipelineGradScaler("cpu", **SETTINGS)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    rows = []
+    for g in mine:
+        p.grad = None if g is None else g * scaler.get_scale()
+        scaler.unscale_(opt)  # no scale() on this rank: the scale starts from init_scale
+        scaler.step(opt)
+        scaler.update()
+        rows.append((scaler.local_found_inf, scaler.found_inf, scaler.get_scale(),
+                     p.detach().clone()))
+    torch.save(rows, f"{out}.{rank}")
 
 
-def test_one_rank_overflowing_skips_the_step_on_every_rank(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_one_rank_overflowing_skips_the_step_on_every_rank(tmp_path, gloo):
     out = str(tmp_path / "rows")
-    mp.spawn(_worker, args=(port, out), nprocs=2, join=True)
+    gloo(2).run(_case, out)
     rows = [torch.load(f"{out}.{r}") for r in range(2)]
     assert [r[0] for r in rows[0]] == [False, False, False, False, False]
     assert [r[0] for r in rows[1]] == [False, True, False, True, False]

@@ -1,0 +1,127 @@
+"""Which rank holds which training state under a plan, and what a switch of plans moves.
+
+Pure data and functions (no communication), so every rank derives the same transfers from the
+same two plans and a re-plan decision can price a switch before making it. A name a rank holds
+in both layouts stays where it is; any other name a new holder needs comes from *one* old
+holder, the one of the same data-parallel replica when there is one (BatchNorm statistics
+differ between replicas; parameters and optimizer state do not), else the first replica's.
+:mod:`~lightning_autopipe.runtime.migrate` carries the transfers out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_autopipe.errors import PlanError
+
+__all__ = ["StateLayout", "plan_transfers", "transfer_bytes"]
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Which state names each global rank holds under one plan (the same on every rank).
+
+    Attributes:
+        ranks: per global rank, the whole model's names (parameters by their first name, tied
+            copies under one name; persistent buffers) its stage holds, in the stage's order.
+        replicas: per global rank, its data-parallel replica.
+    """
+
+    ranks: tuple[tuple[str, ...], ...]
+    replicas: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) != len(self.replicas):
+            raise PlanError(
+                f"a StateLayout needs one replica index per rank: {len(self.ranks)} name lists "
+                f"but {len(self.replicas)} replicas"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_replicas(self) -> int:
+        return max(self.replicas, default=0) + 1
+
+    def holders(self) -> dict[str, list[int]]:
+        """``name -> ranks holding it``, first replica first (then by rank)."""
+        out: dict[str, list[int]] = {}
+        for rank in sorted(range(self.world_size), key=lambda r: (self.replicas[r], r)):
+            for name in self.ranks[rank]:
+                out.setdefault(name, []).append(rank)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ranks": [list(r) for r in self.ranks], "replicas": list(self.replicas)}
+
+    @classmethod
+    def from_plan(cls, plan: Any, blocks: Any, device_names: Sequence[str]) -> StateLayout:
+        """The layout of ``plan`` over the split model ``blocks`` (a ``BlockGraph``).
+
+        ``device_names[i]`` is the device global rank ``i`` drives (as for ``layout_for_rank``).
+        A tied parameter is named by its tie group's first alias on every stage that holds it.
+        """
+        from lightning_autopipe.runtime.groups import layout_for_rank
+        from lightning_autopipe.runtime.rebind import stage_names, tie_aliases
+
+        aliases = tie_aliases(blocks, plan.cuts)
+        per_stage = [
+            tuple(dict.fromkeys(stage_names(blocks.stage(*s.blocks), aliases).values()))
+            for s in plan.stages
+        ]
+        ranks, replicas = [], []
+        for rank in range(len(device_names)):
+            lay = layout_for_rank(plan, device_names, rank)
+            ranks.append(per_stage[lay.stage])
+            replicas.append(lay.replica)
+        return cls(tuple(ranks), tuple(replicas))
+
+
+def plan_transfers(old: StateLayout, new: StateLayout) -> dict[tuple[int, int], list[str]]:
+    """``(source, destination) -> sorted names`` that move; every rank computes the same.
+
+    Raises:
+        PlanError: the layouts have other world sizes, or the new one needs a name no rank
+            holds now.
+    """
+    if old.world_size != new.world_size:
+        raise PlanError(
+            f"the old layout spans {old.world_size} ranks and the new one {new.world_size}; a "
+            "migration keeps the ranks (changing their number needs a restart)"
+        )
+    holders = old.holders()
+    moves: dict[tuple[int, int], list[str]] = {}
+    missing = []
+    for dst, names in enumerate(new.ranks):
+        have = set(old.ranks[dst])
+        want_replica = new.replicas[dst] % old.num_replicas
+        for name in names:
+            if name in have:
+                continue
+            if name not in holders:
+                missing.append(name)
+                continue
+            same = [r for r in holders[name] if old.replicas[r] == want_replica]
+            moves.setdefault(((same or holders[name])[0], dst), []).append(name)
+    if missing:
+        raise PlanError(
+            f"the new layout needs {len(missing)} names no rank holds in the old one "
+            f"({sorted(missing)[:6]}); build both layouts from the same model"
+        )
+    return {pair: sorted(names) for pair, names in sorted(moves.items())}
+
+
+def transfer_bytes(
+    moves: Mapping[tuple[int, int], Sequence[str]], nbytes: Mapping[str, int]
+) -> dict[tuple[int, int], int]:
+    """Bytes each pair of :func:`plan_transfers` carries, from each name's bytes ``nbytes``.
+
+    With ``nbytes`` counting a parameter's optimizer state too (Adam: three times the
+    parameter's bytes plus its ``step``), this is what :func:`migrate` sends: a re-plan
+    decision can price a switch before making it (divided by the link's bandwidth).
+    """
+    return {pair: sum(nbytes[n] for n in names) for pair, names in moves.items()}

@@ -1,0 +1,125 @@
+"""Long-lived gloo worlds for the runtime tests: started once, running many tests' cases.
+
+A runtime test that needs real process groups but no Lightning asks the session fixture
+``gloo`` for a world (``gloo(2)``) and runs a module-level function on every rank of it:
+``gloo(2).run(fn, *args)`` calls ``fn(rank, world, *args)`` in each process, the default group
+already initialised (gloo, loopback, a timeout on every collective), and returns the ranks'
+results in rank order. Starting a process costs an interpreter and torch (seconds of CPU on
+this class of machine), so a world serves every test that asks for its size. A case that
+raises on any rank fails its test with every rank's traceback, and the world is replaced
+before the next case (a half-finished collective would poison it). Cases that kill processes
+or test start-up itself launch their own processes instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests._launch import free_port, init_gloo
+
+__all__ = ["GlooWorld", "GlooWorlds"]
+
+#: Seconds a case may run before its world is declared hung (collectives time out sooner).
+_CASE_S = 300.0
+_START_S = 300.0
+
+
+def _serve(rank: int, world: int, port: int, timeout_s: float, conn: Any) -> None:
+    import torch.distributed as dist
+
+    init_gloo(rank, world, port, timeout_s=timeout_s)
+    conn.send(("ready", None))
+    while True:
+        job = conn.recv()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            result = fn(rank, world, *args)
+            dist.barrier()  # every rank finished the case before any starts the next
+        except BaseException as exc:  # noqa: BLE001 - reported to the test, world replaced
+            conn.send(("error", f"rank {rank}: " + "".join(traceback.format_exception(exc))))
+            break
+        conn.send(("ok", result))
+    dist.destroy_process_group()
+
+
+class GlooWorld:
+    """``size`` spawned processes in one gloo group, serving cases until closed."""
+
+    def __init__(self, size: int, timeout_s: float = 60.0) -> None:
+        self.size, self.timeout_s = size, timeout_s
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(self.size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, self.size, port, self.timeout_s, child),
+                               daemon=True)
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(_START_S):
+                self.close()
+                pytest.fail(f"gloo world of {self.size}: rank {rank} did not start")
+            conn.recv()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(rank, world, *args)`` on every rank; the results in rank order."""
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args))
+        results, errors = [], []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(_CASE_S):
+                errors.append(f"rank {rank}: no answer within {_CASE_S:.0f} s")
+                continue
+            try:
+                kind, value = conn.recv()
+            except EOFError:
+                errors.append(f"rank {rank}: the process died (exit {self._procs[rank].exitcode})")
+                continue
+            (results if kind == "ok" else errors).append(value)
+        if errors:
+            self.close()
+            pytest.fail(f"{fn.__name__} failed on the gloo world of {self.size}:\n"
+                        + "\n".join(errors), pytrace=False)
+        return results
+
+    def close(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send(None)
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs, self._conns = [], []
+
+
+class GlooWorlds:
+    """One :class:`GlooWorld` per size, created on first use (the ``gloo`` fixture)."""
+
+    def __init__(self) -> None:
+        self._worlds: dict[int, GlooWorld] = {}
+
+    def __call__(self, size: int) -> GlooWorld:
+        if size not in self._worlds:
+            self._worlds[size] = GlooWorld(size)
+        return self._worlds[size]
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()

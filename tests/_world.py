@@ -1,0 +1,124 @@
+"""One Lightning launch that runs the cases of many test modules in turn.
+
+    python tests/_world.py OUT WORLD MODULE:CASE [MODULE:CASE ...]
+
+Every rank imports torch and Lightning once and then, for each spec in order, calls
+``MODULE.run_case(CASE, WORLD, OUT / MODULE)``; a returned dict is saved as
+``<that folder>/<CASE>.rank<r>.pt``. Every rank runs every case. The launching process starts
+the other ranks itself, as Lightning's popen launcher would (``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT`` set), and every rank waits until all have imported torch and
+Lightning before the first case, so the first case's process-group timeout never has to cover
+the others' start-up on a busy machine. It ends with a non-zero status when a rank did, and no
+rank outlives it. A case that raises is written to
+``<folder>/<CASE>.error.rank<r>.txt`` and the next case runs (its peers end the case through
+the strategy's failure handling or its timeout), so one broken case fails its own tests only.
+
+The pytest side (which cases, one launch per world size, reading the results) is
+:mod:`tests._worlds`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# the script's own folder (tests/) would shadow packages by its subfolders' names (tests/lightning)
+sys.path[0] = str(ROOT)
+
+import lightning.pytorch  # noqa: E402, F401 - imported before the start barrier
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
+#: Seconds every rank may take to start (interpreter, torch, Lightning) on a loaded machine.
+_START_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_others(world: int) -> list[subprocess.Popen]:
+    """In the launching process: become rank 0 of ``world`` and start ranks 1.. as children."""
+    ports = {"MASTER_PORT": str(_free_port()), "AUTOPIPE_WORLD_READY_PORT": str(_free_port())}
+    common = {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(world), "NODE_RANK": "0", **ports}
+    os.environ.update(common, LOCAL_RANK="0")
+    return [subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, **common,
+                                                               "LOCAL_RANK": str(r)})
+            for r in range(1, world)]
+
+
+def _wait_for_every_rank(world: int) -> None:
+    """A start barrier on its own store (the default process group is the cases' own)."""
+    local = int(os.environ["LOCAL_RANK"])
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", int(os.environ["AUTOPIPE_WORLD_READY_PORT"]), world, local == 0,
+        timeout=timedelta(seconds=_START_S), wait_for_workers=True)
+    store.add("ready", 1)
+    store.wait(["go"] if local else [])
+    if local == 0:
+        while store.add("ready", 0) < world:
+            time.sleep(0.05)
+        store.set("go", "1")
+    del store
+
+
+def _finish(children: list[subprocess.Popen]) -> int:
+    """Rank 0, after its cases: the others' exit status (any still running after a grace
+    period is killed)."""
+    status = 0
+    for child in children:
+        try:
+            status = status or child.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            status = status or 1
+    return status
+
+
+def main() -> None:
+    out, world = Path(sys.argv[1]), int(sys.argv[2])
+    children = _start_others(world) if "LOCAL_RANK" not in os.environ else []
+    _wait_for_every_rank(world)
+    for spec in sys.argv[3:]:
+        module_name, _, case = spec.partition(":")
+        folder = out / module_name
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        print(f"[world {world}] rank {_rank()}: {spec} starts", file=sys.stderr, flush=True)
+        try:
+            record = importlib.import_module(module_name).run_case(case, world, folder)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the case's own tests
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            text = "".join(traceback.format_exception(exc))
+            (folder / f"{case}.error.rank{_rank()}.txt").write_text(text)
+            print(f"[world {world}] rank {_rank()}: {spec} raised {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+            continue
+        if isinstance(record, dict):
+            torch.save(record, folder / f"{case}.rank{_rank()}.pt")
+        print(f"[world {world}] rank {_rank()}: {spec} done in {time.monotonic() - start:.1f} s",
+              file=sys.stderr, flush=True)
+    sys.exit(_finish(children))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import socket
 import time
 from datetime import timedelta
 
@@ -24,6 +22,7 @@ from lightning_autopipe.runtime.calibrate import (
     measure_reduce,
 )
 from lightning_autopipe.runtime.pipeline import resolve_cluster
+from tests._launch import free_port, init_gloo
 
 CPU = torch.device("cpu")
 KB, MB = 2**10, 2**20
@@ -94,20 +93,6 @@ def test_a_cluster_file_must_match_the_launched_nodes(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- multi-process
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, world: int, port: int, timeout_s: float = 60) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-    )
-
-
 def _link(cluster: Cluster, a: int, b: int) -> tuple[float, float]:
     return cluster.latency_us(f"local:{a}", f"local:{b}"), cluster.bandwidth_gbps(
         f"local:{a}", f"local:{b}"
@@ -129,76 +114,73 @@ def _check_sane(link: tuple[float, float] | None) -> None:
     assert gbps > 0.01
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    _init(rank, world, port)
+def _case(rank: int, world: int) -> None:
+    """On a shared gloo world (tests._gloo)."""
+    link = measure_link()
+    _check_sane(link)
+    _check_same_everywhere(link)
+
+    # resolve_cluster builds the local cluster from what measure_link and measure_reduce
+    # returned on this rank.
+    returned: dict[str, list] = {"measure_link": [], "measure_reduce": []}
+    real = {name: getattr(calibrate, name) for name in returned}
+
+    def recording(name):
+        def call(*args, **kwargs):
+            returned[name].append(real[name](*args, **kwargs))
+            return returned[name][-1]
+
+        return call
+
+    for name in returned:
+        setattr(calibrate, name, recording(name))
     try:
-        link = measure_link()
-        _check_sane(link)
-        _check_same_everywhere(link)
-
-        # resolve_cluster builds the local cluster from what measure_link and measure_reduce
-        # returned on this rank.
-        returned: dict[str, list] = {"measure_link": [], "measure_reduce": []}
-        real = {name: getattr(calibrate, name) for name in returned}
-
-        def recording(name):
-            def call(*args, **kwargs):
-                returned[name].append(real[name](*args, **kwargs))
-                return returned[name][-1]
-
-            return call
-
-        for name in returned:
-            setattr(calibrate, name, recording(name))
-        try:
-            cluster = resolve_cluster(None, world, CPU)
-        finally:
-            for name, fn in real.items():
-                setattr(calibrate, name, fn)
-        assert len(returned["measure_link"]) == 1
-        _check_sane(returned["measure_link"][0])
-        assert cluster.num_devices == world
-        assert len(returned["measure_reduce"]) == 1
-        reduce = returned["measure_reduce"][0]
-        assert reduce > 0  # a rate in Gb/s, or inf: the link explains the whole all-reduce
-        assert {d.spec.reduce_gbps for d in cluster.devices} == {reduce}
-        _check_same_everywhere(reduce)
-        for a in range(world):
-            for b in range(world):
-                if a != b:
-                    assert _link(cluster, a, b) == returned["measure_link"][0]
-        _check_same_everywhere(_link(cluster, 0, 1))
-        assert _link(resolve_cluster(None, world, CPU, calibrate=False), 0, 1) == _link(
-            Cluster.local(world), 0, 1
-        )
-
-        if world >= 3:
-            # A group of ranks 1 and 2: rank 0 is no member, the group's rank 0 is global 1.
-            pair = dist.new_group([1, 2])
-            alone = dist.new_group([2])
-            sub = measure_link(pair)
-            if rank == 0:
-                assert sub is None
-            else:
-                _check_sane(sub)
-            seen: list[object] = [None] * world
-            dist.all_gather_object(seen, sub)
-            assert seen[1] == seen[2]
-            assert measure_link(alone) is None  # one rank (or no member): nothing to measure
-            sub_reduce = measure_reduce((100.0, 30.0), pair)
-            assert (sub_reduce is None) == (rank == 0)
-            assert measure_reduce((100.0, 30.0), alone) is None
+        cluster = resolve_cluster(None, world, CPU)
     finally:
-        dist.destroy_process_group()
+        for name, fn in real.items():
+            setattr(calibrate, name, fn)
+    assert len(returned["measure_link"]) == 1
+    _check_sane(returned["measure_link"][0])
+    assert cluster.num_devices == world
+    assert len(returned["measure_reduce"]) == 1
+    reduce = returned["measure_reduce"][0]
+    assert reduce > 0  # a rate in Gb/s, or inf: the link explains the whole all-reduce
+    assert {d.spec.reduce_gbps for d in cluster.devices} == {reduce}
+    _check_same_everywhere(reduce)
+    for a in range(world):
+        for b in range(world):
+            if a != b:
+                assert _link(cluster, a, b) == returned["measure_link"][0]
+    _check_same_everywhere(_link(cluster, 0, 1))
+    assert _link(resolve_cluster(None, world, CPU, calibrate=False), 0, 1) == _link(
+        Cluster.local(world), 0, 1
+    )
+
+    if world >= 3:
+        # A group of ranks 1 and 2: rank 0 is no member, the group's rank 0 is global 1.
+        pair = dist.new_group([1, 2])
+        alone = dist.new_group([2])
+        sub = measure_link(pair)
+        if rank == 0:
+            assert sub is None
+        else:
+            _check_sane(sub)
+        seen: list[object] = [None] * world
+        dist.all_gather_object(seen, sub)
+        assert seen[1] == seen[2]
+        assert measure_link(alone) is None  # one rank (or no member): nothing to measure
+        sub_reduce = measure_reduce((100.0, 30.0), pair)
+        assert (sub_reduce is None) == (rank == 0)
+        assert measure_reduce((100.0, 30.0), alone) is None
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_gets_rank_zeros_link(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+def test_every_rank_gets_rank_zeros_link(gloo, world):
+    gloo(world).run(_case)
 
 
 def _timeout_worker(rank: int, port: int) -> None:
-    _init(rank, 2, port, timeout_s=3)
+    init_gloo(rank, 2, port, timeout_s=3)
     store = dist.distributed_c10d._get_default_store()  # rank 0 serves it: it leaves last
     if rank == 1:  # never takes part: rank 0 must fail within the group's timeout
         deadline = time.monotonic() + 60
@@ -219,4 +201,4 @@ def _timeout_worker(rank: int, port: int) -> None:
 
 
 def test_a_missing_peer_fails_instead_of_hanging():
-    mp.spawn(_timeout_worker, args=(_free_port(),), nprocs=2, join=True)
+    mp.spawn(_timeout_worker, args=(free_port(),), nprocs=2, join=True)

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from collections import OrderedDict, namedtuple
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_autopipe.errors import ClusterError, PipelineRuntimeError, PlanError
 from lightning_autopipe.planner.plan import Plan, StagePlan
@@ -116,23 +112,7 @@ def test_layout_grid_and_neighbours():
 
 
 # ---------------------------------------------------------------------------- multi-process
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(
-    rank: int, world: int, port: int, cuts: list[int], replicas: int, k: int, j: int,
-    schedule: str = "1f1b",
-) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        _check_rank(rank, world, cuts, replicas, k, j, schedule)
-    finally:
-        dist.destroy_process_group()
+# The cases run on the shared gloo worlds of tests/_gloo.py (the ``gloo`` fixture).
 
 
 def _toy_executor(stage, lay, groups, m, k, j, gen, tied=()) -> PipelineExecutor:
@@ -222,22 +202,18 @@ def _check_rank(
     ids=["2x1-sliced", "4x1-drain", "2x2-both-ends", "2x1-drain", "zb-2x1-sliced",
          "zb-2x1-plain", "zb-4x1-sliced", "zb-2x2-both-ends"],
 )
-def test_pipeline_gradients_equal_single_process(cuts, replicas, k, j, schedule):
+def test_pipeline_gradients_equal_single_process(gloo, cuts, replicas, k, j, schedule):
     world = (len(cuts) - 1) * replicas
-    args = (world, _free_port(), cuts, replicas, k, j, schedule)
-    mp.spawn(_worker, args=args, nprocs=world, join=True)
+    gloo(world).run(_check_rank, cuts, replicas, k, j, schedule)
 
 
-def _release_worker(
-    rank: int, port: int, out: str, stages: int, m: int, k: int, j: int, schedule: str
-) -> None:
-    """Record each rank's receives, sends and the waits on its sends over two steps."""
+def _release_case(
+    rank: int, stages: int, m: int, k: int, j: int, schedule: str
+) -> list[tuple[str, int]]:
+    """Each rank's receives, sends and the waits on its sends over two steps."""
     import lightning_autopipe.runtime.comm as ex_mod  # the stage runner sends through it
     from lightning_autopipe.planner.generators import SCHEDULES
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=stages, timeout=timedelta(seconds=60))
     events: list[tuple[str, int]] = []
 
     class Tracked:
@@ -272,12 +248,11 @@ def _release_worker(
         ex = _toy_executor(ToyStage(ToyChain(), a, b), lay, groups, m, k, j, gen)
         ex.train_step((torch.randn(8, 6), torch.randn(8, 6)))
         ex.train_step((torch.randn(8, 6), torch.randn(8, 6)))  # counts start afresh each step
-        torch.save(events, f"{out}.rank{rank}")
         ex.close()
         destroy_groups(groups)
     finally:
         ex_mod.send_tensors, ex_mod.recv_tensors = ex_mod_send, ex_mod_recv
-        dist.destroy_process_group()
+    return events
 
 
 def _waits_after(events: list[tuple[str, int]], kind: str, wait: str) -> dict[int, set[int]]:
@@ -295,13 +270,9 @@ def _waits_after(events: list[tuple[str, int]], kind: str, wait: str) -> dict[in
     return got
 
 
-def _release_events(tmp_path, stages, m, k, j, schedule):
-    out = str(tmp_path / "events")
-    args = (_free_port(), out, stages, m, k, j, schedule)
-    mp.spawn(_release_worker, args=args, nprocs=stages, join=True)
+def _release_events(gloo, stages, m, k, j, schedule):
     steps = []
-    for r in range(stages):
-        events = torch.load(f"{out}.rank{r}")
+    for events in gloo(stages).run(_release_case, m, k, j, schedule):
         half = len(events) // 2
         assert events[:half] == events[half:]  # both steps alike
         steps.append(events[:half])
@@ -314,13 +285,13 @@ def _check_waited_once(events):
         assert sorted(u for k, u in events if k == "wait_" + kind) == sent
 
 
-def test_sends_are_released_as_soon_as_they_are_proven_received(tmp_path):
+def test_sends_are_released_as_soon_as_they_are_proven_received(gloo):
     """1F1B's memory bound needs a unit's sent tensors freed by its backward, but a send holds
     its buffer until waited. Rank 0 (first of 2 stages, m = 4) waits each activation send when
     that unit's gradient arrives; rank 1 waits each gradient send when rank 0's next activation
     message acknowledges it: in 1F1B rank 0 sends unit 2 after receiving gradient 0 and unit 3
     after gradient 1, so gradient sends 0 and 1 are released there; 2 and 3 at the end."""
-    first, last = _release_events(tmp_path, 2, 4, 1, 1, "1f1b")
+    first, last = _release_events(gloo, 2, 4, 1, 1, "1f1b")
     assert _waits_after(first, "grad", "wait_f") == {u: {u} for u in range(4)}
     assert _waits_after(last, "act", "wait_b") == {0: set(), 1: set(), 2: {0}, 3: {1}}
     for events in (first, last):
@@ -330,12 +301,12 @@ def test_sends_are_released_as_soon_as_they_are_proven_received(tmp_path):
 @pytest.mark.parametrize(
     ("stages", "m", "k", "j", "schedule"), [(3, 3, 2, 2, "1f1b"), (3, 4, 1, 1, "gpipe")]
 )
-def test_every_send_is_waited_once_and_only_when_proven_received(tmp_path, stages, m, k, j,
+def test_every_send_is_waited_once_and_only_when_proven_received(gloo, stages, m, k, j,
                                                                  schedule):
     """A middle stage both acknowledges and releases. Activation sends are waited right after
     their unit's gradient on every schedule; gradient sends are released early by 1F1B (units
     in order on both sides) and only at the end of the step by GPipe (reversed backwards)."""
-    ranks = _release_events(tmp_path, stages, m, k, j, schedule)
+    ranks = _release_events(gloo, stages, m, k, j, schedule)
     for rank, events in enumerate(ranks):
         _check_waited_once(events)
         grads = _waits_after(events, "grad", "wait_f")

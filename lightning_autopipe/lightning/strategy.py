@@ -1,66 +1,20 @@
 """``AutoPipeStrategy``: Lightning's Trainer runs the model as a data-parallel pipeline.
 
-The LightningModule contract
-----------------------------
-* ``forward`` is what gets traced (``lightning_autopipe.graph.split_model``) and cut into
-  pipeline stages; only tensors may cross stage boundaries. Forward inputs come from
-  ``pipeline_inputs(self, batch)`` when defined, else ``batch[0]`` for a tuple/list batch, else
-  the batch itself (a tensor, tuple of positional tensors, or dict of keyword tensors).
-* The module's own steps run as written (:mod:`lightning_autopipe.lightning.steps`): per
-  micro-batch slice the last stage calls ``training_step`` (``validation_step``, ``test_step``,
-  ``predict_step`` in a forward-only pipeline) with ``self(...)`` answering that slice's outputs
-  of the last stage; the returned loss is back-propagated weighted by the slice's sample count
-  (gradients equal whole-batch training on one process); ``self.log`` calls are combined per key
-  (sample-weighted) and logged once on every rank, as with DDP. A step calls ``self(...)``
-  exactly once and logs numbers (``StepContractError`` otherwise, on every rank).
-  ``trainer.predict`` returns, on every rank of a replica, that replica's predictions in order.
-* Or ``pipeline_loss(self, outputs, batch) -> Tensor``, the *mean* loss of one slice: the
-  strategy then runs forward, loss and backward itself and calls none of ``training_step`` /
-  ``validation_step`` / ``test_step``; its training step returns the global-batch mean loss to
-  ``on_train_batch_end(outputs=...)``, validation / test log ``val_loss`` / ``test_loss``.
-* Every tensor of the batch whose first dimension is the batch size is sliced along dim 0; other
-  values pass unchanged; a tensor with another first dimension is refused as a likely data bug
-  unless ``check_batch=False``.
-* Before ``configure_optimizers`` runs, the module's parameters are rebound to the local stage's
-  (``self.parameters()`` yields exactly this rank's stage, under the original names; other
-  stages' parameters are released), so ``torch.optim.X(self.parameters())`` is stage-local.
-  The pipeline outlives ``fit`` (:mod:`lightning_autopipe.lightning.held_pipeline`): ``validate``,
-  ``test``, ``predict`` and ``fit`` again on the same Trainer and module (``ckpt_path="last"`` /
-  ``"best"`` too) reuse it. The model summary counts every stage's parameters.
-* The dataloader's batch size is the batch of one data-parallel replica (as with DDP, the
-  global batch is ``batch_size x replicas``); every stage of a replica loads the same batches.
-* BatchNorm normalises each micro-batch slice by its own statistics in training; its running
-  statistics are tracked over each replica's whole batch, once per step, and the first
-  replica's buffers are broadcast to the others after every step (DDP's ``broadcast_buffers``;
-  :mod:`lightning_autopipe.runtime.batchnorm`, ``docs/batchnorm.md``). Under
-  ``Trainer(deterministic=True)`` the plan's counts left ``"auto"`` follow a noise-free rule
-  (:mod:`lightning_autopipe.lightning.reproducible`).
-* Configuration mistakes that need no rank are raised by the launcher before any process
-  starts (:mod:`lightning_autopipe.lightning.prelaunch`).
-* ``accumulate_grad_batches`` must be 1: micro-batching is the plan's ``num_microbatches``.
-* Gradient clipping by norm uses the norm over all stages (tied copies counted once).
-* Precision ``32-true``, ``bf16-mixed`` and ``16-mixed`` (fp16 loss scaling decided over every
-  stage and replica at once, :mod:`lightning_autopipe.lightning.precision`); others are refused.
+The LightningModule contract (what runs where, logging, prediction, optimizers, data,
+precision) is ``docs/usage.md``; checkpoints and failures ``docs/checkpoints.md``; elastic
+restarts ``docs/elastic.md``; telemetry and re-planning ``docs/telemetry.md``. In short:
+``forward`` is traced and cut into stages, the module's own steps run per micro-batch slice on
+the last stage (:mod:`~lightning_autopipe.lightning.steps`), ``self.log`` is combined over the
+step, optimizers see the local stage's parameters under their original names, checkpoints hold
+the whole model under those names and load into any layout, and every collective runs under
+the strategy's ``timeout`` so a failing rank ends the job with its error.
 
-Checkpoints and failures
-------------------------
-* ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write the whole model's ``state_dict`` and
-  every optimizer's state under the *original* parameter names (one file written by rank 0;
-  ``checkpoint_format="sharded"`` writes a ``torch.distributed.checkpoint`` directory, one shard
-  per stage). Resuming (``fit(ckpt_path=...)``) works into any layout, from and to
-  ``strategy="auto"`` (``lightning_autopipe.checkpoint``). Files are replaced atomically and
-  read with ``weights_only=True`` (a file holding another pickled object is refused with
-  ``UnsafeCheckpointError``, unless the Trainer call passes ``weights_only=False``).
-* Every send/receive/collective runs under ``timeout``; a rank that fails posts its error
-  (rank, stage, step, action, exception) and every other rank raises ``PipelineRuntimeError``
-  naming it, so the launcher ends the job instead of hanging.
-* A non-finite training loss raises (naming the step and the first stage whose outputs were
-  non-finite) unless ``nonfinite_loss="skip"``, which drops that step's gradients on every rank.
-
-Options are :class:`~lightning_autopipe.options.AutoPipeOptions`. This module runs past the
-house's ~450 lines because Lightning's strategy interface is wide (some thirty hooks and
-properties, each marked ``@override``); every hook stays a few lines that delegate to
-``runtime/`` and ``checkpoint/``, and the rest is this contract.
+Options are :class:`~lightning_autopipe.options.AutoPipeOptions`; what can be checked before
+processes start is checked in the launching process
+(:mod:`~lightning_autopipe.lightning.prelaunch`).
+This module runs past the house's ~400 lines because Lightning's strategy interface is wide
+(some thirty-five hooks and properties, each marked ``@override``): every hook stays a few
+lines that delegate to ``runtime/``, ``checkpoint/`` and this package's small modules.
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ checkpoint).
 **From a checkpoint.** With a ``source`` (a mapping of original names to tensors, e.g. a
 consolidated file loaded with ``mmap=True``, or a sharded directory's reader) the stage's
 tensors are read by name instead; only those keys are read.
+
+The module holds the deferred-init context, the per-parameter seeds, the initialiser replay and
+the stage binding together (past ~400 lines) because they share one invariant: a parameter's
+value depends only on the seed and its first name, whatever stage materialises it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 The result, :class:`Traced`, hides which front end ran: it holds one ``GraphModule`` whose
 placeholders are the model's *flattened* inputs and whose output node yields the flattened
 outputs, plus the recipes to flatten user inputs and rebuild model-shaped outputs.
+
+Both front ends, their fallbacks and the quiet-while-trying log handling stay in this one module
+(a little past ~400 lines): the choice between them is one decision with one error message.
 """
 
 from __future__ import annotations

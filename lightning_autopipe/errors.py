@@ -9,6 +9,7 @@ __all__ = [
     "TraceError",
     "BlockRangeError",
     "InputError",
+    "OptionError",
     "ClusterError",
     "ScheduleError",
     "PlanError",
@@ -29,7 +30,13 @@ class TraceError(AutoPipeError, RuntimeError):
 
 
 class InputError(AutoPipeError, ValueError):
-    """Inputs handed to the graph layer do not match what the model was traced with."""
+    """Inputs handed to the graph layer do not match what the model was traced with (or a
+    loss handed to the profiler is not the scalar a pipeline's last stage needs)."""
+
+
+class OptionError(AutoPipeError, ValueError):
+    """A strategy option (or the argument of a public function that carries one, such as
+    ``granularity`` or ``repeats``) has a value outside the ones it accepts."""
 
 
 class BlockRangeError(AutoPipeError, IndexError):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_autopipe.cluster import Cluster
-from lightning_autopipe.errors import PlanError
+from lightning_autopipe.errors import OptionError, PlanError
 from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.plan import Plan
@@ -123,14 +123,14 @@ class AutoPipeOptions:
 
     def __post_init__(self) -> None:
         if self.start_method not in START_METHODS:
-            raise ValueError(
+            raise OptionError(
                 f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', not "
                 f"{self.start_method!r}"
             )
         for name in _PINS:
             _auto_or_positive(name, getattr(self, name))
         if self.schedule != "auto" and self.schedule not in SCHEDULES:
-            raise ValueError(
+            raise OptionError(
                 f"schedule must be 'auto' or one of {sorted(SCHEDULES)}, not {self.schedule!r}"
             )
         timeout = self.timeout
@@ -139,25 +139,25 @@ class AutoPipeOptions:
         except (TypeError, ValueError):
             seconds = float("nan")
         if not seconds > 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+            raise OptionError(f"timeout must be positive seconds, got {timeout!r}")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
-            raise ValueError(
+            raise OptionError(
                 f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, not "
                 f"{self.checkpoint_format!r}"
             )
         if self.nonfinite_loss not in NONFINITE_LOSS:
-            raise ValueError(
+            raise OptionError(
                 f"nonfinite_loss must be one of {NONFINITE_LOSS}, not {self.nonfinite_loss!r}"
             )
         if isinstance(self.compile, str) and not self.compile.strip():
-            raise ValueError("compile must be True, False or a torch.compile backend name, "
+            raise OptionError("compile must be True, False or a torch.compile backend name, "
                              "not an empty string")
         if not isinstance(self.compile, bool | str):
-            raise ValueError(f"compile must be True, False or a torch.compile backend name "
+            raise OptionError(f"compile must be True, False or a torch.compile backend name "
                              f"(e.g. 'inductor'), not {self.compile!r}")
         if (self.compile and self.schedule != "auto" and splits_backward(self.schedule)
                 and self.compile_backend not in SPLIT_BACKENDS):
-            raise ValueError(
+            raise OptionError(
                 f"compile={self.compile!r} with schedule={self.schedule!r}: a stage compiled "
                 f"with {self.compile_backend!r} computes input and weight gradients in one "
                 "graph, so its backward cannot be split as zero-bubble schedules need; compile "

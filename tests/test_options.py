@@ -14,7 +14,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from lightning_autopipe import AutoPipeStrategy
-from lightning_autopipe.errors import PlanError
+from lightning_autopipe.errors import OptionError, PlanError
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.zoo.config import CONF_DIR, AutoPipeStrategyConfig, compose
 
@@ -68,14 +68,14 @@ def test_an_unknown_option_is_named_with_the_close_one():
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
-        ({"start_method": "thread"}, ValueError, r"'popen', 'spawn', 'fork' or .* not 'thread'"),
+        ({"start_method": "thread"}, OptionError, r"'popen', 'spawn', 'fork' or .* not 'thread'"),
         ({"num_stages": 0}, PlanError, r"num_stages must be 'auto' or a positive int, got 0"),
         ({"startup_slices": "two"}, PlanError, r"startup_slices .* got 'two'"),
         ({"drain_slices": True}, PlanError, r"drain_slices .* got True"),
-        ({"timeout": 0}, ValueError, r"timeout must be positive seconds, got 0"),
-        ({"timeout": "soon"}, ValueError, r"timeout must be positive seconds, got 'soon'"),
-        ({"checkpoint_format": "zip"}, ValueError, r"one of \('consolidated', 'sharded'\)"),
-        ({"nonfinite_loss": "ignore"}, ValueError, r"one of \('raise', 'skip'\), not 'ignore'"),
+        ({"timeout": 0}, OptionError, r"timeout must be positive seconds, got 0"),
+        ({"timeout": "soon"}, OptionError, r"timeout must be positive seconds, got 'soon'"),
+        ({"checkpoint_format": "zip"}, OptionError, r"one of \('consolidated', 'sharded'\)"),
+        ({"nonfinite_loss": "ignore"}, OptionError, r"one of \('raise', 'skip'\), not 'ignore'"),
     ],
 )
 def test_bad_options_fail_at_construction_with_the_value_and_the_fix(options, error, match):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_autopipe import Profile, profile_blocks, split_model
+from lightning_autopipe.errors import InputError, OptionError
 from lightning_autopipe.profile import BlockProfile, median_profile
 from lightning_autopipe.zoo.models import build_model
 
@@ -114,7 +115,7 @@ def test_profiling_leaves_the_model_as_it_was(in_chain: bool) -> None:
 def test_bad_repeat_counts() -> None:
     model, example = build_model("tiny_gpt", "tiny")
     blocks = split_model(model, example)
-    with pytest.raises(ValueError, match="repeats"):
+    with pytest.raises(OptionError, match="repeats"):
         profile_blocks(blocks, example, repeats=0)
 
 
@@ -197,7 +198,7 @@ def test_profiling_with_a_loss_leaves_the_model_as_it_was() -> None:
 def test_loss_fn_must_return_a_scalar() -> None:
     model, x = _small_chain()
     blocks = split_model(model, (x,))
-    with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor .* got \(4, 16\)"):
+    with pytest.raises(InputError, match=r"loss_fn must return a scalar tensor .* got \(4, 16\)"):
         profile_blocks(blocks, (x,), warmup=0, repeats=1, loss_fn=lambda o, n: o[0])
 
 

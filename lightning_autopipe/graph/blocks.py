@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from lightning_autopipe.errors import BlockRangeError, InputError, TraceError
+from lightning_autopipe.errors import BlockRangeError, InputError, OptionError, TraceError
 from lightning_autopipe.graph.analysis import GraphInfo, analyze
 from lightning_autopipe.graph.cuts import GRANULARITIES, Block, choose_blocks
 from lightning_autopipe.graph.stage import (
@@ -51,7 +51,7 @@ def split_model(
         InputError: ``example_inputs`` do not fit the model.
     """
     if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        raise OptionError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     traced = trace(model, example_inputs, tracer)
     flat = traced.flatten(example_inputs)
     info = analyze(traced, flat)

@@ -32,7 +32,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
-from lightning_autopipe.errors import PipelineRuntimeError, StepContractError
+from lightning_autopipe.errors import OptionError, PipelineRuntimeError, StepContractError
 from lightning_autopipe.lightning.step_logs import WAY_OUT, LoggedValue, SliceLogs, bind_log
 from lightning_autopipe.runtime.failure import describe
 from lightning_autopipe.runtime.local_stage import as_call_args, model_inputs
@@ -85,9 +85,12 @@ class StepRunner:
         Lightning passed after the batch (``batch_idx``, ``dataloader_idx``).
         """
         if hook != _PIPELINE_LOSS and hook not in STEP_HOOKS:
-            raise ValueError(f"unknown step {hook!r}; one of {STEP_HOOKS} or 'pipeline_loss'")
+            raise OptionError(f"unknown step {hook!r}; one of {STEP_HOOKS} or 'pipeline_loss'")
         if hook == _PIPELINE_LOSS and not self.uses_pipeline_loss:
-            raise ValueError(f"{type(self.module).__name__} has no pipeline_loss")
+            raise OptionError(
+                f"step 'pipeline_loss' asked of {type(self.module).__name__}, which has no "
+                f"pipeline_loss; begin one of {STEP_HOOKS}"
+            )
         self._hook = hook
         self._reset(args, kwargs or {})
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Sequence
 
 import torch
@@ -22,8 +21,8 @@ import torch.distributed as dist
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.pricing import allreduce_ms
+from lightning_autopipe.runtime.clock import now
 from lightning_autopipe.runtime.comm import transport_device
-from lightning_autopipe.runtime.profiler import _sync
 
 __all__ = ["fit_link", "fit_reduce", "link_device", "measure_link", "measure_reduce"]
 
@@ -72,16 +71,14 @@ def fit_link(small: tuple[int, float], large: tuple[int, float]) -> tuple[float,
 
 def _round_trip(me: int, peer: int, buf: torch.Tensor, device: torch.device) -> float:
     """Seconds for ``buf`` to go from group rank 0 to rank 1 and back (``me`` is 0 or 1)."""
-    _sync(device)
-    start = time.perf_counter()
+    start = now(device)
     if me == 0:
         dist.send(buf, peer, tag=_TAG)
         dist.recv(buf, peer, tag=_TAG)
     else:
         dist.recv(buf, peer, tag=_TAG)
         dist.send(buf, peer, tag=_TAG)
-    _sync(device)
-    return time.perf_counter() - start
+    return now(device) - start
 
 
 def _member(group: dist.ProcessGroup | None) -> int | None:
@@ -215,12 +212,11 @@ def measure_reduce(
     times = []
     for r in range(warmup + repeats):
         dist.barrier(group=group)
-        _sync(dev)
-        start = time.perf_counter()
+        start = now(dev)
         dist.all_reduce(buf, group=group)
-        _sync(dev)
+        stop = now(dev)
         if r >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(stop - start)
     world = dist.get_world_size(group)
     (rate,) = _from_first_rank([fit_reduce(world, buf.numel() * 4, min(times), *link)], group, dev)
     return rate

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -50,6 +49,8 @@ from lightning_autopipe.errors import PlanError
 from lightning_autopipe.options import SPLIT_BACKENDS
 from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.profile import Profile, fit_affine
+from lightning_autopipe.runtime.backward import splits_backward_at
+from lightning_autopipe.runtime.clock import now
 from lightning_autopipe.runtime.compiled_split import Deferral, split_backend
 
 __all__ = ["CompiledStage", "compiled_profile", "compiled_stage", "profile_for"]
@@ -128,10 +129,11 @@ class CompiledStage(nn.Module):
             graph.accumulate(w_inputs)
 
 
-def compiled_stage(stage: nn.Module, schedule: str, backend: str,
-                   first: bool = False) -> CompiledStage:
-    """``stage`` compiled for a run under ``schedule`` (``first``: the pipeline's first stage,
-    whose backward stays whole even when the schedule splits).
+def compiled_stage(stage: nn.Module, schedule: str, backend: str, *,
+                   stage_index: int) -> CompiledStage:
+    """``stage`` compiled for a run under ``schedule`` as the pipeline's stage ``stage_index``
+    (its backward graph is cut where :func:`~lightning_autopipe.runtime.backward.splits_backward_at`
+    says: not on the first stage, whose backward stays whole even when the schedule splits).
 
     Raises:
         PlanError: the schedule splits the backward and ``backend`` cannot be split.
@@ -144,7 +146,7 @@ def compiled_stage(stage: nn.Module, schedule: str, backend: str,
             f"backward can be split for {SPLIT_BACKENDS}: compile with one of them, re-plan "
             "with schedule='auto' or '1f1b', or pass compile=False"
         )
-    return CompiledStage(stage, backend, split_backward=split and not first)
+    return CompiledStage(stage, backend, split_backward=splits_backward_at(stage_index, split))
 
 
 def profile_for(
@@ -240,21 +242,15 @@ def _timed(fn: Callable, inputs: tuple[Any, ...], device: torch.device,
     """Median (forward ms, backward ms) of ``fn`` on ``inputs``, after one untimed pass."""
     fwd, bwd = [], []
     for i in range(repeats + 1):
-        _sync(device)
-        t0 = time.perf_counter()
+        t0 = now(device)
         outs = fn(*inputs)
-        _sync(device)
-        t1 = time.perf_counter()
+        t1 = now(device)
         outs = outs if isinstance(outs, tuple | list) else (outs,)
         floats = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
         torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
-        _sync(device)
+        t2 = now(device)
         if i:  # the first pass compiles (and warms the caches)
             fwd.append((t1 - t0) * 1e3)
-            bwd.append((time.perf_counter() - t1) * 1e3)
+            bwd.append((t2 - t1) * 1e3)
     return statistics.median(fwd), statistics.median(bwd)
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -26,6 +26,8 @@ and the measured links into a :class:`~lightning_autopipe.cluster.Cluster`:
 
 :func:`discover` runs the collective part; :func:`write_cluster` writes the result as a cluster
 YAML with one profile JSON per device type, which a later run can take as ``cluster=<file>``.
+Over ~400 lines because the pure assembly (types, link levels, names) and the collective that
+feeds it are kept together: the reports' shape is private to both.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["model_inputs", "as_call_args", "bind_local_stage"]
+__all__ = ["as_call_args", "bind_local_stage", "model_inputs", "restore_tensors", "tensor_names"]
 
 
 def model_inputs(module: nn.Module, batch: Any) -> Any:
@@ -38,58 +38,100 @@ def as_call_args(inputs: Any) -> tuple[Any, ...] | dict[str, Any]:
     return (inputs,)
 
 
+def tensor_names(module: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter and buffer of ``module``, keyed by each of its names
+    (a tied weight reached as ``lm_head.weight`` and ``wte.weight`` lists both under both).
+
+    Taken before :func:`bind_local_stage` releases other stages' tensors, it lets a later
+    binding (to another plan's stage) restore every alias of a tensor it now holds."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False),
+                    *module.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    return {name: list(group) for group in names.values() for name in group}
+
+
+def restore_tensors(module: nn.Module, tensors: dict[str, Tensor]) -> None:
+    """Put every tensor of ``tensors`` (original name -> the parameter or buffer object taken
+    before a binding) back into its slot of ``module``.
+
+    Stages share the user's submodules, so a slot :func:`bind_local_stage` emptied is empty in
+    every stage holding that submodule too: a stage of another plan has its tensors again only
+    once they are restored (their storage may still be released; binding then releases the
+    foreign ones again)."""
+    for name, t in tensors.items():
+        owner, attr = _owner(module, name)
+        if isinstance(t, nn.Parameter):
+            owner._parameters[attr] = t
+        else:
+            owner._buffers[attr] = t
+
+
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
     return (root.get_submodule(path) if path else root), attr
 
 
-def bind_local_stage(module: nn.Module, stage: nn.Module, param_names: dict[str, str]) -> int:
+def _slots(module: nn.Module, kind: str) -> dict[str, tuple[nn.Module, str, Tensor | None]]:
+    """Every parameter (``kind="_parameters"``) or buffer slot of ``module`` by qualified name,
+    empty ones (released by an earlier binding) included: ``name -> (owner, attr, value)``."""
+    out: dict[str, tuple[nn.Module, str, Tensor | None]] = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for attr, value in getattr(owner, kind).items():
+            out[f"{prefix}.{attr}" if prefix else attr] = (owner, attr, value)
+    return out
+
+
+def bind_local_stage(
+    module: nn.Module,
+    stage: nn.Module,
+    param_names: dict[str, str],
+    aliases: dict[str, list[str]] | None = None,
+) -> int:
     """Rebind ``module``'s parameters and buffers to the stage's; release the others.
 
     Every name under which the module reaches a local parameter (tied weights have several)
     now holds the stage's object; every other parameter slot is set to ``None`` and its storage
     freed. Buffers the stage owns are rebound too (batch-norm statistics stay visible through
     ``module.state_dict()``); other buffer slots are set to ``None`` (the stage keeps its own
-    non-persistent buffers such as attention masks).
+    non-persistent buffers such as attention masks). A module bound before can be bound again
+    to another stage of the same blocks (another plan's): slots emptied by the first binding
+    are filled again.
 
     Args:
         module: the user's module (the traced root).
         stage: the local stage module.
         param_names: ``stage.param_names``: local state-dict key -> original key.
+        aliases: :func:`tensor_names` of the module before its first binding (default: taken
+            now, which finds the aliases of the tensors the module still holds).
 
     Returns:
         Bytes of parameter storage released.
     """
     local = stage.state_dict(keep_vars=True)
-    orig_params = dict(module.named_parameters(remove_duplicate=False))
-    orig_buffers = dict(module.named_buffers(remove_duplicate=False))
-    aliases: dict[int, list[str]] = {}
-    for name, t in [*orig_params.items(), *orig_buffers.items()]:
-        aliases.setdefault(id(t), []).append(name)
+    params, buffers = _slots(module, "_parameters"), _slots(module, "_buffers")
+    if aliases is None:
+        aliases = tensor_names(module)
 
     target: dict[str, Tensor] = {}
     for local_key, orig_key in param_names.items():
         if local_key not in local:
             continue
-        obj = local[local_key]
-        orig = orig_params.get(orig_key, orig_buffers.get(orig_key))
-        for name in aliases.get(id(orig), [orig_key]) if orig is not None else [orig_key]:
-            target[name] = obj
+        for name in aliases.get(orig_key, [orig_key]):
+            target[name] = local[local_key]
 
     kept = {id(t) for t in target.values()}
     freed = 0
-    for name, p in orig_params.items():
-        owner, attr = _owner(module, name)
+    for name, (owner, attr, p) in params.items():
         if name in target:
             new = target[name]
             owner._parameters[attr] = new if isinstance(new, nn.Parameter) else nn.Parameter(new)
         else:
             owner._parameters[attr] = None
-        if id(p) not in kept and p.numel():  # a foreign parameter, or a copy the stage replaced
-            freed += p.numel() * p.element_size()
+        if p is not None and id(p) not in kept and p.numel():  # a foreign parameter, or a
+            freed += p.numel() * p.element_size()  # copy the stage replaced
             p.grad = None
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    for name in orig_buffers:
-        owner, attr = _owner(module, name)
+    for name, (owner, attr, _) in buffers.items():
         owner._buffers[attr] = target.get(name)
     return freed

@@ -9,13 +9,16 @@ block by block: a block's parameters are materialised on the device (by the mode
 initialisers; random values would do for timing, these keep activations in range), the block
 is timed alone and its parameters go back to the meta device before the next one, so
 profiling never holds more than one block's parameters, gradients and activations.
+
+Over ~400 lines because the timing passes (chained forward/backward, the split B/W pass, the
+fixed-cost half-batch pass, activation memory) share one per-block run record and its
+materialisation: split apart they would pass that private state across modules.
 """
 
 from __future__ import annotations
 
 import copy
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -24,7 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_autopipe.errors import InputError, OptionError
 from lightning_autopipe.profile import BlockProfile, Profile, fit_affine
+from lightning_autopipe.runtime.clock import now
 
 __all__ = ["LossFn", "profile_blocks"]
 
@@ -36,10 +41,6 @@ LossFn = Callable[[tuple[Any, ...], int], Tensor]
 # can measure 0 ms, but planners divide by and compare costs, so every cost stays positive.
 _MIN_MS = 1e-3
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _prepare(values: tuple[Any, ...], grads: list[bool]) -> tuple[Any, ...]:
@@ -65,7 +66,7 @@ def _scalar_loss(loss_fn: LossFn | None, outputs: tuple[Any, ...], n: int) -> Te
     loss = loss_fn(outputs, n)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-        raise ValueError(
+        raise InputError(
             f"profile_blocks: loss_fn must return a scalar tensor (the mean loss of the "
             f"{n} samples), got {shape}"
         )
@@ -119,15 +120,12 @@ def _time_block(
     outputs: tuple[Any, ...] = ()
     for _ in range(runs):
         inputs = _prepare(values, grads)
-        _sync(device)
-        t0 = time.perf_counter()
+        t0 = now(device)
         outputs = stage(*inputs)
         loss = _scalar_loss(loss_fn, outputs, n)
-        _sync(device)
-        t1 = time.perf_counter()
+        t1 = now(device)
         _run_backward(outputs, loss)
-        _sync(device)
-        t2 = time.perf_counter()
+        t2 = now(device)
         fwd.append((t1 - t0) * 1e3)
         bwd.append((t2 - t1) * 1e3)
     return fwd, bwd, outputs
@@ -169,22 +167,18 @@ def _split_backward(
 
     params = [p for p in stage.parameters() if p.requires_grad]
     wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    _sync(dev)
-    t0 = time.perf_counter()
+    t0 = now(dev)
     if not wants:
         _run_backward(outputs, loss)
-        _sync(dev)
-        return 0.0, (time.perf_counter() - t0) * 1e3
+        return 0.0, (now(dev) - t0) * 1e3
     if loss is not None:
         outs = [loss]
     else:  # backward of ones, from one scalar: an output that is a view cannot be detached
         outs = [torch.stack([t.sum() for t in _grad_targets(outputs)]).sum()]
     _, groups = stage_backward_input(outs, None, list(args), iter(params))
-    _sync(dev)
-    t1 = time.perf_counter()
+    t1 = now(dev)
     stage_backward_weight(iter(params), groups)
-    _sync(dev)
-    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+    return (t1 - t0) * 1e3, (now(dev) - t1) * 1e3
 
 
 def _split_pass(runs: list[_BlockRun], dev: torch.device, n: int) -> list[tuple[float, float]]:
@@ -257,22 +251,18 @@ def _chain_pass(
             times.append(None)
             continue
         args = _prepare(vals, run.grads)
-        _sync(dev)
-        t0 = time.perf_counter()
+        t0 = now(dev)
         outputs = run.stage(*args)
         loss = _scalar_loss(run.loss, outputs, n)
-        _sync(dev)
-        times.append([(time.perf_counter() - t0) * 1e3])
+        times.append([(now(dev) - t0) * 1e3])
         held.append((outputs, loss))
     for b in range(len(runs) - 1, -1, -1):
         entry, t = held[b], times[b]
         if entry is None or t is None:
             continue
-        _sync(dev)
-        t0 = time.perf_counter()
+        t0 = now(dev)
         _run_backward(*entry)
-        _sync(dev)
-        t.append((time.perf_counter() - t0) * 1e3)
+        t.append((now(dev) - t0) * 1e3)
         held[b] = None
     return [(t[0], t[1]) if t is not None else None for t in times]
 
@@ -439,7 +429,7 @@ def profile_blocks(
         buffers (e.g. batch-norm statistics) of the model are restored afterwards.
     """
     if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, {repeats=}")
+        raise OptionError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, {repeats=}")
     dev = torch.device(device)
     flat = blocks.flatten_inputs(example_inputs)
     batch = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)

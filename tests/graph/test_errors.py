@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_autopipe import BlockRangeError, InputError, TraceError, split_model
+from lightning_autopipe.errors import OptionError
 from lightning_autopipe.zoo.models import TinyGPT, build_model
 
 
@@ -66,7 +67,7 @@ def test_wrong_arity_and_types() -> None:
         split_model(model, (ids.tolist(),))
     with pytest.raises(InputError, match="needs example_inputs"):
         split_model(model, None)
-    with pytest.raises(ValueError, match="granularity"):
+    with pytest.raises(OptionError, match="granularity"):
         split_model(model, (ids,), granularity="layers")
 
 

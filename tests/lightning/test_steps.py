@@ -181,3 +181,13 @@ def test_join_slices_restores_batch_order():
         join_slices([torch.tensor(1.0), torch.tensor(2.0)], [1, 1])
     with pytest.raises(StepContractError, match="cannot be joined"):
         join_slices(["a", "b"], [1, 1])
+
+
+def test_an_unknown_step_or_a_missing_pipeline_loss_is_an_option_error():
+    from lightning_autopipe.errors import OptionError
+
+    runner = StepRunner(Module())
+    with pytest.raises(OptionError, match=r"unknown step 'train_step'"):
+        runner.begin("train_step", (0,))
+    with pytest.raises(OptionError, match=r"asked of Module, which has no pipeline_loss"):
+        runner.begin("pipeline_loss", (0,))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_autopipe.runtime.pipeline as pipeline_mod
+import lightning_autopipe.runtime.agree as agree_mod
 import lightning_autopipe.runtime.profiler as profile_mod
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, InputError, MemoryPlanError, PlanError
@@ -75,7 +75,7 @@ def _build(module, *, world_size=2, **options):
 @pytest.fixture
 def no_profiling(monkeypatch):
     monkeypatch.setattr(profile_mod, "profile_blocks", _unexpected)
-    monkeypatch.setattr(pipeline_mod, "search_plan", _unexpected)
+    monkeypatch.setattr(agree_mod, "search_plan", _unexpected)
 
 
 def _plan(cuts, m=2, k=1, batch=8, devices=None, **kw):

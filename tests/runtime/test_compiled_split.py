@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from lightning_autopipe.errors import PlanError
+from lightning_autopipe.errors import OptionError, PlanError
 from lightning_autopipe.graph import split_model
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.runtime.compiled_split import split_backward_graph
@@ -263,10 +263,10 @@ def test_zero_bubble_compiles_with_splittable_backends_and_refuses_others():
     assert AutoPipeOptions(compile=True).schedules == ("1f1b", "zb-h1")
     assert AutoPipeOptions(compile="aot_eager").schedules == ("1f1b", "zb-h1")
     assert AutoPipeOptions(compile="eager").schedules == ("1f1b",)
-    with pytest.raises(ValueError, match=r"compiled with 'eager'.*one of \('inductor', "):
+    with pytest.raises(OptionError, match=r"compiled with 'eager'.*one of \('inductor', "):
         AutoPipeOptions(compile="eager", schedule="zb-h1")
     with pytest.raises(PlanError, match=r"splits each backward.*'eager'"):
-        compiled_stage(nn.Linear(2, 2), "zb-h1", "eager")
-    assert compiled_stage(nn.Linear(2, 2), "zb-h1", "aot_eager").deferral is not None
-    assert compiled_stage(nn.Linear(2, 2), "zb-h1", "aot_eager", first=True).deferral is None
-    assert compiled_stage(nn.Linear(2, 2), "1f1b", "aot_eager").deferral is None
+        compiled_stage(nn.Linear(2, 2), "zb-h1", "eager", stage_index=1)
+    assert compiled_stage(nn.Linear(2, 2), "zb-h1", "aot_eager", stage_index=1).deferral is not None
+    assert compiled_stage(nn.Linear(2, 2), "zb-h1", "aot_eager", stage_index=0).deferral is None
+    assert compiled_stage(nn.Linear(2, 2), "1f1b", "aot_eager", stage_index=1).deferral is None

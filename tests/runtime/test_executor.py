@@ -232,7 +232,7 @@ def _release_worker(
     rank: int, port: int, out: str, stages: int, m: int, k: int, j: int, schedule: str
 ) -> None:
     """Record each rank's receives, sends and the waits on its sends over two steps."""
-    import lightning_autopipe.runtime.executor as ex_mod
+    import lightning_autopipe.runtime.comm as ex_mod  # the stage runner sends through it
     from lightning_autopipe.planner.generators import SCHEDULES
 
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """build_local_pipeline profiles on every rank (contention) and with pipeline_loss on the batch.
 
-Ranks of a pretend 2-rank world without a process group: rank 0's broadcast payload is handed
+Ranks of a pretend 2-rank world without a process group: rank 0's PlanMessage is handed
 to rank 1 by hand, as the strategy's broadcast would; the executor (which needs the process
 groups) is left out. Real launches are covered by tests/test_strategy.py.
 """
@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_autopipe.runtime.pipeline as pipeline_mod
+import lightning_autopipe.runtime.build as build_mod
 import lightning_autopipe.runtime.profiler as profile_mod
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.lightning.example import _batch_like
 from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.runtime.agree import PlanMessage
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from tests.runtime import _cases as C
 
@@ -26,7 +27,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(autouse=True)
 def _no_executor(monkeypatch):
-    monkeypatch.setattr(pipeline_mod, "PipelineExecutor", lambda *args, **kwargs: None)
+    monkeypatch.setattr(build_mod, "PipelineExecutor", lambda *args, **kwargs: None)
 
 
 class Model(nn.Module):
@@ -87,7 +88,9 @@ def _rank0_payload(example_batch: Any = None) -> tuple[Any, Any]:
 
 def test_every_rank_profiles_with_the_same_settings_and_rank0_plans(calls):
     pipe0, payload = _rank0_payload()
-    assert payload[0] == "ok"
+    assert isinstance(payload, PlanMessage)
+    assert payload.ok
+    assert payload.error_kind is None
     assert len(calls) == 1
     pipe1 = _build(1, lambda obj, src: payload)
     assert len(calls) == 2  # rank 1 profiled too (as load), with rank 0's settings
@@ -152,7 +155,7 @@ def test_a_failed_load_profile_on_another_rank_warns_and_keeps_rank0_plan(monkey
 
 
 def test_rank0_failure_is_raised_on_every_rank_with_the_local_one_as_cause(monkeypatch):
-    error = ("error", "RuntimeError", "rank 0 ran out of memory")
+    error = PlanMessage.failed(RuntimeError("rank 0 ran out of memory"))
     with pytest.raises(PipelineRuntimeError, match=r"rank 0 failed .* RuntimeError: rank 0 ran"):
         _build(1, lambda obj, src: error)
 

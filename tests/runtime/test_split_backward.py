@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_autopipe.runtime.executor import backward_input, backward_weight
+from lightning_autopipe.runtime.backward import backward_input, backward_weight
 
 
 class SkipOut(nn.Module):

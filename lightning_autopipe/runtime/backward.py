@@ -1,0 +1,111 @@
+"""How one unit's backward runs on a stage: whole, or split into ``B`` (input gradients) and ``W``.
+
+A zero-bubble schedule splits each backward: ``B`` computes the gradient with respect to the
+stage's inputs only (sent on at once), keeping the autograd state the weights need, and ``W``
+later accumulates the parameter gradients from it (``torch.distributed.pipelining``'s
+``stage_backward_input`` / ``stage_backward_weight``, which split the graph at the nodes where
+the input and weight paths meet, so nothing is computed twice). A compiled stage's backward is
+one autograd node, so it is split inside, into compiled input- and weight-gradient graphs
+(:mod:`~lightning_autopipe.runtime.compiled_split`). The rule for the first stage is
+:func:`splits_backward_at`, the one place the runtime states it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_autopipe.errors import PipelineRuntimeError
+
+__all__ = [
+    "backward_input",
+    "backward_weight",
+    "backward_whole",
+    "input_grads",
+    "output_pairs",
+    "splits_backward_at",
+]
+
+
+def splits_backward_at(stage: int, split: bool) -> bool:
+    """Whether pipeline stage ``stage`` runs its backward in two parts under a schedule that
+    splits backwards (``split``).
+
+    The first stage has no input gradient to send: under a split schedule its ``B`` does
+    nothing and its ``W`` is the whole backward. The executor, the compiled stage (whose
+    backward graph is then not cut) and the profiler (a block whose inputs take no gradient)
+    follow this rule; the planner prices the first stage's ``B`` as empty and its ``W`` as the
+    whole backward the same way (``planner/costmodel.py``, ``planner/simulate.py``).
+    """
+    return split and stage > 0
+
+
+def output_pairs(
+    what: Any, outputs: Sequence[Tensor], grads: Sequence[Tensor | None]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The stage outputs that take a gradient and the gradients the next stage sent for them.
+
+    ``what`` (an action) names the unit in the error when the counts differ.
+    """
+    if len(grads) != len(outputs):
+        raise PipelineRuntimeError(
+            f"{what}: received {len(grads)} gradients for {len(outputs)} stage outputs"
+        )
+    keep = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    return [o for o, _ in keep], [g for _, g in keep]  # type: ignore[misc]
+
+
+def backward_whole(what: Any, result: Any, grads: Sequence[Tensor | None] | None) -> None:
+    """The whole backward of a unit: from the (weighted) loss ``result`` when ``grads`` is None
+    (the last stage), else from the stage outputs ``result`` with the gradients the next stage
+    sent."""
+    if grads is None:
+        result.backward()
+        return
+    outs, out_grads = output_pairs(what, result, grads)
+    if outs:
+        torch.autograd.backward(outs, out_grads)
+
+
+def input_grads(inputs: Sequence[Any]) -> list[Tensor | None]:
+    """What a whole backward left in the stage inputs' ``.grad`` (sent to the previous stage)."""
+    return [t.grad if t is not None and t.requires_grad else None for t in inputs]
+
+
+def backward_input(
+    outputs: Sequence[Tensor],
+    grads: Sequence[Tensor] | None,
+    inputs: Sequence[Any],
+    params: Sequence[Tensor],
+) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]]]:
+    """``B`` of a split backward: the gradients of ``inputs`` from ``outputs`` (given their
+    ``grads``; None: the outputs are the loss), and the state :func:`backward_weight` resumes.
+
+    torch pipelining's ``stage_backward_input`` detaches the outputs it is given in place, to
+    free the graph behind them. A stage output that the stage itself also consumes (a skip
+    tensor sent on and fed to a later layer of the same stage) is saved by that layer for its
+    weight gradient, and ``W`` then failed ("Trying to use a saved tensor that has been
+    detached in-place"). So it is given fresh copies: the copy's backward hands the gradient
+    through unchanged, and only the copies are detached (the executor drops the outputs
+    after ``B`` anyway).
+    """
+    outs = [o.clone() for o in outputs] if grads is not None else list(outputs)
+    return _split_backward().stage_backward_input(outs, list(grads) if grads is not None
+                                                  else None, list(inputs), iter(params))
+
+
+def backward_weight(params: Sequence[Tensor], state: list[dict[str, Any]]) -> None:
+    """``W`` of a split backward: accumulate the weight gradients from :func:`backward_input`'s
+    state into ``.grad``."""
+    _split_backward().stage_backward_weight(iter(params), state)
+
+
+def _split_backward() -> Any:
+    """``torch.distributed.pipelining``'s split backward, imported when a schedule splits one
+    (importing the package costs seconds, paid by every rank of every run otherwise)."""
+    from torch.distributed.pipelining import _backward
+
+    return _backward

@@ -1,0 +1,273 @@
+"""Setup's first phase on every rank: resolve or discover the cluster and profile the blocks.
+
+What is measured here is what rank 0 plans from (:mod:`~lightning_autopipe.runtime.agree`):
+the launched devices' cluster (a file, ``Cluster.local`` with a calibrated link, or one
+discovered from the ranks) and, when no plan is given, the profile of the traced blocks. Every
+rank profiles on its own device at the same time (in training all ranks compute at once and
+contend for shared cores and memory bandwidth, so a profile taken while the others idle would
+be optimistic), and a rank whose profiling fails stops every rank with its error.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import PipelineRuntimeError
+from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.profile import Profile
+from lightning_autopipe.runtime import log, profiler
+from lightning_autopipe.runtime.compiled_stage import profile_for
+from lightning_autopipe.runtime.discover import (
+    compare_with_declared,
+    device_names,
+    discover,
+    gather_reports,
+    host_name,
+    write_cluster,
+)
+from lightning_autopipe.runtime.units import slice_batch
+
+__all__ = ["Measurement", "is_distributed", "measure", "resolve_cluster"]
+
+
+@dataclass
+class Measurement:
+    """What a rank knows after measuring, and rank 0 plans from.
+
+    Attributes:
+        cluster: the launched world's cluster (resolved from the option, or discovered).
+        names: the device name of each launched rank, in rank order.
+        profile: the blocks' profile rank 0 plans from: the discovered fastest device type's,
+            else this rank's own; None when a plan is given (nothing is profiled).
+        failure: this rank's profiling error in a world without a process group (rank 0
+            sends it to the others as its plan's error; another rank profiled only as load,
+            and warns when rank 0 planned fine). With a process group a failure stops every
+            rank at once instead.
+    """
+
+    cluster: Cluster
+    names: list[str] = field(default_factory=list)
+    profile: Profile | None = None
+    failure: BaseException | None = None
+
+
+def is_distributed(world_size: int) -> bool:
+    """Whether this run has a process group to run collectives on (more than one rank)."""
+    return dist.is_available() and dist.is_initialized() and world_size > 1
+
+
+def measure(
+    blocks: Any,
+    example: Any,
+    options: AutoPipeOptions,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    example_batch: Any = None,
+    num_nodes: int = 1,
+    run_dir: str | Path | None = None,
+) -> Measurement:
+    """The cluster and (without a given plan) the profile of ``blocks``; collective.
+
+    Without a cluster file the cluster is discovered from the ranks
+    (:func:`~lightning_autopipe.runtime.discover.discover`: hosts, devices, each rank's own
+    profile, measured links) and, when ``run_dir`` is given, written there as ``cluster.yaml``
+    with a profile per device type. With a cluster file every rank's profile is gathered and
+    rank 0 warns where the file contradicts what the ranks measured. Without
+    ``torch.distributed`` (a single process) the launched world is ``Cluster.local``.
+
+    ``example_batch``, when given, is the batch the ``example`` inputs came from: the last
+    block is then profiled with ``loss_fn`` on it, as the last stage runs in training. With
+    ``options.compile`` each rank's profile is corrected to the compiled speed.
+    """
+    planning = options.plan is None  # else the given plan is used as it is
+    distributed = is_distributed(world_size)
+    discovering = planning and options.cluster is None and distributed
+    cluster = None
+    if not discovering:  # every rank, before any other collective
+        cluster = resolve_cluster(
+            options.cluster,
+            world_size,
+            device,
+            exact=options.exact_cluster,
+            calibrate=planning,
+            num_nodes=num_nodes,
+        )
+    names = _launched_names(cluster, options, world_size) if cluster is not None else []
+    mine = failure = None
+    if planning:
+        try:
+            mine = profile_for(options.compile_backend, _profile(
+                blocks, example, example_batch, loss_fn, device, options.profile_repeats),
+                blocks, example, device)
+        except Exception as exc:
+            if distributed:
+                _stop_everywhere(exc, rank)
+            failure = exc
+        if distributed:
+            _stop_everywhere(None, rank)  # no rank failed: go on together
+    profile = mine
+    if discovering:
+        cluster, profile, _ = discover(mine, device)
+        names = [d.name for d in cluster.devices]
+        if rank == 0 and run_dir is not None:
+            where = write_cluster(cluster, run_dir, profile)
+            log.rank_zero_info(
+                f"discovered cluster written to {where} (reuse it as cluster=<that file>)")
+    elif planning and distributed:
+        reports = gather_reports(mine, device)
+        if rank == 0:
+            for line in compare_with_declared(cluster, reports):
+                warnings.warn(f"cluster {cluster.name!r} contradicts the measurement: {line}",
+                              stacklevel=3)
+    assert cluster is not None
+    return Measurement(cluster=cluster, names=names, profile=profile, failure=failure)
+
+
+def resolve_cluster(
+    cluster: Any,
+    world_size: int,
+    device: torch.device,
+    exact: bool = False,
+    calibrate: bool = True,
+    num_nodes: int = 1,
+) -> Any:
+    """A ``Cluster`` from an instance, a YAML path, or None (the launched world, homogeneous).
+
+    ``exact`` requires the cluster to describe exactly the launched devices (not more); with
+    ``num_nodes > 1`` launcher node ``i`` must be the file's server instance ``i``. For
+    None, with ``calibrate``, more than one process and ``torch.distributed`` initialized, the
+    link of ``Cluster.local`` and its all-reduce's reduction rate are measured
+    (:func:`~lightning_autopipe.runtime.calibrate.measure_link` and ``measure_reduce``,
+    collectives: every rank calls this before any other collective, in the same order) instead
+    of assumed, since the planner prices pipeline transfers and gradient all-reduces with them;
+    rank 0 reports the figures once. Otherwise the fixed defaults stay.
+    """
+    if cluster is None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        link = reduce = None
+        if calibrate and world_size > 1 and dist.is_available() and dist.is_initialized():
+            from lightning_autopipe.runtime.calibrate import measure_link, measure_reduce
+
+            link = measure_link(device=device)
+            # Across nodes the all-reduce would also time the network, which the one-server
+            # local cluster cannot describe: there the reduction stays free (a cluster file
+            # describes such a run properly).
+            if link is not None:
+                reduce = measure_reduce(link, device=device) if num_nodes == 1 else math.inf
+        if link is None or reduce is None:
+            return Cluster.local(world_size, device_name=name)
+        latency_us, gbps = link
+        if dist.get_rank() == 0:
+            log.rank_zero_info(
+                f"local cluster: {dist.get_backend()} link measured at {gbps:.2f} Gb/s, "
+                f"{latency_us:.1f} us per message; all-reduce reduces at "
+                + (f"{reduce:.2f} Gb/s" if math.isfinite(reduce) else "no extra cost")
+            )
+        return Cluster.local(
+            world_size, device_name=name, gbps=gbps, latency_us=latency_us, reduce_gbps=reduce
+        )
+    if isinstance(cluster, str | Path):
+        cluster = Cluster.load(cluster)
+    cluster.validate_world_size(world_size, exact=exact)
+    cluster.validate_nodes(num_nodes, world_size // max(num_nodes, 1))
+    if cluster.num_devices > world_size and (not dist.is_initialized() or dist.get_rank() == 0):
+        used = cluster.devices[:world_size]
+        log.rank_zero_info(
+            f"cluster {cluster.name!r} describes {cluster.num_devices} devices; this run of "
+            f"{world_size} processes is planned on the first {world_size} in file order "
+            f"({used[0].name} .. {used[-1].name})"
+        )
+    return cluster
+
+
+class _LossProfileError(Exception):
+    """``pipeline_loss`` failed on the example batch while profiling (not a user-facing error)."""
+
+
+def _profile(
+    blocks: Any,
+    example: Any,
+    example_batch: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    device: torch.device,
+    repeats: int,
+) -> Any:
+    """``profile_blocks`` with the training loss on the last block when a batch is known.
+
+    The loss's first ``n`` samples are ``slice_batch(example_batch, 0, n, size)`` with ``size``
+    the example's sample count, as the executor slices a batch for a micro-batch. Should
+    ``pipeline_loss`` fail here (e.g. it logs, which Lightning refuses before the loop runs),
+    the blocks are profiled without the loss, as before it was profiled, with a warning.
+    """
+    if example_batch is None:
+        return profiler.profile_blocks(blocks, example, device=str(device), repeats=repeats)
+    flat = blocks.flatten_inputs(example)
+    size = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
+    batch = apply_to_collection(example_batch, torch.Tensor, lambda t: t.to(device))
+
+    def loss(outputs: tuple[Any, ...], n: int) -> torch.Tensor:
+        try:
+            return loss_fn(blocks.unflatten_outputs(outputs), slice_batch(batch, 0, n, size))
+        except Exception as exc:
+            raise _LossProfileError(f"{type(exc).__name__}: {exc}") from exc
+
+    try:
+        return profiler.profile_blocks(
+            blocks, example, device=str(device), repeats=repeats, loss_fn=loss
+        )
+    except _LossProfileError as exc:
+        warnings.warn(
+            f"pipeline_loss failed on the example batch while profiling ({exc}); profiling "
+            "without the loss, so the plan underestimates the last stage",
+            stacklevel=3,
+        )
+    return profiler.profile_blocks(blocks, example, device=str(device), repeats=repeats)
+
+
+def _stop_everywhere(exc: BaseException | None, rank: int) -> None:
+    """Collective: when any rank's ``exc`` is set, every rank raises with that rank's error.
+
+    A rank that fails alone would leave the others waiting in the next collective; so every
+    rank says how its profiling went and all of them stop on the first failure (the failing
+    rank re-raises its own exception, the others a :class:`PipelineRuntimeError` naming it).
+    """
+    said = None if exc is None else f"{type(exc).__name__}: {exc}"
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, said)
+    failed = [(r, msg) for r, msg in enumerate(everyone) if msg is not None]
+    if not failed:
+        return
+    if exc is not None:
+        raise exc
+    first, msg = failed[0]
+    raise PipelineRuntimeError(
+        f"rank {first} failed while profiling the blocks for discovery and planning: {msg}"
+    )
+
+
+def _launched_names(cluster: Any, options: AutoPipeOptions, world_size: int) -> list[str]:
+    """Device names of the launched ranks: the cluster's, or for a given plan made on a
+    discovered cluster (host-named devices) run without a cluster file, the names discovery
+    gives these hosts (a collective then: every rank's host is gathered)."""
+    names = [d.name for d in cluster.devices[:world_size]]
+    plan = options.given_plan() if options.plan is not None else None
+    if options.cluster is not None or plan is None or set(plan.devices) <= set(names):
+        return names
+    if not (dist.is_available() and dist.is_initialized()):
+        return names
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host_name())
+    return device_names(hosts)

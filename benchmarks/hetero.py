@@ -63,6 +63,7 @@ from lightning_autopipe.planner.plan import Plan  # noqa: E402
 from lightning_autopipe.planner.search import search_plan  # noqa: E402
 from lightning_autopipe.planner.simulate import simulate  # noqa: E402
 from lightning_autopipe.runtime.pipeline import build_local_pipeline  # noqa: E402
+from lightning_autopipe.runtime.speeds import measured_cluster  # noqa: E402
 
 WORLD = 2
 CORRECTED = "diagnostic: speeds corrected from measured steps, 2 stages"
@@ -90,29 +91,25 @@ def _pipeline(plan: Plan | None, cluster: Any, rank: int, run_dir: Path | None, 
 
 
 def _corrected(cluster: Cluster, sim: Any, stats: list[dict]) -> Cluster:
-    """The discovered cluster with each device type's speed scaled by its rank's predicted /
-    measured compute in training steps of the discovered plan (the fastest type at 1).
+    """The discovered cluster with each device's speed scaled by its rank's predicted /
+    measured compute in training steps of the discovered plan
+    (:func:`~lightning_autopipe.runtime.speeds.measured_cluster`: a device type with its own
+    profile gets that profile scaled).
 
     A diagnostic, not what the strategy does: discovery times every rank while all of them
     profile flat out, but a rank sharing its core with a neighbour runs faster when the plan
     leaves it idle part of the step (presumably the scheduler crediting a task that slept), so
     the speed it trains at depends on the plan it was given.
     """
-    factor: dict[str, list[float]] = {}
+    ratios: dict[str, float] = {}
     for dev, st in zip(cluster.devices, stats):
         pred = sum(predicted_compute(sim, dev.name).values())
         meas = st["F"] + st["B"] + st["W"]
         print(f"correction: {dev.name} predicted compute {pred:.0f} ms, measured {meas:.0f} ms",
               flush=True)
-        factor.setdefault(dev.spec.name, []).append(dev.spec.speed * pred / meas)
-    speed = {name: statistics.mean(v) for name, v in factor.items()}
-    top = max(speed.values())
-    data = cluster.to_dict()
-    for server in data["servers"]:
-        for spec in [server["device"], *server.get("devices", {}).values()]:
-            if spec["name"] in speed:
-                spec["speed"] = round(speed[spec["name"]] / top, 4)
-    return Cluster.from_dict(data)
+        ratios[dev.name] = pred / meas
+    top = max(ratios.values())  # the fastest rank keeps its discovered speed
+    return measured_cluster(cluster, {name: r / top for name, r in ratios.items()})
 
 
 def _single(rank: int):

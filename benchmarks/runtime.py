@@ -46,6 +46,8 @@ from lightning_autopipe.planner.layout import BlockCosts  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from lightning_autopipe.planner.simulate import simulate  # noqa: E402
 from lightning_autopipe.profile import Profile, median_profile  # noqa: E402
+from lightning_autopipe.runtime import monitor  # noqa: E402
+from lightning_autopipe.runtime.monitor import StepMonitor  # noqa: E402
 from lightning_autopipe.runtime.profiler import profile_blocks  # noqa: E402
 from lightning_autopipe.zoo.models import TinyGPT  # noqa: E402
 
@@ -152,17 +154,20 @@ def _make_autopipe(rank: int, plan_json: str, compiled: bool = False) -> Any:
 
 
 def pipeline_step(pipe: Any, batch: Any, opt: Any) -> Any:
-    """A training step of ``pipe`` on ``batch`` with ``opt``; each call leaves where the step
-    went (:func:`step_breakdown`) on the function as ``stats``."""
+    """A training step of ``pipe`` on ``batch`` with ``opt``, measured by the runtime's step
+    monitor (:class:`~lightning_autopipe.runtime.monitor.StepMonitor`); each call leaves where
+    the step went (:func:`step_breakdown`'s keys) on the function as ``stats`` and the monitor
+    as ``monitor``."""
+    mon = StepMonitor.for_pipeline(pipe)
 
     def step() -> None:
-        t0 = time.perf_counter()
-        pipe.executor.train_step(batch)
-        t1 = time.perf_counter()
+        with mon.step():
+            pipe.executor.train_step(batch)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step.stats = step_breakdown(pipe.executor.timeline, t0, t1)  # type: ignore[attr-defined]
+        step.stats = mon.records[-1].measured.as_dict()  # type: ignore[attr-defined]
 
+    step.monitor = mon  # type: ignore[attr-defined]
     return step
 
 
@@ -187,21 +192,17 @@ def breakdown_table(runs: dict[str, tuple[list[dict], Any, list[str]]]) -> list[
 
 
 def predicted_compute(sim: Any, device: str) -> dict[str, float]:
-    """The simulator's compute ms on ``device`` in one step, per kind (F, B, W)."""
-    return {k: sum(e.end_ms - e.start_ms for e in sim.events if e.device == device and e.kind == k)
-            for k in ("F", "B", "W")}
+    """The simulator's compute ms on ``device`` in one step, per kind (F, B, W): the runtime
+    monitor's :func:`~lightning_autopipe.runtime.monitor.predicted_compute`."""
+    return monitor.predicted_compute(sim, device)
 
 
 def step_breakdown(timeline: list[Any], t0: float, t1: float) -> dict[str, float]:
     """Where one executor step went, ms: compute per kind (F, B, W), blocked in receives of
     activations (RF) and gradients (RB), sends (SF, SB), the tail after the last action
-    (waiting for sends, the loss broadcast, the gradient sync: ``sync``) and the whole step."""
-    sample = {k: 0.0 for k in ("F", "B", "W", "RF", "RB", "SF", "SB")}
-    for a, b, e in timeline:
-        sample[a.kind.value] += (e - b) * 1e3
-    sample["sync"] = (t1 - timeline[-1][2]) * 1e3 if timeline else 0.0
-    sample["step"] = (t1 - t0) * 1e3
-    return sample
+    (waiting for sends, the loss broadcast, the gradient sync: ``sync``) and the whole step;
+    the runtime monitor's :func:`~lightning_autopipe.runtime.monitor.breakdown`."""
+    return monitor.breakdown(timeline, t0, t1).as_dict()
 
 
 def _make_pipelining(rank: int, cut: int, schedule: str, m: int) -> Any:

@@ -20,12 +20,13 @@ from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.plan import Plan
 
-__all__ = ["AutoPipeOptions", "CHECKPOINT_FORMATS", "NONFINITE_LOSS", "SPLIT_BACKENDS",
+__all__ = ["AutoPipeOptions", "CHECKPOINT_FORMATS", "NONFINITE_LOSS", "REPLAN", "SPLIT_BACKENDS",
            "START_METHODS"]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CHECKPOINT_FORMATS = ("consolidated", "sharded")
 NONFINITE_LOSS = ("raise", "skip")
+REPLAN = ("auto", "off")
 SPLIT_BACKENDS = ("inductor", "aot_eager")
 """``torch.compile`` backends whose backward the runtime can split for zero-bubble schedules
 (:mod:`~lightning_autopipe.runtime.compiled_split`)."""
@@ -121,6 +122,24 @@ class AutoPipeOptions:
     ``SPLIT_BACKENDS`` allow; with another backend ``schedule="auto"`` plans 1F1B and
     ``"zb-h1"`` is refused."""
 
+    replan: str = "auto"
+    """``"auto"``: every rank's speed is measured from its training steps and the run may
+    switch to a plan made for the measured speeds when one is predicted faster by more than
+    ``replan_threshold``, the switch's cost counted; ``"off"``: the plan made at the start
+    stays (the speeds are still measured and logged)."""
+
+    replan_threshold: float = 0.1
+    """The gain a new plan must be predicted to bring, as a fraction of the measured step
+    (0.1: at least 10% faster per sample), after its switch cost spread over the remaining
+    steps."""
+
+    replan_window: int = 10
+    """Training steps each rank's measured speed is taken over (their median, so one slow step
+    does not trigger a switch)."""
+
+    replan_min_steps: int = 50
+    """Training steps at least between two switches (and before the first)."""
+
     def __post_init__(self) -> None:
         if self.start_method not in START_METHODS:
             raise OptionError(
@@ -164,7 +183,9 @@ class AutoPipeOptions:
                 f"with one of {SPLIT_BACKENDS}, use schedule='auto' (plans 1F1B for this "
                 "backend) or '1f1b', or compile=False"
             )
+        _check_replan(self)
         for name, value in (
+            ("replan_threshold", float(self.replan_threshold)),
             ("timeout", seconds),
             ("profile_repeats", int(self.profile_repeats)),
             ("bucket_mb", float(self.bucket_mb)),
@@ -238,6 +259,22 @@ class AutoPipeOptions:
     def bucket_bytes(self) -> int:
         """``bucket_mb`` in bytes."""
         return int(self.bucket_mb * 2**20)
+
+
+def _check_replan(o: AutoPipeOptions) -> None:
+    if o.replan not in REPLAN:
+        raise OptionError(f"replan must be one of {REPLAN}, not {o.replan!r}")
+    t = o.replan_threshold
+    if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < 1:
+        raise OptionError(
+            f"replan_threshold must be a fraction in [0, 1) of the measured step (0.1: a new "
+            f"plan must be predicted 10% faster), not {t!r}"
+        )
+    for name in ("replan_window", "replan_min_steps"):
+        value = getattr(o, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise OptionError(f"{name} must be a positive number of training steps, not "
+                             f"{value!r}")
 
 
 def _auto_or_positive(name: str, value: Any) -> int | None:

@@ -89,6 +89,11 @@ class BlockProfile:
         backward_fixed_ms: the part of ``backward_ms`` that does not scale with samples.
         backward_input_ms: the backward's input-gradient part, measured on its own (or None).
         backward_weight_ms: the backward's weight-gradient part, measured on its own (or None).
+        shared_input_bytes: the part of ``memory_bytes`` that is this block's inputs which the
+            previous block saves as well (a ReLU saves its output, the convolution after it
+            saves that as its input): one storage, counted in both blocks' ``memory_bytes``, so
+            a stage holding both counts it once (``sum(memory_bytes) - shared_input_bytes`` of
+            every block after its first).
     """
 
     name: str
@@ -101,6 +106,7 @@ class BlockProfile:
     backward_fixed_ms: float = 0.0
     backward_input_ms: float | None = None
     backward_weight_ms: float | None = None
+    shared_input_bytes: int = 0
 
     def __post_init__(self) -> None:
         if (self.backward_input_ms is None) != (self.backward_weight_ms is None):
@@ -182,7 +188,8 @@ class Profile:
                     param_bytes=int(b["param_bytes"]),
                     activation_bytes=int(b["activation_bytes"]),
                     memory_bytes=int(b["memory_bytes"]),
-                    **{k: float(b[k]) for k in _OPTIONAL if k in b},
+                    **{k: float(b[k]) for k in _OPTIONAL if k in b and k not in _INTS},
+                    **{k: int(b[k]) for k in _INTS if k in b},
                 )
             )
         return cls(
@@ -208,14 +215,17 @@ class Profile:
         return cls.from_json(Path(path).read_text())
 
 
-# JSON keys written only when non-zero (the fixed parts) or known (the backward's split)
-_OPTIONAL = ("forward_fixed_ms", "backward_fixed_ms", "backward_input_ms", "backward_weight_ms")
+# JSON keys written only when non-zero (the fixed parts, the shared bytes) or known (the
+# backward's split)
+_OPTIONAL = ("forward_fixed_ms", "backward_fixed_ms", "backward_input_ms", "backward_weight_ms",
+             "shared_input_bytes")
+_INTS = ("shared_input_bytes",)
 
 
 def _block_dict(b: BlockProfile) -> dict[str, Any]:
     d = asdict(b)
     for k in _OPTIONAL:
-        if d[k] is None or (not d[k] and k.endswith("fixed_ms")):
+        if d[k] is None or (not d[k] and (k.endswith("fixed_ms") or k in _INTS)):
             del d[k]
     return d
 

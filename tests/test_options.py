@@ -76,6 +76,11 @@ def test_an_unknown_option_is_named_with_the_close_one():
         ({"timeout": "soon"}, OptionError, r"timeout must be positive seconds, got 'soon'"),
         ({"checkpoint_format": "zip"}, OptionError, r"one of \('consolidated', 'sharded'\)"),
         ({"nonfinite_loss": "ignore"}, OptionError, r"one of \('raise', 'skip'\), not 'ignore'"),
+        ({"replan": "on"}, OptionError, r"replan must be one of \('auto', 'off'\), not 'on'"),
+        ({"replan_threshold": 1.5}, OptionError, r"replan_threshold must be a fraction .* 1.5"),
+        ({"replan_threshold": -0.1}, OptionError, r"replan_threshold .* not -0.1"),
+        ({"replan_window": 0}, OptionError, r"replan_window must be a positive .* not 0"),
+        ({"replan_min_steps": 2.5}, OptionError, r"replan_min_steps .* not 2.5"),
     ],
 )
 def test_bad_options_fail_at_construction_with_the_value_and_the_fix(options, error, match):

@@ -88,7 +88,7 @@ from typing_extensions import override
 
 from lightning_autopipe import checkpoint as ckpt
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
-from lightning_autopipe.lightning import summary
+from lightning_autopipe.lightning import summary, telemetry
 from lightning_autopipe.lightning.example import _example
 from lightning_autopipe.lightning.held_pipeline import HeldPipeline, destroy_released_groups
 from lightning_autopipe.lightning.precision import check_precision, install_loss_scaling
@@ -391,7 +391,7 @@ class AutoPipeStrategy(ParallelStrategy):
         for p in params:
             p.grad = None
         step = self.lightning_module.trainer.global_step if self.lightning_module else None
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), telemetry.training_step(self, step):
             loss = self._pipe.executor.train_step(batch, step=step)
         self._grads = [p.grad for p in params]
         for p in params:

@@ -180,7 +180,13 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
                 forward_ms=sum(b.forward_ms for b in bl),
                 backward_ms=sum(b.backward_ms for b in bl),
                 param_bytes=sum(b.param_bytes for b in bl),
-                memory_bytes=sum(b.memory_bytes for b in bl),
+                # a storage two blocks save counted once; the first stage's saved inputs are
+                # slices of the replica's batch, held once (m micro-batches' worth)
+                memory_bytes=sum(b.memory_bytes for b in bl)
+                - sum(b.shared_input_bytes for b in bl[1:])
+                - (bl[0].shared_input_bytes if st.blocks[0] == 0 else 0),
+                once_bytes=bl[0].shared_input_bytes * plan.num_microbatches
+                if st.blocks[0] == 0 else 0.0,
                 activation_bytes=bl[-1].activation_bytes,
                 forward_fixed_ms=sum(b.forward_fixed_ms for b in bl),
                 backward_fixed_ms=sum(b.backward_fixed_ms for b in bl),
@@ -193,7 +199,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
             inputs = profile.blocks[i - 1].activation_bytes if i > 0 else 0
             back, held, once = recomputed(c.forward_ms, c.backward_ms, c.memory_bytes, inputs)
             out[s] = replace(
-                c, backward_ms=back, memory_bytes=held, once_bytes=once,
+                c, backward_ms=back, memory_bytes=held, once_bytes=once + c.once_bytes,
                 backward_fixed_ms=recomputed(c.forward_fixed_ms, c.backward_fixed_ms, 0, 0)[0],
             )
     return out

@@ -13,9 +13,12 @@ only after its first step):
   plus the peak of the activations autograd saved for backward. Those are counted with
   saved-tensor hooks around every forward (stage and loss): a saved storage counts from the
   moment it is saved until the autograd graph lets it go, which is what the profiler's
-  ``memory_bytes`` measures per block, so prediction and measurement count alike. Not seen:
-  temporaries freed within an op, the messages in transit, and the activations a recomputing
-  stage re-creates during one backward (its saved inputs are counted).
+  ``memory_bytes`` measures per block, so prediction and measurement count alike. The hook
+  keeps a detached alias: a saved output kept with its ``grad_fn`` would make a reference
+  cycle through autograd that outlives a split backward's W. Not seen: temporaries freed
+  within an op, the messages in transit, the gradients a split backward's B keeps for its W,
+  and the activations a recomputing stage re-creates during one backward (its saved inputs are
+  counted).
 
 After the measured step every rank's reading is gathered (a collective inside the step, which
 every rank runs) and rank 0 logs one table; :attr:`MemoryMeter.readings` keeps it.
@@ -198,7 +201,7 @@ class MemoryMeter:
             self._peak = max(self._peak, self._current)
         else:
             entry[1] += 1
-        return _Saved(t, ptr, self)
+        return _Saved(t.detach(), ptr, self)  # no cycle through a saved output's grad_fn
 
     def _drop(self, ptr: int) -> None:
         entry = self._held.get(ptr)

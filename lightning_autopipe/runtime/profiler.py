@@ -85,14 +85,16 @@ def _run_backward(outputs: tuple[Any, ...], loss: Tensor | None) -> None:
 
 
 def _saved_bytes(
-    stage: Any, inputs: tuple[Any, ...], skip: set[int], loss_fn: LossFn | None, n: int
+    stage: Any, inputs: tuple[Any, ...], skip: set[int], loss_fn: LossFn | None, n: int,
+    storages: dict[int, int] | None = None,
 ) -> tuple[int, tuple, Tensor | None]:
     """Bytes of the distinct storages autograd saves for backward (parameters excluded).
 
     With a loss, what the loss saves (e.g. cross-entropy's log-probabilities and targets) is
     counted too: the last stage holds it from a micro-batch's forward until its backward.
+    ``storages`` (given) receives the saved storages, data pointer -> bytes.
     """
-    storages: dict[int, int] = {}
+    storages = {} if storages is None else storages
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -149,6 +151,7 @@ class _BlockRun:
     b_in: float | None = None  # the backward split into input and weight gradients
     b_w: float | None = None
     param_bytes: int = 0
+    shared: int = 0  # of ``memory``: inputs the previous block saves too
 
     def __post_init__(self) -> None:
         params = {id(p): p for p in self.stage.parameters()}
@@ -355,18 +358,29 @@ def _materialized(model: Any, stage: Any, dev: torch.device) -> Iterator[None]:
 
 def _measure_block(
     blocks: Any, b: int, stage: Any, values: tuple[Any, ...], dev: torch.device, batch: int,
-    loss_fn: LossFn | None,
-) -> tuple[_BlockRun, tuple[Any, ...]]:
-    """Block ``b``'s saved-activation memory on ``values``; its run and the next block's inputs
-    (detached: nothing of this block's autograd graph is kept)."""
+    loss_fn: LossFn | None, before: set[int] = frozenset(),
+) -> tuple[_BlockRun, tuple[Any, ...], set[int]]:
+    """Block ``b``'s saved-activation memory on ``values``; its run, the next block's inputs
+    (detached: nothing of this block's autograd graph is kept) and the storages of its outputs
+    it saved itself.
+
+    ``before``: the storages of ``values`` the previous block saved; what of them this block
+    saves again is its ``shared`` bytes (one storage that a stage holding both blocks holds
+    once). Only input storages are compared: they stay alive, so no pointer is reused.
+    """
     grads = [v.requires_grad for v in blocks.boundary(b)]
     skip = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     loss = loss_fn if b == len(blocks) - 1 else None
-    memory, outputs, scalar = _saved_bytes(stage, _prepare(values, grads), skip, loss, batch)
+    saved: dict[int, int] = {}
+    memory, outputs, scalar = _saved_bytes(stage, _prepare(values, grads), skip, loss, batch,
+                                           saved)
+    shared = sum(nbytes for ptr, nbytes in saved.items() if ptr in before)
+    outs = {o.untyped_storage().data_ptr() for o in outputs if isinstance(o, torch.Tensor)}
     _run_backward(outputs, scalar)  # free the graph of the memory run
     out_bytes = sum(o.numel() * o.element_size() for o in outputs if isinstance(o, torch.Tensor))
     nxt = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
-    return _BlockRun(stage, grads, values, loss, int(memory), out_bytes), nxt
+    run = _BlockRun(stage, grads, values, loss, int(memory), out_bytes, shared=int(shared))
+    return run, nxt, outs & set(saved)
 
 
 def profile_blocks(
@@ -437,10 +451,15 @@ def profile_blocks(
     deferred = _deferred(model)
     saved_grads = [(p, p.grad) for p in model.parameters()]
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    values: tuple[Any, ...] = tuple(t.to(dev) for t in flat)
+    # copies: a saved input counts its whole storage, and an example sliced from a larger
+    # batch would count the batch
+    values: tuple[Any, ...] = tuple(t.to(dev, copy=True) for t in flat)
     chain = (dev.type == "cpu" if in_chain is None else in_chain) and not deferred
     runs: list[_BlockRun] = []
     out: list[BlockProfile] = []
+    # storages of the values that the last block saved; for block 0, the model's inputs (a
+    # stage holds its slices of the batch once, whatever the units in flight)
+    kept: set[int] = {t.untyped_storage().data_ptr() for t in values if isinstance(t, Tensor)}
     try:
         for b in range(len(blocks)):
             stage = blocks.stage(b, b + 1)
@@ -448,7 +467,8 @@ def profile_blocks(
             if dev.type != "cpu" and not deferred:
                 stage = copy.deepcopy(stage).to(dev)
             with holding:
-                run, values = _measure_block(blocks, b, stage, values, dev, batch, loss_fn)
+                run, values, kept = _measure_block(blocks, b, stage, values, dev, batch,
+                                                   loss_fn, kept)
                 if not chain:  # one block on the device at a time: time it now, then let it go
                     _time_isolated(run, dev, warmup, repeats, batch, fit_fixed)
                     if split_backward:
@@ -473,6 +493,7 @@ def profile_blocks(
                     backward_fixed_ms=run.b_fix,
                     backward_input_ms=run.b_in,
                     backward_weight_ms=run.b_w,
+                    shared_input_bytes=run.shared,
                 )
             )
     finally:

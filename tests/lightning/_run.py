@@ -13,6 +13,9 @@ order and writes ``OUT_DIR/<case>.rank<r>.pt``. Cases:
   ``twice-replica1``: the mistake on replica 1's last stage only. Each records its error.
 * ``crafted``: ``fit(ckpt_path=OUT_DIR/crafted.ckpt)`` (a file whose unpickling would run code).
 * ``readme``: the README's contract example, run as written (``net`` and ``loader`` given).
+* ``telemetry``: a planned 2-stage ``fit`` with a ``CSVLogger``, rank 1's forwards each made
+  ``SLOW_FORWARD_S`` slower on purpose; records rank 0's ``metrics.csv`` and every rank's
+  step-telemetry summary (:mod:`lightning_autopipe.lightning.telemetry`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from lightning_autopipe.graph import split_model  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from tests.lightning import _module as M  # noqa: E402
 
+SLOW_FORWARD_S = 0.02  # the telemetry case's known slowdown of each forward on rank 1
+TELEMETRY_STEPS, TELEMETRY_EVERY = 8, 4
 TIMEOUT = 120  # the strategy's: a rank left waiting for a peer stops only after this long
 NO_HANG_S = 30  # an error raised on every rank comes within this of the training start
 
@@ -51,6 +56,41 @@ def fixed_plan(world: int) -> Plan:
     stages = [StagePlan((0, n // 2), [f"local:{r}" for r in range(replicas)]),
               StagePlan((n // 2, n), [f"local:{replicas + r}" for r in range(replicas)])]
     return Plan("fixed", M.REPLICA_BATCH * replicas, M.MICROBATCHES, M.STARTUP_SLICES, stages)
+
+
+class _SlowRank1(pl.Callback):
+    """Makes every forward of rank 1's stage ``SLOW_FORWARD_S`` slower (a known slowdown)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 1:
+            trainer.strategy.pipeline.executor.stage.register_forward_hook(
+                lambda *_: time.sleep(SLOW_FORWARD_S))
+
+
+def telemetry_run(world: int, root: Path) -> dict:
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_autopipe.cluster import Cluster
+    from lightning_autopipe.lightning.telemetry import monitor_of
+
+    strategy = lightning_autopipe.AutoPipeStrategy(
+        num_stages=2, schedule="1f1b", cluster=Cluster.local(world), timeout=TIMEOUT)
+    logger = CSVLogger(str(root), name="csv")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world,
+                         max_steps=TELEMETRY_STEPS, log_every_n_steps=TELEMETRY_EVERY,
+                         limit_val_batches=0, enable_progress_bar=False, enable_checkpointing=False,
+                         num_sanity_val_steps=0, logger=logger, callbacks=[_SlowRank1()],
+                         default_root_dir=str(root))
+    dl = M.loaders(world // 2, explicit_sampler=False)
+    train = torch.utils.data.DataLoader(M.dataset(M.REPLICA_BATCH * TELEMETRY_STEPS, seed=1),
+                                        batch_size=M.REPLICA_BATCH)
+    trainer.fit(M.Classifier(), train, dl["val"])
+    out = {"summary": dict(vars(monitor_of(strategy).summary())),
+           "plan": strategy.plan.to_json()}
+    csv = Path(logger.log_dir) / "metrics.csv"
+    if trainer.global_rank == 0:
+        out["csv"] = csv.read_text()
+    return out
 
 
 class _Clock(pl.Callback):
@@ -104,6 +144,8 @@ def run_case(case: str, world: int, out: Path) -> dict:
                                                                **kw),
                                          replicas=world // 2, explicit_sampler=False,
                                          ckpt_dir=out / f"ckpt-{case}"))
+        elif case == "telemetry":
+            record.update(telemetry_run(world, root))
         elif case == "readme":
             ns = readme_inputs()
             exec(compile(readme_example(), "README.md", "exec"), ns)

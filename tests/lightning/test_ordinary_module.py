@@ -18,11 +18,18 @@ from lightning_autopipe.checkpoint import read_model_state
 from lightning_autopipe.errors import UnsafeCheckpointError
 from lightning_autopipe.planner.plan import Plan
 from tests.lightning import _module as M
-from tests.lightning._run import NO_HANG_S, crafted_checkpoint, readme_inputs
+from tests.lightning._run import (
+    NO_HANG_S,
+    SLOW_FORWARD_S,
+    TELEMETRY_EVERY,
+    TELEMETRY_STEPS,
+    crafted_checkpoint,
+    readme_inputs,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "lightning" / "_run.py"
-CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "crafted", "readme"],
+CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "crafted", "readme", "telemetry"],
          4: ["ordinary", "twice-replica1"]}
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -238,3 +245,41 @@ def test_readme_contract_example_runs_on_two_ranks_and_learns(runs2):
                               for x, y in inputs["loader"]]).mean()
     after = ranks[0]["metrics"]["val_loss"]
     assert after < 0.8 * float(before), (after, float(before))
+
+
+# ------------------------------------------------------------------------------ telemetry
+def test_step_telemetry_reaches_the_csv_logger_and_finds_the_slowed_rank(runs2):
+    """Rank 1's forwards were made ``SLOW_FORWARD_S`` slower on purpose: its measured speed
+    must be what that slowdown gives when rank 1 otherwise runs as fast (relative to its
+    prediction) as rank 0 does, and rank 0's CSV must hold every rank's gathered figures."""
+    import csv
+    import io
+
+    ranks = runs2.ranks["telemetry"]
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+    rows = [r for r in csv.DictReader(io.StringIO(ranks[0]["csv"])) if r["autopipe/step_ms"]]
+    assert [int(r["step"]) for r in rows] == [
+        n - 1 for n in range(TELEMETRY_EVERY, TELEMETRY_STEPS + 1, TELEMETRY_EVERY)]
+    keys = {"autopipe/step_ms", "autopipe/step_ms_predicted", "autopipe/bubble"} | {
+        f"autopipe/{k}/rank{r}" for k in ("speed", "peak_mem_mb") for r in (0, 1)}
+    assert keys <= set(rows[-1])
+    last = {k: float(v) for k, v in rows[-1].items() if v}
+    s0, s1 = (rec["summary"] for rec in sorted(ranks, key=lambda r: r["rank"]))
+    for r, summ in enumerate((s0, s1)):  # what rank 0 logged is what each rank measured
+        assert last[f"autopipe/speed/rank{r}"] == pytest.approx(summ["speed"], rel=1e-9)
+        assert last[f"autopipe/peak_mem_mb/rank{r}"] == pytest.approx(
+            summ["peak_memory_bytes"] / 2**20)
+        assert summ["peak_memory_bytes"] > 0
+    assert last["autopipe/step_ms"] == pytest.approx(max(s0["step_ms"], s1["step_ms"]))
+    assert last["autopipe/step_ms_predicted"] == pytest.approx(s0["predicted_step_ms"])
+    plan = Plan.from_json(ranks[0]["plan"])
+    m, k, j = plan.num_microbatches, plan.startup_slices, plan.drain_slices
+    forwards = m + (k - 1) + ((j - 1) if m > 1 else 0)
+    slow_ms = forwards * SLOW_FORWARD_S * 1e3
+    assert s1["forward_ms"] >= slow_ms
+    fast_ratio = s0["speed"] / s0["speed_planned"]
+    base = s1["predicted_compute_ms"] / fast_ratio  # rank 1 at rank 0's pace
+    want = s1["predicted_compute_ms"] / (base + slow_ms)
+    assert s1["speed"] / s1["speed_planned"] == pytest.approx(want, rel=0.25)
+    assert s1["speed"] < 0.5 * s0["speed"]

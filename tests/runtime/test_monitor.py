@@ -1,0 +1,258 @@
+"""Step telemetry, speeds from training and the re-plan decision, on synthetic timelines.
+
+Timelines are built from the simulator's own compute events for each rank (so a rank running
+at its planned speed measures exactly the predicted compute), with a rank's compute stretched
+on purpose to make it slower by a known factor and one step stretched far more (the window's
+median must not move). The reference for a measured cluster is the same cluster declared by
+hand with the slowed device's speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.planner.schedule import Action, Kind
+from lightning_autopipe.planner.search import search_plan
+from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.profile import BlockProfile, Profile
+from lightning_autopipe.runtime.monitor import (
+    RankSummary,
+    StepRecord,
+    breakdown,
+    predict_rank,
+    predicted_compute,
+    summarise,
+)
+from lightning_autopipe.runtime.speeds import (
+    decide_replan,
+    measured_cluster,
+    measured_speeds,
+    same_layout,
+)
+
+BATCH = 16
+
+
+def _profile(n: int = 8) -> Profile:
+    return Profile("toy", 2, "test",
+                   [BlockProfile(f"b{i}", 2.0, 4.0, 1000, 1000, 1000) for i in range(n)])
+
+
+def _cluster(slow: float = 1.0) -> Cluster:
+    """Two local devices; ``local:1`` at ``slow`` (declared by hand: the reference)."""
+    data = Cluster.local(2, gbps=100.0, latency_us=1.0).to_dict()
+    if slow != 1.0:
+        spec = dict(data["servers"][0]["device"], name="cpu-slow", speed=slow)
+        data["servers"][0]["devices"] = {1: spec}
+    return Cluster.from_dict(data)
+
+
+def _plan(cluster: Cluster, **pins):
+    names = [d.name for d in cluster.devices]
+    return search_plan(_profile(), cluster, names, BATCH, num_stages=2, **pins)
+
+
+def _timeline(sim, device: str, stretch: float, wait_ms: float = 1.0):
+    """The device's compute events as executor actions laid end to end (``stretch`` x their
+    predicted length), each after a ``wait_ms`` receive, in seconds."""
+    t, out = 100.0, []
+    events = sorted((e for e in sim.events if e.device == device and e.kind in "FBW"),
+                    key=lambda e: e.start_ms)
+    for e in events:
+        recv = Action(e.stage, Kind.RECV_F, 0)
+        out.append((recv, t, t + wait_ms / 1e3))
+        t += wait_ms / 1e3
+        dur = (e.end_ms - e.start_ms) * stretch / 1e3
+        out.append((Action(e.stage, Kind(e.kind), *e.unit), t, t + dur))
+        t += dur
+    return out, t
+
+
+def _summaries(plan, cluster, stretch: dict[int, float], steps: int = 9, outlier: int = 4,
+               step_ms: float | None = None) -> list[RankSummary]:
+    """Every rank's window of ``steps`` synthetic steps; step ``outlier`` runs 10x slower."""
+    profile = _profile()
+    sim = simulate(plan, profile, cluster)
+    out = []
+    for rank, (s, stage) in enumerate((s, st) for s, st in enumerate(plan.stages)
+                                      for _ in st.devices):
+        device = stage.devices[0]
+        pred = predict_rank(plan, profile, cluster, device, sim)
+        records = []
+        for i in range(steps):
+            k = stretch.get(rank, 1.0) * (10.0 if i == outlier else 1.0)
+            tl, end = _timeline(sim, device, k)
+            t1 = end + 0.002
+            ms = step_ms if step_ms is not None else None
+            records.append(StepRecord(i, breakdown(tl, 99.0, t1, ms), 1 << 20))
+        out.append(summarise(records, pred, rank, s))
+    return out
+
+
+# ------------------------------------------------------------------------------ breakdown
+def test_breakdown_sums_each_kind_and_the_tail():
+    tl = [(Action(0, Kind.RECV_F, 0), 0.0, 0.001), (Action(0, Kind.FORWARD, 0), 0.001, 0.004),
+          (Action(0, Kind.SEND_F, 0), 0.004, 0.0045), (Action(0, Kind.RECV_B, 0), 0.0045, 0.006),
+          (Action(0, Kind.BACKWARD, 0), 0.006, 0.012), (Action(0, Kind.WEIGHT, 0), 0.012, 0.014),
+          (Action(0, Kind.SEND_B, 0), 0.014, 0.015)]
+    b = breakdown(tl, -0.001, 0.020)
+    got = b.as_dict()
+    want = {"F": 3.0, "B": 6.0, "W": 2.0, "RF": 1.0, "RB": 1.5, "SF": 0.5, "SB": 1.0,
+            "sync": 5.0, "step": 21.0}
+    assert got == pytest.approx(want)
+    assert b.compute_ms == pytest.approx(11.0)
+    assert breakdown(tl, 0.0, 0.02, step_ms=7.5).step_ms == 7.5  # a CUDA-event step time
+
+
+def test_predicted_compute_is_the_simulators_busy_time_per_device():
+    cluster = _cluster()
+    plan = _plan(cluster)
+    sim = simulate(plan, _profile(), cluster)
+    for d in cluster.devices:
+        comp = predicted_compute(sim, d.name)
+        assert sum(comp.values()) == pytest.approx(sim.busy_ms[d.name])
+
+
+# --------------------------------------------------------------------------------- speeds
+@pytest.mark.parametrize("slow", [0.5, 0.8])
+def test_the_speed_estimate_recovers_a_known_slowdown_despite_one_slow_step(slow):
+    cluster = _cluster()
+    plan = _plan(cluster)
+    summ = _summaries(plan, cluster, {1: 1 / slow})
+    assert summ[0].speed_ratio == pytest.approx(1.0, rel=1e-9)
+    assert summ[1].speed_ratio == pytest.approx(slow, rel=1e-9)
+    assert summ[1].speed == pytest.approx(slow * summ[1].speed_planned)
+    # the slow step is in the window but not in the medians
+    assert summ[1].compute_ms == pytest.approx(summ[1].predicted_compute_ms / slow)
+    assert measured_speeds(summ, plan) == pytest.approx({"local:0": 1.0, "local:1": slow})
+
+
+def test_summaries_round_trip_through_the_gathered_tensor():
+    cluster = _cluster()
+    plan = _plan(cluster)
+    for s in _summaries(plan, cluster, {1: 2.0}, steps=3):
+        assert RankSummary.from_tensor(s.to_tensor()) == s
+
+
+def test_a_measured_cluster_prices_like_the_cluster_declared_with_those_speeds():
+    fast = _cluster()
+    plan = _plan(fast)
+    measured = measured_cluster(fast, {"local:0": 1.02, "local:1": 0.5})
+    declared = _cluster(slow=0.5)
+    assert [d.name for d in measured.devices] == [d.name for d in declared.devices]
+    assert measured.device("local:0").spec == fast.device("local:0").spec  # within 5%: kept
+    assert measured.device("local:1").spec.speed == pytest.approx(0.5)
+    for p in (plan, _plan(declared)):
+        a = simulate(p, _profile(), measured).iteration_ms
+        b = simulate(p, _profile(), declared).iteration_ms
+        assert a == pytest.approx(b, rel=1e-9)
+
+
+def test_a_measured_type_with_its_own_profile_gets_the_profile_scaled():
+    data = _cluster().to_dict()
+    own = Profile("toy", 2, "own", [BlockProfile(f"b{i}", 3.0, 6.0, 1000, 1000, 1000)
+                                    for i in range(8)])
+    cluster = Cluster.from_dict(data)
+    spec = cluster.servers[0].device
+    from dataclasses import replace
+
+    server = replace(cluster.servers[0], device=replace(spec, profile=own))
+    cluster = Cluster(cluster.name, cluster.network_gbps, cluster.network_latency_us, [server])
+    measured = measured_cluster(cluster, {"local:1": 0.5})
+    slowed = measured.device("local:1").spec.profile
+    assert slowed.blocks[0].forward_ms == pytest.approx(6.0)
+    assert measured.device("local:0").spec.profile.blocks[0].forward_ms == 3.0
+
+
+# ------------------------------------------------------------------------------- decision
+class _Planner:
+    """Plans for the measured cluster as the run would (2 stages) and counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, cluster: Cluster):
+        self.calls += 1
+        return _plan(cluster)
+
+
+def _slowed_run(slow: float = 0.4):
+    """The plan for alike ranks, rank 1 then slowed by ``slow``: every rank's window, its
+    step as the slowed cluster's simulation of the running plan, and the gain a plan for the
+    slowed cluster is predicted to bring."""
+    fast = _cluster()
+    plan = _plan(fast)
+    slowed = _cluster(slow)
+    step = simulate(plan, _profile(), slowed).iteration_ms
+    summ = _summaries(plan, fast, {1: 1 / slow}, steps=10, step_ms=step)
+    best = _plan(slowed)
+    assert not same_layout(best, plan)
+    gain = 1.0 - best.iteration_ms / step
+    return fast, plan, summ, gain
+
+
+def _decide(summ, plan, cluster, planner, cost_ms=0.0, remaining=1000, since=100, **opts):
+    options = AutoPipeOptions(replan_window=10, replan_min_steps=20, **opts)
+    return decide_replan(summ, plan, cluster, planner, options=options, switch_cost_ms=cost_ms,
+                         remaining_steps=remaining, steps_since_switch=since)
+
+
+def test_replan_off_never_switches_nor_plans():
+    cluster, plan, summ, gain = _slowed_run()
+    planner = _Planner()
+    got = _decide(summ, plan, cluster, planner, replan="off", replan_threshold=0.0)
+    assert (got.switch, planner.calls) == (False, 0)
+    assert "off" in got.reason
+
+
+def test_a_slowdown_that_another_plan_beats_by_more_than_threshold_and_cost_switches():
+    cluster, plan, summ, gain = _slowed_run()
+    assert gain > 0.15  # the slowed rank leaves much on the table
+    planner = _Planner()
+    step = summ[0].step_ms
+    cost = 0.5 * (gain - 0.05) * step * 100  # half the margin, over 100 remaining steps
+    got = _decide(summ, plan, cluster, planner, cost_ms=cost, remaining=100,
+                  replan_threshold=0.05)
+    assert got.switch, got.reason
+    assert planner.calls == 1
+    assert got.candidate is not None
+    assert not same_layout(got.candidate, plan)
+    assert got.speeds == pytest.approx({"local:0": 1.0, "local:1": 0.4})
+    assert got.candidate_step_ms == pytest.approx(step * (1 - gain))
+
+
+def test_below_threshold_or_unpaid_switch_cost_does_not_switch():
+    cluster, plan, summ, gain = _slowed_run()
+    step = summ[0].step_ms
+    above = _decide(summ, plan, cluster, _Planner(), replan_threshold=gain + 0.02)
+    assert not above.switch
+    assert "not more than" in above.reason
+    just = _decide(summ, plan, cluster, _Planner(), replan_threshold=gain - 0.02)
+    assert just.switch  # the same figures switch with a threshold just below the gain
+    cost = (gain - 0.02) * step * 10 * 1.5  # more than 10 steps' gain above the threshold
+    unpaid = _decide(summ, plan, cluster, _Planner(), cost_ms=cost, remaining=10,
+                     replan_threshold=0.02)
+    assert not unpaid.switch
+    paid = _decide(summ, plan, cluster, _Planner(), cost_ms=cost, remaining=1000,
+                   replan_threshold=0.02)
+    assert paid.switch  # the same cost spread over more steps pays
+
+
+def test_too_few_steps_or_a_short_window_or_no_gain_does_not_switch():
+    cluster, plan, summ, _ = _slowed_run()
+    planner = _Planner()
+    early = _decide(summ, plan, cluster, planner, since=5, replan_threshold=0.0)
+    assert not early.switch
+    assert "replan_min_steps=20" in early.reason
+    short = [RankSummary(**{**s.__dict__, "steps": 4}) for s in summ]
+    assert not _decide(short, plan, cluster, planner, replan_threshold=0.0).switch
+    assert planner.calls == 0
+    even = _summaries(plan, cluster, {}, steps=10)  # nobody slowed: the same plan comes back
+    same = _decide(even, plan, cluster, planner, replan_threshold=0.0)
+    assert not same.switch
+    assert "running one" in same.reason
+    assert math.isfinite(same.candidate_step_ms)

@@ -167,6 +167,22 @@ def _loggers(run_dir: Path) -> list[Any]:
     return loggers
 
 
+def _progress_bars(trainer_cfg: Any) -> list[Any]:
+    """Lightning's bar without ``v_num``: the loggers' version is the folder name ``csv``,
+    which reads as a metric in the bar."""
+    if not trainer_cfg.get("enable_progress_bar", True):
+        return []
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    class _Bar(TQDMProgressBar):
+        def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
+            items = super().get_metrics(trainer, pl_module)
+            items.pop("v_num", None)
+            return items
+
+    return [_Bar()]
+
+
 def loss_summary(metrics_csv: Path, key: str = "train_loss") -> tuple[list[int], list[float]]:
     """Steps and values of ``key`` logged in a CSVLogger ``metrics.csv``."""
     steps, values = [], []
@@ -227,7 +243,7 @@ def train(cfg: Any) -> int:
         **cfg.trainer,
         strategy=strategy,
         logger=_loggers(run_dir),
-        callbacks=[report],
+        callbacks=[report, *_progress_bars(cfg.trainer)],
         default_root_dir=str(run_dir),
     )
     trainer.fit(task, datamodule=datamodule)

@@ -77,7 +77,7 @@ def show_plan(
     )
     if source:
         print(f"profile: {source}")
-    text = plan_table(plan, profile)
+    text = plan_table(plan, profile, cluster)
     if table:
         print(text)
     if "balance" not in text:  # the planner's table already has the summary

@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.precision import (
 from lightning_autopipe import AutoPipeStrategy
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.lightning.precision import check_precision, install_loss_scaling
-from lightning_autopipe.lightning.strategy import _check_trainer
+from lightning_autopipe.lightning.prelaunch import check_trainer
 from lightning_autopipe.runtime.scaler import PipelineGradScaler
 
 SUPPORTED = r"use one of \['32-true', 'bf16-mixed', '16-mixed'\]"
@@ -52,7 +52,7 @@ def test_the_trainer_setup_check_refuses_them(precision):
         trainer = pl.Trainer(strategy=AutoPipeStrategy(), accelerator="cpu", devices=1,
                              precision=precision, logger=False, enable_progress_bar=False)
     with pytest.raises(PlanError, match=rf"'{precision}' is not supported .*{SUPPORTED}"):
-        _check_trainer(trainer, trainer.strategy.precision_plugin)
+        check_trainer(trainer, trainer.strategy.precision_plugin)
 
 
 def test_supported_precisions_pass_and_16_mixed_needs_the_amp_plugin():

@@ -105,16 +105,19 @@ def _reference(
     for t in range(len(idx[0]) // b if steps is None else steps):
         opt.zero_grad()
         parts = [tuple(d[i[t * b : (t + 1) * b]] for d in data) for i in idx]
-        if bn:  # statistics per unit, each replica with its own running buffers
+        if bn:  # normalised per unit; running statistics once per step over replica 0's
+            # whole batch, then every replica holds replica 0's buffers (broadcast_buffers)
             total = 0.0
+            seen = _frozen_batch_norm(net)
             for r, part_r in enumerate(parts):
-                _load_buffers(net, buffers[r])
+                seen["record"] = r == 0
                 for lo, hi in C.unit_slices(b, m, k, j):
                     part = tuple(d[lo:hi] for d in part_r)
                     loss = C.loss_fn(net(*part[:-1]), part) * ((hi - lo) / b) / replicas
                     loss.backward()
                     total += loss.detach()
-                buffers[r] = {k_: v.clone() for k_, v in net.named_buffers()}
+            _commit_batch_norm(net, seen)
+            buffers = [{k_: v.clone() for k_, v in net.named_buffers()}] * replicas
             losses.append(total)
         else:
             whole = tuple(torch.cat(ds) for ds in zip(*parts))
@@ -145,6 +148,39 @@ def _reference(
         states.append({f"net.{k_}": v.detach().clone() for k_, v in net.state_dict().items()})
     losses_t = torch.stack(losses) if losses else torch.zeros(0)
     return losses_t, torch.stack(val).mean(), states
+
+
+def _frozen_batch_norm(net) -> dict:
+    """BatchNorm normalises each unit and leaves its running statistics alone; while
+    ``seen["record"]`` each layer's inputs are kept for :func:`_commit_batch_norm`."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    seen: dict = {"record": True, "handles": [], "inputs": {}}
+    for mod in net.modules():
+        if isinstance(mod, _BatchNorm):
+            mod.track_running_stats = False
+            seen["inputs"][mod] = []
+
+            def keep(mod, args, seen=seen):
+                if seen["record"]:
+                    seen["inputs"][mod].append(args[0].detach())
+
+            seen["handles"].append(mod.register_forward_pre_hook(keep))
+    return seen
+
+
+def _commit_batch_norm(net, seen: dict) -> None:
+    """torch's own running-statistics update, once, over the recorded whole batch."""
+    from torch.nn import functional as F
+
+    for h in seen["handles"]:
+        h.remove()
+    with torch.no_grad():
+        for mod, inputs in seen["inputs"].items():
+            mod.track_running_stats = True
+            mod.num_batches_tracked += 1
+            F.batch_norm(torch.cat(inputs), mod.running_mean, mod.running_var, training=True,
+                         momentum=mod.momentum, eps=mod.eps)
 
 
 def _load_buffers(net, bufs):

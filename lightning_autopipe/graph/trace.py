@@ -8,10 +8,13 @@ outputs, plus the recipes to flatten user inputs and rebuild model-shaped output
 from __future__ import annotations
 
 import inspect
+import io
+import logging
 import os
 import traceback
-from collections.abc import Callable
-from contextlib import nullcontext
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_autopipe.errors import InputError, TraceError
 
-__all__ = ["Inputs", "Traced", "has_meta", "normalize_inputs", "on_meta", "trace"]
+__all__ = ["TRACE_LOGS_ENV", "Inputs", "Traced", "has_meta", "normalize_inputs", "on_meta",
+           "trace"]
 
 Inputs = tuple[Any, ...] | dict[str, Any]
 TRACERS = ("auto", "fx", "export")
@@ -32,8 +36,42 @@ _REMEDIES = (
     "tracer='auto' already try torch.export after torch.fx; give the module an "
     "example_input_array, or split_model example_inputs), or (2) with split_model, pass a "
     "pre-traced torch.fx.GraphModule (e.g. torch.fx.symbolic_trace(model, concrete_args=...)) "
-    "instead of the model."
+    "instead of the model. The tracers' own logs were hidden while they were tried: set "
+    "AUTOPIPE_TRACE_LOGS=1 to see them (and the chained torch exception)."
 )
+TRACE_LOGS_ENV = "AUTOPIPE_TRACE_LOGS"
+"""Set to ``1`` to let torch.fx / torch.export print while they are tried (graph dumps,
+symbolic-shape warnings) and to chain their exception to the ``TraceError``."""
+
+
+def _show_tracer_logs() -> bool:
+    return os.environ.get(TRACE_LOGS_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+@contextmanager
+def _quiet_tracers() -> Iterator[None]:
+    """Hide what the tracers print while they are tried: a failing ``torch.export`` prints
+    its graph per attempt and logs symbolic-shape warnings (hundreds of lines for one Python
+    branch on a tensor), burying the one ``TraceError`` that names the construct and the fix.
+    """
+    if _show_tracer_logs():
+        yield
+        return
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def _cause(exc: BaseException) -> BaseException | None:
+    """The tracer's exception to chain to a ``TraceError``: only when its logs are asked for
+    (its traceback runs hundreds of lines through torch internals)."""
+    return exc if _show_tracer_logs() else None
 
 
 @dataclass
@@ -372,7 +410,8 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
     fx_error: BaseException | None = None
     if tracer in ("auto", "fx"):
         try:
-            return _trace_fx(model, inputs, sig)
+            with _quiet_tracers():
+                return _trace_fx(model, inputs, sig)
         except InputError:
             raise
         except Exception as exc:  # noqa: BLE001 - fx failing is the common case for HF models
@@ -381,16 +420,18 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
             raise TraceError(
                 f"torch.fx.symbolic_trace failed on {type(model).__name__}: {_short(fx_error)} "
                 f"at {_user_frame(fx_error)}. {_REMEDIES}"
-            ) from fx_error
+            ) from _cause(fx_error)
     try:
-        return _trace_export(model, inputs)
+        with _quiet_tracers():
+            return _trace_export(model, inputs)
     except (InputError, TraceError):
         raise
     except Exception as exc:  # noqa: BLE001 - converted into a TraceError naming both failures
-        _eager_check(model, inputs)
-        parts = [f"torch.export failed: {_short(exc)} at {_user_frame(exc)}"]
-        if fx_error is not None:
-            parts.insert(0, f"torch.fx failed: {_short(fx_error, 200)} at {_user_frame(fx_error)}")
-        raise TraceError(
-            f"cannot capture {type(model).__name__} as a graph. {'; '.join(parts)}. {_REMEDIES}"
-        ) from exc
+        export_error = exc
+    _eager_check(model, inputs)
+    parts = [f"torch.export failed: {_short(export_error)} at {_user_frame(export_error)}"]
+    if fx_error is not None:
+        parts.insert(0, f"torch.fx failed: {_short(fx_error, 200)} at {_user_frame(fx_error)}")
+    raise TraceError(
+        f"cannot capture {type(model).__name__} as a graph. {'; '.join(parts)}. {_REMEDIES}"
+    ) from _cause(export_error)

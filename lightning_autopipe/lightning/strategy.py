@@ -29,8 +29,14 @@ The LightningModule contract
   ``"best"`` too) reuse it. The model summary counts every stage's parameters.
 * The dataloader's batch size is the batch of one data-parallel replica (as with DDP, the
   global batch is ``batch_size x replicas``); every stage of a replica loads the same batches.
-* Batch norm normalises over each micro-batch slice (statistics per slice, as a single process
-  running those slices one after another would).
+* BatchNorm normalises each micro-batch slice by its own statistics in training; its running
+  statistics are tracked over each replica's whole batch, once per step, and the first
+  replica's buffers are broadcast to the others after every step (DDP's ``broadcast_buffers``;
+  :mod:`lightning_autopipe.runtime.batchnorm`, ``docs/batchnorm.md``). Under
+  ``Trainer(deterministic=True)`` the plan's counts left ``"auto"`` follow a noise-free rule
+  (:mod:`lightning_autopipe.lightning.reproducible`).
+* Configuration mistakes that need no rank are raised by the launcher before any process
+  starts (:mod:`lightning_autopipe.lightning.prelaunch`).
 * ``accumulate_grad_batches`` must be 1: micro-batching is the plan's ``num_microbatches``.
 * Gradient clipping by norm uses the norm over all stages (tied copies counted once).
 * Precision ``32-true``, ``bf16-mixed`` and ``16-mixed`` (fp16 loss scaling decided over every
@@ -75,10 +81,6 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.launchers import (
-    _MultiProcessingLauncher,
-    _SubprocessScriptLauncher,
-)
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -91,11 +93,21 @@ from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.lightning import summary, telemetry
 from lightning_autopipe.lightning.example import _example
 from lightning_autopipe.lightning.held_pipeline import HeldPipeline, destroy_released_groups
-from lightning_autopipe.lightning.precision import check_precision, install_loss_scaling
+from lightning_autopipe.lightning.precision import install_loss_scaling
+from lightning_autopipe.lightning.prelaunch import (
+    CheckedMultiProcessingLauncher,
+    CheckedScriptLauncher,
+    check_before_launch,
+    check_trainer,
+)
 from lightning_autopipe.lightning.replan import Replanner, SwitchRecord, write_plan
+from lightning_autopipe.lightning.report_once import install_excepthook, shown_by_rank_zero
+from lightning_autopipe.lightning.reproducible import BatchNormSteps, reproducible_options
+from lightning_autopipe.lightning.reproducible import note as reproducible_note
 from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.runtime.batchnorm import has_batch_norm
 from lightning_autopipe.runtime.checks import check_microbatches
 from lightning_autopipe.runtime.failure import describe, watch_launcher
 from lightning_autopipe.runtime.materialize import deferred_init, is_deferred
@@ -161,6 +173,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._initial_state: Any = None  # a checkpoint's weights for a meta-device module
         self._orders: tuple[list[str], list[str]] = ([], [])  # the whole model's names
         self._replanner = Replanner()
+        self._bn: BatchNormSteps | None = None  # BatchNorm's step work for the held pipeline
         # Filled by setup (the recipes' plan report reads them):
         self.plan: Plan | None = None
         self.profile: Any = None
@@ -248,11 +261,22 @@ class AutoPipeStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         start_method = self.options.start_method
         if start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = CheckedScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes,
+                check=self._check_before_launch,
             )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=start_method)
+            self._launcher = CheckedMultiProcessingLauncher(
+                self, start_method=start_method, check=self._check_before_launch
+            )
+
+    def _check_before_launch(self, trainer: Any) -> None:
+        """Judge the configuration in the launching process, once, before any rank starts
+        (:mod:`~lightning_autopipe.lightning.prelaunch`)."""
+        check_before_launch(
+            self.options, self.num_nodes * self.num_processes, self.num_nodes, trainer,
+            self.precision_plugin, self.lightning_module,
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -274,6 +298,8 @@ class AutoPipeStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._backend, timeout=self.options.timeout_delta
         )
+        if self.global_rank > 0:
+            install_excepthook()  # an error every rank raises alike: rank 0's traceback only
         if self.local_rank > 0:  # launched by rank 0 of this node: do not outlive its failure
             self._watch = watch_launcher(self.global_rank)
             if self._watch is not None:
@@ -285,7 +311,7 @@ class AutoPipeStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         fn = trainer.state.fn
-        _check_trainer(trainer, self.precision_plugin)
+        check_trainer(trainer, self.precision_plugin)
         module = self.lightning_module
         assert module is not None
         if not module.automatic_optimization:
@@ -294,7 +320,10 @@ class AutoPipeStrategy(ParallelStrategy):
                 "backward itself); remove `self.automatic_optimization = False`"
             )
         if not self._held.serves(module):
-            self._build(trainer, module)
+            batch_norm = has_batch_norm(module)  # before the split: any stage's
+            # an error every rank raises alike: one traceback (rank 0's), from here down
+            shown_by_rank_zero(self.global_rank, lambda: self._build(trainer, module))
+            self._note_batch_norm(batch_norm)
         else:  # the same module again (validate / test / predict / fit after fit)
             assert self._pipe is not None
             self._pipe.stage.to(self.root_device)  # teardown moved the module to the CPU
@@ -330,7 +359,8 @@ class AutoPipeStrategy(ParallelStrategy):
         self._held.check_splittable(module)
         runner = StepRunner(module)
         example, batch_size, example_batch = _example(trainer, module)
-        pins = self.options.pins
+        options = reproducible_options(self.options, batch_size)  # deterministic=True: fixed
+        pins = options.pins
         check_microbatches(
             batch_size,
             pins["num_microbatches"],
@@ -344,7 +374,7 @@ class AutoPipeStrategy(ParallelStrategy):
             module,
             example,
             batch_size,
-            self.options,
+            options,
             rank=self.global_rank,
             world_size=self.world_size,
             device=self.root_device,
@@ -410,8 +440,23 @@ class AutoPipeStrategy(ParallelStrategy):
             on_built=lambda new: self._adopt(new, module, runner),
         )
         destroy_released_groups()  # the old pipeline's, on every rank at once
+        if self._bn is not None:  # BatchNorm's step work, on the new stage
+            self._bn.close()
+            self._bn = BatchNormSteps(self._pipe, track=not self.options.compile)
         self._install_executor()
         self._check_optimizers()
+
+    def _note_batch_norm(self, batch_norm: bool) -> None:
+        """New pipeline: BatchNorm's step work for its stage, and the note, logged once."""
+        if self._bn is not None:
+            self._bn.close()
+            self._bn = None
+        if self._pipe is None:
+            return
+        self._bn = BatchNormSteps(self._pipe, track=not self.options.compile)
+        text = reproducible_note(self._pipe.plan, batch_norm)
+        if text is not None:
+            rank_zero_info(text)
 
     def _check_optimizers(self) -> None:
         assert self._pipe is not None
@@ -450,6 +495,8 @@ class AutoPipeStrategy(ParallelStrategy):
         step = self.lightning_module.trainer.global_step if self.lightning_module else None
         with self.precision_plugin.train_step_context(), telemetry.training_step(self, step):
             loss = self._pipe.executor.train_step(batch, step=step)
+        if self._bn is not None:  # whole-batch BatchNorm statistics; replica 0's buffers
+            self._bn.after_step()
         self._grads = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -699,17 +746,6 @@ def _step_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tupl
 
 def _batch_idx(rest: tuple[Any, ...], extra: dict[str, Any]) -> Any:
     return rest[0] if rest else extra.get("batch_idx")
-
-
-def _check_trainer(trainer: Any, precision_plugin: Any) -> None:
-    """What the Trainer asks for must be something the pipeline runs (checked at setup)."""
-    if trainer.accumulate_grad_batches != 1:
-        raise PlanError(
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
-            "AutoPipeStrategy; the pipeline already accumulates over micro-batches: raise "
-            "num_microbatches or the batch size instead"
-        )
-    check_precision(precision_plugin)
 
 
 def _run_dir(trainer: Any) -> Path:

@@ -9,8 +9,21 @@ from lightning_autopipe.profile import Profile
 __all__ = ["format_plan", "plan_table"]
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+def _bytes(n: float) -> str:
+    """Bytes in the unit that shows them (a 14 MB stage is ``13.4 MiB``, not ``0.0 GiB``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _ranks(indices: list[int]) -> str:
+    """``rank 0`` / ``ranks 0-3`` / ``ranks 0,2``: the launched ranks that hold a stage."""
+    if len(indices) == 1:
+        return f"rank {indices[0]}"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"ranks {indices[0]}-{indices[-1]}"
+    return "ranks " + ",".join(map(str, indices))
 
 
 def _short(names: list[str], width: int) -> str:
@@ -19,9 +32,22 @@ def _short(names: list[str], width: int) -> str:
 
 
 def _device_type(cluster: Cluster, devices: list[str]) -> str:
-    """The stage's slowest device type and its speed relative to the reference profile."""
+    """The stage's slowest device type and its speed, in words.
+
+    A discovered cluster's types are named after the host's processor and numbered classes
+    (``cpu AMD EPYC (slower 1)``), which say nothing to a user: its row names the ranks and
+    the measured speed relative to the fastest rank. A declared type keeps its name and its
+    declared speed relative to the reference profile.
+    """
+    order = {d.name: i for i, d in enumerate(cluster.devices)}
     spec = min((cluster.device(d).spec for d in devices), key=lambda x: x.speed)
-    return _short([f"{spec.name} x{spec.speed:.2f}"], 30)
+    if cluster.name == "discovered":
+        ranks = sorted(order[d] for d in devices if d in order)
+        return _short([f"{_ranks(ranks)}, measured {spec.speed:.2f}x the fastest"], _TYPE_W)
+    return _short([f"{spec.name}, {spec.speed:.2f}x the reference"], _TYPE_W)
+
+
+_TYPE_W = 40
 
 
 def format_plan(plan: Plan, profile: Profile, cluster: Cluster | None = None) -> str:
@@ -42,7 +68,7 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster | None = None) ->
     ]
     typed = cluster is not None and all(
         d in {x.name for x in cluster.devices} for d in plan.devices)
-    kind = f" {'device type x speed':<30}" if typed else ""
+    kind = f" {'device type (speed)':<{_TYPE_W}}" if typed else ""
     head = (f"{'stage':>5}  {'blocks':<11} {'first .. last block':<44} {'devices':<28}{kind} "
             f"{'stage ms':>9}  {'peak memory':>11}")
     lines += [head, "-" * len(head)]
@@ -53,10 +79,10 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster | None = None) ->
         if len(span) > 44:
             span = span[:41] + "..."
         peak = max((plan.peak_memory_bytes.get(d, 0) for d in st.devices), default=0)
-        dev = f" {_device_type(cluster, st.devices):<30}" if typed else ""
+        dev = f" {_device_type(cluster, st.devices):<{_TYPE_W}}" if typed else ""
         lines.append(
             f"{s:>5}  {f'[{i}, {j})':<11} {span:<44} {_short(st.devices, 28):<28}{dev} "
-            f"{st.stage_ms:>9.2f}  {_gib(peak):>11}"
+            f"{st.stage_ms:>9.2f}  {_bytes(peak):>11}"
         )
     lines.append("-" * len(head))
     lines.append(

@@ -21,8 +21,16 @@ only that one and draw only its numbers: its value depends on the seed, its name
 and the initialisers, never on which stage holds it or what else that stage holds. The same
 seed therefore gives the same weights under any pipeline layout (on one device type: CPU and
 CUDA generators differ). It does not reproduce the values an eager build draws from one
-global stream, and initialisation written inline in ``__init__`` (outside these hooks) is not
-replayed: a parameter no initialiser writes is an error naming it (or load a checkpoint).
+global stream.
+
+**Inline initialisation.** A parameter made inline in ``__init__``
+(``self.pos = nn.Parameter(torch.zeros(T, D))``, ``nn.Parameter(torch.randn(D) * 0.02)``) has
+no initialiser to run; :func:`deferred_init` records the tensor operations that built its
+data (:mod:`~lightning_autopipe.runtime.inline_init`, after torchdistx's ``deferred_init``)
+and the parameter's materialisation replays them, from the parameter's own seed, before its
+initialisers run (as construction ran before any ``apply(_init_weights)``): zeros stay zeros.
+A parameter neither recorded nor written by an initialiser is an error naming it (or load a
+checkpoint).
 
 **From a checkpoint.** With a ``source`` (a mapping of original names to tensors, e.g. a
 consolidated file loaded with ``mmap=True``, or a sharded directory's reader) the stage's
@@ -43,6 +51,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from lightning_autopipe.errors import PlanError
+from lightning_autopipe.runtime.inline_init import _RECIPE, FactoryRecorder, replay
 
 __all__ = [
     "Materializer",
@@ -78,9 +87,19 @@ def deferred_init() -> Iterator[None]:
             )
             self._parameters[name].__dict__.update(p.__dict__)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    recorder = FactoryRecorder()
+
+    def register_recorded(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        recipe = recorder.recipe_of(param) if param is not None else None
+        register(self, name, param)
+        p = self._parameters.get(name)
+        if recipe is not None and p is not None:
+            p.__dict__[_RECIPE] = recipe
+
+    nn.Module.register_parameter = register_recorded  # type: ignore[method-assign]
     try:
-        yield
+        with recorder:
+            yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
@@ -332,7 +351,9 @@ class Materializer:
         _swap(t, new)  # t is real (and unflagged), new holds the meta tensor
         try:
             with _seeded(parameter_seed(self.seed, name), t.device), torch.no_grad():
-                ran = self._run_initialisers(name)
+                recipe = new.__dict__.get(_RECIPE)  # inline construction, replayed first
+                ran = recipe is not None and replay(recipe, t)
+                ran = self._run_initialisers(name) or ran
                 if _untouched(t) and not self.strict and isinstance(t, nn.Parameter):
                     t.normal_(0.0, 0.02)
                     ran = True

@@ -286,10 +286,83 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.errors import ConfigCompositionException
 
     register_configs()
+    overrides = list(overrides or [])
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        try:
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
+        except ConfigCompositionException as exc:
+            hint = _typo_hint(str(exc), config_name, overrides, hydra_compose)
+            if hint is None:
+                raise
+            raise ConfigCompositionException(hint) from exc
+    for override in overrides:  # ``+strategy.x=...`` would reach AutoPipeStrategy(x=...)
+        key = override.split("=", 1)[0]
+        if key.startswith("+strategy.") and key.count(".") == 1:
+            name = key.split(".", 1)[1]
+            known = [f.name for f in fields(AutoPipeStrategyConfig)]
+            if _is_strategy_schema(cfg) and name not in known:
+                raise ConfigCompositionException(_unknown_key_message(
+                    "strategy", name, known, override.split("=", 1)[1] if "=" in override
+                    else None))
+    return cfg
+
+
+def _is_strategy_schema(cfg: Any) -> bool:
+    from omegaconf import OmegaConf
+
+    node = cfg.get("strategy") if isinstance(cfg, DictConfig) else None
+    return node is not None and OmegaConf.get_type(node) is AutoPipeStrategyConfig
+
+
+def _typo_hint(message: str, config_name: str, overrides: list[str], hydra_compose: Any
+               ) -> str | None:
+    """For Hydra's "Could not override 'a.b'": the keys of ``a`` closest to ``b``.
+
+    Hydra's own hint (append with ``+a.b=...``) is wrong for a typed node: the key is a typo,
+    and appending it fails later. The node's keys are read from the config composed without
+    the failing override.
+    """
+    import difflib
+    import re
+
+    found = re.search(r"Could not override '([^']+)'", message)
+    if found is None:
+        return None
+    key = found.group(1)
+    parent, _, name = key.rpartition(".")
+    rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+    try:
+        base = hydra_compose(config_name=config_name, overrides=rest)
+    except Exception:  # noqa: BLE001 - another override fails too: keep Hydra's message
+        return None
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(base, parent) if parent else base
+    if not isinstance(node, DictConfig):
+        return None
+    value = next((o.split("=", 1)[1] for o in overrides
+                  if o.split("=", 1)[0] == key and "=" in o), None)
+    known = [k for k in node if isinstance(k, str) and not k.startswith("_")]
+    typed = OmegaConf.get_type(node) not in (dict, None)  # a schema: no key may be appended
+    if not typed and not difflib.get_close_matches(name, known, n=1):
+        return None
+    return _unknown_key_message(parent, name, known, value)
+
+
+def _unknown_key_message(parent: str, name: str, known: list[str], value: str | None) -> str:
+    import difflib
+
+    known = [k for k in known if not k.startswith("_")]
+    close = difflib.get_close_matches(name, known, n=1)
+    where = f"{parent}." if parent else ""
+    fix = ""
+    if close:
+        fix = f"; did you mean {where}{close[0]}" + (f"={value}" if value is not None else "") + "?"
+    return (f"Could not override '{where}{name}': {where}{name} is not a key of "
+            f"{parent or 'the config'}{fix} (its keys: {', '.join(known)})")
 
 
 def build_cluster(cluster_cfg: Any, world_size: int | None = None) -> Any:

@@ -3,16 +3,16 @@
 The reference is the memory meter (:mod:`lightning_autopipe.runtime.memory`) on real gloo ranks
 in training step 2 (Adam state present): parameters, gradients, optimizer state and the peak of
 the saved activations, counted by storage. The prediction is the simulator's, from a profile
-taken here: :func:`~lightning_autopipe.planner.simulate.simulate` on the given plan. One launch
-of 2 ranks runs every case (GPT and a BatchNorm CNN, each under 1F1B, GPipe, ZB-H1 - its
-activations held from F to W - and 1F1B with recomputation), micro-batch 0 in 2 slices.
+taken here: :func:`~lightning_autopipe.planner.simulate.simulate` on the given plan. The
+shared 2-rank gloo world runs every case: GPT and a BatchNorm CNN, each under 1F1B, GPipe,
+ZB-H1 (its activations held from F to W) and 1F1B with recomputation, micro-batch 0 in 2
+slices.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.graph import split_model
@@ -52,8 +52,7 @@ def _stage_unit_bytes(profile, lo: int, hi: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    out = tmp_path_factory.mktemp("memory")
+def measured(gloo):
     cluster = Cluster.local(MW.WORLD)
     plans, cases = {}, {}
     for kind in ("gpt", "cnn_bn"):
@@ -68,8 +67,7 @@ def measured(tmp_path_factory):
             name = f"{kind}-{schedule}{'-recompute' if recompute else ''}"
             plans[name] = (kind, plan.to_json())
             cases[name] = (plan, profile, predicted)
-    mp.spawn(MW.run, args=(W.free_port(), str(out), plans), nprocs=MW.WORLD, join=True)
-    readings = torch.load(out / "memory.pt", weights_only=False)
+    readings = gloo(MW.WORLD).run(MW.run, plans)[0]
     return cases, readings
 
 

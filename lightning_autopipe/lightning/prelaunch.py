@@ -1,0 +1,121 @@
+"""Checks that need no process group, run in the launching process before any rank starts.
+
+A mistake found after the launch costs a process start and distributed initialisation per
+rank (tens of seconds) and prints one traceback per rank; everything that can be judged from
+the strategy's options, the Trainer and the module is judged here once, in the parent, by the
+launcher before it starts a process. The same checks then run again in every rank's ``setup``
+(cheap), which covers launchers this module does not wrap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies.launchers import (
+    _MultiProcessingLauncher,
+    _SubprocessScriptLauncher,
+)
+
+from lightning_autopipe.errors import PlanError
+from lightning_autopipe.lightning.precision import check_precision
+from lightning_autopipe.lightning.reproducible import check_reproducible
+from lightning_autopipe.options import AutoPipeOptions
+
+__all__ = ["CheckedMultiProcessingLauncher", "CheckedScriptLauncher", "check_before_launch",
+           "check_trainer"]
+
+
+def check_trainer(trainer: Any, precision_plugin: Any) -> None:
+    """What the Trainer asks for must be something the pipeline runs."""
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise PlanError(
+            f"accumulate_grad_batches={accumulate} is not supported by "
+            "AutoPipeStrategy; the pipeline already accumulates over micro-batches: raise "
+            "num_microbatches or the batch size instead"
+        )
+    check_precision(precision_plugin)
+
+
+def check_before_launch(
+    options: AutoPipeOptions,
+    world_size: int,
+    num_nodes: int,
+    trainer: Any = None,
+    precision_plugin: Any = None,
+    module: Any = None,
+) -> None:
+    """Every check of the run's configuration that needs no rank: raises the first failure.
+
+    Args:
+        options: the strategy's options.
+        world_size: processes the launcher is about to start (``devices x num_nodes``).
+        num_nodes: launcher nodes.
+        trainer, precision_plugin: the Trainer and its precision plugin (skipped when None).
+        module: the LightningModule handed to ``fit`` / ``validate`` ... (skipped when None).
+
+    Raises:
+        PlanError: ``accumulate_grad_batches`` other than 1, an unsupported precision, manual
+            optimization, ``deterministic=True`` with an automatic depth, a pinned
+            ``num_stages`` that does not divide the world, or a given plan for another number
+            of devices.
+        ClusterError: a cluster file that cannot be read or does not fit the launched world.
+    """
+    if trainer is not None and precision_plugin is not None:
+        check_trainer(trainer, precision_plugin)
+    if module is not None and not getattr(module, "automatic_optimization", True):
+        raise PlanError(
+            "AutoPipeStrategy needs automatic optimization (the schedule runs forward and "
+            "backward itself); remove `self.automatic_optimization = False`"
+        )
+    check_reproducible(options)  # deterministic=True: the depth must be pinned
+    stages = options.pins["num_stages"]
+    if stages is not None and world_size % stages:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise PlanError(
+            f"num_stages={stages} does not divide the {world_size} launched processes "
+            f"(devices x num_nodes); every stage needs the same number of replicas: launch a "
+            f"multiple of {stages} processes, pick num_stages in {divisors}, or "
+            "num_stages='auto' to let the planner choose"
+        )
+    if options.cluster is not None:
+        _check_cluster(options, world_size, num_nodes)
+    if options.plan is not None:
+        plan = options.given_plan()
+        if plan is not None and len(plan.devices) != world_size:
+            raise PlanError(
+                f"the given plan runs on {len(plan.devices)} devices but {world_size} processes "
+                "are launched; launch as many processes as the plan has devices, or drop "
+                "`plan=` to plan for this world"
+            )
+
+
+def _check_cluster(options: AutoPipeOptions, world_size: int, num_nodes: int) -> None:
+    from lightning_autopipe.cluster import Cluster
+
+    cluster = options.cluster
+    if not isinstance(cluster, Cluster):
+        cluster = Cluster.load(cluster)  # ClusterError naming the file and the bad key
+    cluster.validate_world_size(world_size, exact=options.exact_cluster)
+    cluster.validate_nodes(num_nodes, world_size // max(num_nodes, 1))
+
+
+class _Checked:
+    """Runs ``check(trainer)`` before the wrapped launcher starts any process."""
+
+    def __init__(self, *args: Any, check: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._check = check
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            self._check(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class CheckedScriptLauncher(_Checked, _SubprocessScriptLauncher):
+    """Lightning's popen launcher, checking the configuration first."""
+
+
+class CheckedMultiProcessingLauncher(_Checked, _MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher, checking the configuration first."""

@@ -1,0 +1,105 @@
+"""Setup mistakes are raised in the launching process, before any rank starts (no processes).
+
+``trainer.fit`` runs in this process with Lightning's own launchers; ``subprocess.Popen`` and
+the multiprocessing start are replaced by a recorder, so a launch (the ~25 s of process starts
+and distributed initialisation the checks save) would be seen, and the error must come first.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies.launchers import multiprocessing as mp_launcher
+from lightning.pytorch.strategies.launchers import subprocess_script
+
+from lightning_autopipe import AutoPipeStrategy
+from lightning_autopipe.errors import ClusterError, PlanError
+from lightning_autopipe.lightning.prelaunch import check_before_launch
+from lightning_autopipe.options import AutoPipeOptions
+from tests.lightning import _module as M
+
+
+class _NoLaunch:
+    """Stands in for ``subprocess.Popen`` / the multiprocessing start: records every start."""
+
+    def __init__(self) -> None:
+        self.starts: list = []
+
+    def __call__(self, *args, **kwargs):
+        self.starts.append(args)
+        raise AssertionError("a process was started before the configuration was checked")
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    recorder = _NoLaunch()
+    monkeypatch.setattr(subprocess_script.subprocess, "Popen", recorder)
+    monkeypatch.setattr(mp_launcher.mp, "get_context", recorder)
+    monkeypatch.setattr(mp_launcher.mp, "start_processes", recorder)
+    return recorder
+
+
+def _fit(strategy: AutoPipeStrategy, devices: int = 2, **trainer_kwargs) -> None:
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, max_steps=1, **trainer_kwargs)
+    loaders = M.loaders(1, explicit_sampler=False)
+    trainer.fit(M.Classifier(), loaders["train"])
+
+
+def _bad_cluster(tmp_path, text: str):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("start_method", ["popen", "spawn"])
+def test_accumulate_grad_batches_is_refused_before_any_process_starts(no_launch, start_method):
+    with pytest.raises(PlanError, match="accumulate_grad_batches=2"):
+        _fit(AutoPipeStrategy(start_method=start_method), accumulate_grad_batches=2)
+    assert no_launch.starts == []
+
+
+def test_num_stages_not_dividing_the_devices_is_refused_before_launch(no_launch):
+    with pytest.raises(PlanError, match=r"num_stages=2 does not divide the 3 launched"):
+        _fit(AutoPipeStrategy(num_stages=2), devices=3)
+    assert no_launch.starts == []
+
+
+def test_unreadable_cluster_file_is_refused_before_launch(no_launch, tmp_path):
+    path = _bad_cluster(tmp_path, "name: x\nservers:\n  - {type: nope, count: 1}\n  [\n")
+    with pytest.raises(ClusterError, match="cluster.yaml"):
+        _fit(AutoPipeStrategy(cluster=path))
+    assert no_launch.starts == []
+
+
+def test_cluster_file_with_too_few_devices_is_refused_before_launch(no_launch, tmp_path):
+    path = _bad_cluster(tmp_path, (
+        "name: tiny\nservers:\n  - name: s\n    gpus: 1\n"
+        "    device: {name: cpu, speed: 1.0, memory_gb: 8}\n"))
+    with pytest.raises(ClusterError):
+        _fit(AutoPipeStrategy(cluster=path), devices=2)
+    assert no_launch.starts == []
+
+
+def test_good_configuration_passes_the_checks():
+    """The checks refuse only what is wrong: a divisor depth and a fitting cluster pass."""
+    check_before_launch(AutoPipeOptions(num_stages=2), world_size=4, num_nodes=1)
+    check_before_launch(AutoPipeOptions(num_stages="auto"), world_size=3, num_nodes=1)
+    with pytest.raises(PlanError, match="num_stages=4"):
+        check_before_launch(AutoPipeOptions(num_stages=4), world_size=6, num_nodes=1)
+
+
+def test_manual_optimization_is_refused_before_launch(no_launch):
+    class Manual(M.Classifier):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    trainer = pl.Trainer(strategy=AutoPipeStrategy(), accelerator="cpu", devices=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(PlanError, match="automatic optimization"):
+        trainer.fit(Manual(), M.loaders(1, explicit_sampler=False)["train"])
+    assert no_launch.starts == []
+    assert not torch.distributed.is_initialized()

@@ -1,0 +1,43 @@
+"""The test harness itself: shared gloo worlds report a failing rank and recover; shared
+Lightning worlds collect the selected modules' cases in order."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from tests._worlds import collect_cases
+
+
+def _sum_of_ranks(rank: int, world: int, offset: int) -> tuple[int, int]:
+    import torch
+
+    value = torch.tensor([rank + offset])
+    dist.all_reduce(value)
+    return rank, int(value)
+
+
+def _raises_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one breaks on purpose")
+
+
+def test_a_gloo_world_runs_a_case_on_every_rank_with_the_group_ready(gloo):
+    assert gloo(2).run(_sum_of_ranks, 10) == [(0, 21), (1, 21)]
+
+
+def test_a_failing_rank_fails_the_case_with_its_traceback_and_the_world_recovers(gloo):
+    with pytest.raises(pytest.fail.Exception, match="(?s)rank 1: .*rank one breaks on purpose"):
+        gloo(2).run(_raises_on_rank_1)
+    assert gloo(2).run(_sum_of_ranks, 0) == [(0, 1), (1, 1)]  # a fresh world serves the next
+
+
+def test_world_cases_merge_per_size_without_repeats_and_late_modules_last():
+    a = SimpleNamespace(WORLD_CASES={2: ["m.a:x", "m.a:y"], 4: ["m.a:z"]})
+    late = SimpleNamespace(WORLD_CASES={2: ["m.c:w"]}, WORLD_ORDER=90)
+    b = SimpleNamespace(WORLD_CASES={2: ["m.b:x", "m.a:x"]})
+    none = SimpleNamespace()
+    assert collect_cases([late, a, none, b]) == {2: ["m.a:x", "m.a:y", "m.b:x", "m.c:w"],
+                                                 4: ["m.a:z"]}

@@ -40,7 +40,8 @@ _UNKNOWN_REMAINING = 1000  # steps assumed left when the Trainer cannot say (no 
 
 @dataclass(frozen=True)
 class SwitchRecord:
-    """One switch: after which training step, why, what was predicted and what it cost."""
+    """One switch: after which training step, why, what was predicted and what it cost
+    (``bytes``: predicted, ``bytes_moved``: what the migration sent, over every rank)."""
 
     step: int
     reason: str
@@ -49,6 +50,7 @@ class SwitchRecord:
     predicted_cost_ms: float
     cost_ms: float
     bytes: int
+    bytes_moved: int
     speeds: dict[str, float]
     plan: str
 
@@ -107,12 +109,13 @@ class Replanner:
         start = time.perf_counter()
         old = pipe
         plan = message.new_plan()
-        strategy._switch_to(plan, self.steps)
+        stats = strategy._switch_to(plan, self.steps)
         cost_ms = (time.perf_counter() - start) * 1e3
         self.last_switch = self.steps
         record = SwitchRecord(self.steps, message.reason, message.measured_step_ms,
                               message.candidate_step_ms, message.switch_cost_ms, cost_ms,
-                              message.switch_bytes, dict(message.speeds), message.plan or "")
+                              message.switch_bytes, int(stats.total_bytes) if stats else -1,
+                              dict(message.speeds), message.plan or "")
         self.switches.append(record)
         if strategy.global_rank == 0:
             _report(strategy, old, plan, message, record)
@@ -150,8 +153,9 @@ def _report(strategy: Any, old: Any, plan: Plan, message: SwitchMessage,
         f"  measured speeds: {speeds}",
         f"  measured step {message.measured_step_ms:.1f} ms (planned "
         f"{old.plan.iteration_ms:.1f} ms); new plan predicted {message.candidate_step_ms:.1f} ms",
-        f"  switch: {record.bytes / 2**20:.2f} MiB moved, predicted {record.predicted_cost_ms:.0f}"
-        f" ms, took {record.cost_ms:.0f} ms",
+        f"  switch: {record.bytes_moved / 2**20:.2f} MiB moved (predicted "
+        f"{record.bytes / 2**20:.2f}), predicted {record.predicted_cost_ms:.0f} ms, took "
+        f"{record.cost_ms:.0f} ms",
         plan_table(plan, strategy.pipeline.profile, measured_table_cluster(old, message)),
     ]
     rank_zero_info("\n".join(lines))

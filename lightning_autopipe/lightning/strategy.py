@@ -423,18 +423,19 @@ class AutoPipeStrategy(ParallelStrategy):
         self._replanner.after_optimizer_step(self)
         return out
 
-    def _switch_to(self, plan: Plan, step: int) -> None:
+    def _switch_to(self, plan: Plan, step: int) -> Any:
         """Every rank: this rank's state migrated in memory to ``plan``'s layout (collective).
 
         The new pipeline is held as soon as it is built (a failure later releases it with the
         run); the old pipeline's process groups are destroyed on every rank together.
+        Returns the migration's :class:`~lightning_autopipe.runtime.migrate.MigrationStats`.
         """
         assert self._pipe is not None
         module, runner = self._held.module, self._held.runner
         scaler = getattr(self.precision_plugin, "scaler", None)
         if getattr(self.precision_plugin, "precision", None) != "16-mixed":
             scaler = None
-        switch_pipeline(
+        _, migrated = switch_pipeline(
             self._pipe, plan, self.optimizers, scaler=scaler, step=step,
             timeout=self.options.timeout_delta,
             on_built=lambda new: self._adopt(new, module, runner),
@@ -445,6 +446,7 @@ class AutoPipeStrategy(ParallelStrategy):
             self._bn = BatchNormSteps(self._pipe, track=not self.options.compile)
         self._install_executor()
         self._check_optimizers()
+        return migrated.stats
 
     def _note_batch_norm(self, batch_norm: bool) -> None:
         """New pipeline: BatchNorm's step work for its stage, and the note, logged once."""

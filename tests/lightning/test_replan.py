@@ -62,6 +62,8 @@ def test_auto_switches_on_every_rank_at_the_same_step_and_equals_one_process(wor
     first = ranks[0]["switches"][0]
     assert first["predicted_step_ms"] < first["measured_step_ms"]
     assert first["speeds"], "the switch names the measured speeds"
+    # the switch was priced from the bytes the migration then sent (Adam's moments included)
+    assert abs(first["bytes"] - first["bytes_moved"]) <= 0.05 * first["bytes_moved"], first
     final = Plan.from_json(ranks[0]["plan"])
     assert final.to_json() == ranks[0]["switches"][-1]["plan"] == ranks[1]["plan"]
     held = set()

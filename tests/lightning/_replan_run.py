@@ -9,6 +9,9 @@ first plan is balanced and rank 1 then measures slow):
 * ``auto``: ``replan="auto"`` (window 2, at least 2 steps between switches); records the
   losses, the switches, the final state and writes ``auto.ckpt`` after training;
 * ``off``: the same with ``replan="off"``;
+* ``fp16``: the fp16 loss-scaling net of :mod:`tests.lightning._fp16` (an overflow at step 2,
+  right after the switch at step 2, which only the carried-over scale gives), ``16-mixed``,
+  norm clipping, per-step records of :class:`tests.lightning._fp16_run.Record`;
 * ``fail``: ``auto`` with rank 1 failing as it loads its new stage (the rebind module's
   ``load_stage_tensors`` replaced in this process only); records each rank's error and when.
 """
@@ -93,12 +96,39 @@ def _inject_failure(record: dict) -> None:
     replan_mod.load_stage_tensors = failing
 
 
-def run_case(case: str, world: int, out: Path) -> dict:
-    strategy = lightning_autopipe.AutoPipeStrategy(
-        num_stages=2, num_microbatches=4, schedule="1f1b", profile_repeats=1, timeout=TIMEOUT,
+def _strategy(case: str, world: int, **pins) -> lightning_autopipe.AutoPipeStrategy:
+    return lightning_autopipe.AutoPipeStrategy(
+        num_stages=2, schedule="1f1b", profile_repeats=1, timeout=TIMEOUT,
         cluster=Cluster.local(world), replan="off" if case == "off" else "auto",
-        replan_window=2, replan_min_steps=2, replan_threshold=0.05,
+        replan_window=2, replan_min_steps=2, replan_threshold=0.05, **pins,
     )
+
+
+def fp16_case(world: int, out: Path) -> dict:
+    from tests.lightning import _fp16 as F16
+    from tests.lightning._fp16_run import Record
+
+    record = Record()
+    strategy = _strategy("fp16", world, num_microbatches=F16.MICROBATCHES,
+                         startup_slices=F16.STARTUP_SLICES, drain_slices=F16.DRAIN_SLICES)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, plugins=[F16.plugin()],
+        max_steps=F16.STEPS, gradient_clip_val=F16.CLIP, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[record, SlowRank1()],
+        default_root_dir=str(out / "root-fp16"),
+    )
+    trainer.fit(F16.Task(), F16.loader(F16.REPLICA_BATCH * F16.STEPS, seed=1))
+    pipe = strategy.pipeline
+    return {"rows": record.rows, "switches": [dict(vars(s)) for s in strategy.switches],
+            "stage": pipe.layout.stage, "replica": pipe.layout.replica,
+            "rank": trainer.global_rank}
+
+
+def run_case(case: str, world: int, out: Path) -> dict:
+    if case == "fp16":
+        return fp16_case(world, out)
+    strategy = _strategy(case, world, num_microbatches=4)
     task = Task()
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from lightning_autopipe.planner.plan import Plan
+from tests.lightning import _fp16 as F16
 from tests.lightning import _replan_run as R
 from tests.runtime import _cases as C
 
 MODULE = "tests.lightning._replan_run"
-WORLD_CASES = {2: [f"{MODULE}:{case}" for case in ("auto", "off", "fail")]}
+WORLD_CASES = {2: [f"{MODULE}:{case}" for case in ("auto", "off", "fp16", "fail")]}
 WORLD_ORDER = 90  # last in the world: the failing case leaves its ranks after a failed switch
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -101,6 +102,27 @@ def test_replan_off_never_gathers_nor_switches(worlds, reference):
         torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=RTOL, atol=ATOL)
         for key, value in rec["state"].items():
             torch.testing.assert_close(value, state[key], rtol=RTOL, atol=ATOL)
+
+
+def test_fp16_loss_scaling_carries_over_the_switch(worlds):
+    """The scaler's state moves with the switch at step 2: the overflow the settings put at
+    step 2 happens there on every rank, and training equals one process (tolerances as in
+    tests/lightning/test_fp16.py)."""
+    ranks = worlds.results(2, MODULE, "fp16", weights_only=False)
+    steps = [[s["step"] for s in rec["switches"]] for rec in ranks]
+    assert steps[0] == steps[1] == [2]
+    batches = [tuple(row["batch"]) for row in ranks[0]["rows"]]
+    ref = F16.reference(batches)
+    assert ref["skipped"][F16.OVERFLOW_STEP]
+    u = 2.0**-11
+    for rec in ranks:
+        rows = rec["rows"]
+        assert [r["found_inf"] for r in rows] == ref["skipped"]
+        assert [r["scale"] for r in rows] == pytest.approx(ref["scales"], rel=1e-6)
+        torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]),
+                                   torch.tensor(ref["losses"]), rtol=2 * u, atol=0)
+        for name, value in rows[-1]["state"].items():
+            torch.testing.assert_close(value, ref["states"][-1][name], rtol=0, atol=2e-4)
 
 
 def test_a_rank_failing_mid_switch_ends_every_rank_with_its_error_fast(worlds):

@@ -58,12 +58,16 @@ def parse_argv(argv: list[str]) -> tuple[dict[str, bool], list[str]]:
 
 def run_dir_for(recipe: str, configured: str | None) -> Path:
     """The run's output folder: ``run_dir`` if set, else the one the launching process chose
-    (``$AUTOPIPE_RUN_DIR``), else ``outputs/<recipe>/<date_time>`` (then exported so the ranks
-    Lightning starts from this process agree on it)."""
+    (``$AUTOPIPE_RUN_DIR``), else under torchrun ``outputs/<recipe>/torchrun-<rdzv id>`` (every
+    worker of every elastic attempt computes the same one, so a restart finds the checkpoints),
+    else ``outputs/<recipe>/<date_time>`` (then exported so the ranks Lightning starts from this
+    process agree on it)."""
     if configured:
         path = Path(configured)
     elif os.environ.get(_RUN_DIR_ENV):
         path = Path(os.environ[_RUN_DIR_ENV])
+    elif os.environ.get("TORCHELASTIC_RUN_ID"):
+        path = Path("outputs") / recipe / f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
     else:
         path = Path("outputs") / recipe / time.strftime("%Y-%m-%d_%H-%M-%S")
     os.environ[_RUN_DIR_ENV] = str(path)
@@ -218,6 +222,25 @@ def _report(run_dir: Path, plan_files: list[Path]) -> None:
     print(f"run dir:  {run_dir}")
 
 
+def _checkpointing(cfg: Any, run_dir: Path) -> Any:
+    """``last.ckpt`` every ``checkpoint_every_n_steps`` steps (None: no interval checkpoints).
+
+    Only the newest is kept (``save_top_k=0``): the strategy writes it atomically, so a kill
+    during a save leaves the previous one, and ``ckpt_path=last`` resumes whichever is whole.
+    """
+    every = cfg.checkpoint_every_n_steps
+    if every is None:
+        return None
+    if every < 1:
+        raise SystemExit(f"checkpoint_every_n_steps={every} must be a positive step count")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    folder = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else run_dir / "checkpoints"
+    return ModelCheckpoint(
+        dirpath=str(folder), every_n_train_steps=int(every), save_top_k=0, save_last=True
+    )
+
+
 def train(cfg: Any) -> int:
     """Fit the configured task; rank 0 ends by printing the loss trend and where files are."""
     import lightning.pytorch as pl
@@ -239,14 +262,22 @@ def train(cfg: Any) -> int:
     else:
         strategy = cfg.strategy.name
     report = PlanReport(run_dir, model_name=cfg.model.name)
+    trainer_kw = dict(cfg.trainer)
+    callbacks: list[Any] = [report]
+    checkpoints = _checkpointing(cfg, run_dir)
+    if checkpoints is not None:
+        callbacks.append(checkpoints)
+        trainer_kw["enable_checkpointing"] = True
+    if cfg.data.get("global_batch_size"):  # an ElasticDataLoader stripes itself
+        trainer_kw["use_distributed_sampler"] = False
     trainer = pl.Trainer(
-        **cfg.trainer,
+        **trainer_kw,
         strategy=strategy,
         logger=_loggers(run_dir),
-        callbacks=[report, *_progress_bars(cfg.trainer)],
+        callbacks=[*callbacks, *_progress_bars(cfg.trainer)],
         default_root_dir=str(run_dir),
     )
-    trainer.fit(task, datamodule=datamodule)
+    trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     if trainer.global_rank == 0:
         _report(run_dir, report.files)
     return 0

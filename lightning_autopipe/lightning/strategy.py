@@ -90,7 +90,7 @@ from typing_extensions import override
 
 from lightning_autopipe import checkpoint as ckpt
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
-from lightning_autopipe.lightning import summary, telemetry
+from lightning_autopipe.lightning import elastic, summary, telemetry
 from lightning_autopipe.lightning.example import _example
 from lightning_autopipe.lightning.held_pipeline import HeldPipeline, destroy_released_groups
 from lightning_autopipe.lightning.precision import install_loss_scaling
@@ -104,6 +104,7 @@ from lightning_autopipe.lightning.replan import Replanner, SwitchRecord, write_p
 from lightning_autopipe.lightning.report_once import install_excepthook, shown_by_rank_zero
 from lightning_autopipe.lightning.reproducible import BatchNormSteps, reproducible_options
 from lightning_autopipe.lightning.reproducible import note as reproducible_note
+from lightning_autopipe.lightning.sampler import elastic_replica_batch, stripe_for_layout
 from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
@@ -174,6 +175,8 @@ class AutoPipeStrategy(ParallelStrategy):
         self._orders: tuple[list[str], list[str]] = ([], [])  # the whole model's names
         self._replanner = Replanner()
         self._bn: BatchNormSteps | None = None  # BatchNorm's step work for the held pipeline
+        self._resumed: tuple[Any, Any, Any] | None = None  # (path, its facts, progress note)
+        self._progress = elastic.ProgressNote(None)
         # Filled by setup (the recipes' plan report reads them):
         self.plan: Plan | None = None
         self.profile: Any = None
@@ -200,7 +203,8 @@ class AutoPipeStrategy(ParallelStrategy):
 
     @property
     def num_nodes(self) -> int:
-        return self._num_nodes
+        """The Trainer's ``num_nodes``; under torchrun, the nodes of this (elastic) attempt."""
+        return elastic.launched_nodes(self._num_nodes)
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
@@ -300,7 +304,8 @@ class AutoPipeStrategy(ParallelStrategy):
         )
         if self.global_rank > 0:
             install_excepthook()  # an error every rank raises alike: rank 0's traceback only
-        if self.local_rank > 0:  # launched by rank 0 of this node: do not outlive its failure
+        # Launched by rank 0 of this node, or by torchrun's agent: do not outlive its failure.
+        if self.local_rank > 0 or elastic.ElasticAttempt.from_env() is not None:
             self._watch = watch_launcher(self.global_rank)
             if self._watch is not None:
                 self._watch.arm()
@@ -359,6 +364,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._held.check_splittable(module)
         runner = StepRunner(module)
         example, batch_size, example_batch = _example(trainer, module)
+        batch_size = elastic_replica_batch(trainer, self.options, self.world_size, batch_size)
         options = reproducible_options(self.options, batch_size)  # deterministic=True: fixed
         pins = options.pins
         check_microbatches(
@@ -394,6 +400,7 @@ class AutoPipeStrategy(ParallelStrategy):
         plan_dir = self._plan_dir()
         if plan_dir is not None:
             write_plan(plan_dir, pipe.plan, 0)
+        self._note_attempt(trainer)
 
     def _adopt(self, pipe: LocalPipeline, module: Any, runner: StepRunner) -> None:
         """Hold ``pipe`` (releasing the earlier one) and point checkpoints at its layout."""
@@ -447,6 +454,43 @@ class AutoPipeStrategy(ParallelStrategy):
         self._install_executor()
         self._check_optimizers()
         return migrated.stats
+
+    def _note_attempt(self, trainer: Any) -> None:
+        """Log what a resumed (elastic) attempt lost and replays; note each step's start."""
+        assert self._pipe is not None
+        attempt = elastic.ElasticAttempt.from_env()
+        callback = getattr(trainer, "checkpoint_callback", None)
+        noting = self.global_rank == 0 and attempt is not None  # under torchrun, on rank 0
+        folder = getattr(callback, "dirpath", None) if noting else None
+        self._progress = elastic.ProgressNote(folder)
+        resumed, self._resumed = self._resumed, None
+        if resumed is not None and trainer.state.fn == TrainerFn.FITTING:
+            path, facts, progress = resumed
+            rank_zero_info(elastic.resume_message(
+                path, facts, progress, self.world_size, self.num_nodes,
+                self._pipe.layout, attempt,
+            ))
+        elif attempt is not None and attempt.restart > 0 and trainer.state.fn == TrainerFn.FITTING:
+            rank_zero_warn(
+                f"elastic: {attempt.describe()}, but no checkpoint was loaded: training starts "
+                "over. Save with ModelCheckpoint(every_n_train_steps=N, save_last=True) and "
+                "call fit(ckpt_path='last') to resume instead"
+            )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """An :class:`~lightning_autopipe.lightning.sampler.ElasticDataLoader` is striped for
+        this rank's replica (its global batch is split over the plan's replicas)."""
+        if self._pipe is None:
+            return dataloader
+        layout = self._pipe.layout
+        return stripe_for_layout(dataloader, layout.replica, layout.num_replicas)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        module = self.lightning_module
+        if module is not None:  # rank 0 notes the step (1-based) now running
+            self._progress.started(module.trainer.global_step + 1, self.world_size)
 
     def _note_batch_norm(self, batch_norm: bool) -> None:
         """New pipeline: BatchNorm's step work for its stage, and the note, logged once."""
@@ -638,6 +682,10 @@ class AutoPipeStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Rank 0 writes the consolidated file atomically; sharded: every rank writes its part."""
+        checkpoint[elastic.RECORD_KEY] = elastic.checkpoint_record(
+            self.world_size, self.num_nodes, self._pipe.layout if self._pipe else None,
+            checkpoint.get("global_step", 0),
+        )
         pipe = self._gathering()
         if pipe is not None and pipe.sharded:
             pipe.save_sharded(checkpoint, filepath, barrier=self.barrier)
@@ -646,6 +694,14 @@ class AutoPipeStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """Read the checkpoint (:meth:`_read_checkpoint`); a fit logs what its resume lost."""
+        checkpoint = self._read_checkpoint(checkpoint_path, weights_only)
+        if isinstance(checkpoint, dict) and self.global_rank == 0:
+            note = elastic.ProgressNote(Path(str(checkpoint_path)).parent).read()
+            self._resumed = (checkpoint_path, elastic.resume_facts(checkpoint), note)
+        return checkpoint
+
+    def _read_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> Any:
         """Either format, tensors and plain containers only unless ``weights_only=False``.
 
         Runs before ``setup``: the module is whole, or (after ``fit``) still split by this

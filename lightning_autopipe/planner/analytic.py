@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_autopipe.errors import PlanError
 from lightning_autopipe.profile import BlockProfile, Profile
 
 __all__ = ["analytic_profile", "transformer_step_flops", "AnalyticBlock"]
@@ -92,7 +93,7 @@ def _conv(hw: int, cin: int, cout: int, k: int) -> tuple[float, int]:
 
 def _resnet_blocks(depth: int, image_size: int, num_classes: int) -> list[AnalyticBlock]:
     if depth not in _RESNET_DEPTHS:
-        raise ValueError(f"resnet depth {depth} unknown; use one of {sorted(_RESNET_DEPTHS)}")
+        raise PlanError(f"resnet depth {depth} unknown; use one of {sorted(_RESNET_DEPTHS)}")
     hw = image_size // 2
     flops, params = _conv(hw, 3, 64, 7)
     blocks = [AnalyticBlock("stem", flops, params + 2 * 64, 64 * (hw // 2) ** 2,
@@ -152,17 +153,22 @@ def analytic_profile(
     Returns:
         A Profile with ``device = "analytic:<tflops>TFx<eff>"`` so it is never mistaken for a
         measurement.
+
+    Raises:
+        PlanError: an unknown kind or ResNet depth, heads not dividing hidden, or a
+            non-positive micro-batch, device speed or efficiency.
     """
     if kind in ("gpt", "bert"):
         if hidden % heads:
-            raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
+            raise PlanError(f"hidden {hidden} is not divisible by heads {heads}; pick a head "
+                            "count that divides the hidden size")
         raw = _transformer_blocks(kind, layers, hidden, heads, seq_len, vocab)
     elif kind == "resnet":
         raw = _resnet_blocks(layers, image_size, num_classes)
     else:
-        raise ValueError(f"unknown analytic model kind {kind!r}; use 'gpt', 'bert' or 'resnet'")
+        raise PlanError(f"unknown analytic model kind {kind!r}; use 'gpt', 'bert' or 'resnet'")
     if micro_batch_size < 1 or device_tflops <= 0 or not 0 < efficiency <= 1:
-        raise ValueError(
+        raise PlanError(
             f"need micro_batch_size >= 1, device_tflops > 0 and 0 < efficiency <= 1; got "
             f"{micro_batch_size}, {device_tflops}, {efficiency}"
         )

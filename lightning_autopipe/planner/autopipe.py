@@ -4,10 +4,8 @@ Levels 1-3 of :func:`~.search.make_plan` for ``planner="autopipe"``, each more e
 applied to fewer candidates:
 
 1. every (stages ``S``, replicas ``R``, micro-batches ``m``) allowed by the pins, the devices and
-   the batch is scored in O(S) by a closed form on the fastest ``S x R`` devices: ``m + S - 1``
-   stage times, a stage time being the larger of perfectly balanced compute (plus half a block
-   of rounding) and the slowest cut's transfer, plus the fill latency and the first stage's
-   all-reduce; a rough memory check marks shapes that cannot fit;
+   the batch is scored by a closed form on the fastest ``S x R`` devices
+   (:func:`~.shapes.score_shapes`); a rough memory check marks shapes that cannot fit;
 2. the best eight (at most two micro-batch counts per ``S x R``) are placed: every candidate
    layout of :func:`~.mapping.rank_layouts` is scored by the fast model's replay with its
    balanced partition;
@@ -21,14 +19,13 @@ in :mod:`~.search`). The yardstick planners borrow the shape of the first one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
+from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.costmodel import evaluate
 from lightning_autopipe.planner.layout import BlockCosts, Layout
-from lightning_autopipe.planner.mapping import rank_layouts, speed_order
+from lightning_autopipe.planner.mapping import rank_layouts
 from lightning_autopipe.planner.partition import (
     autopipe_partition,
     choose_drain_slices,
@@ -36,9 +33,9 @@ from lightning_autopipe.planner.partition import (
     partition_and_slice,
 )
 from lightning_autopipe.planner.plan import Proposal
-from lightning_autopipe.planner.pricing import allreduce_ms, peak_memory_bytes, unit_ms
+from lightning_autopipe.planner.shapes import Shape, microbatch_choices, score_shapes
 
-__all__ = ["autopipe_proposals", "microbatch_choices"]
+__all__ = ["autopipe_proposals", "microbatch_choices"]  # the latter from .shapes
 
 _REPLAY_BUDGET = 100_000  # replayed actions per shape the AutoPipe partitioner may spend
 _LEVEL2, _LEVEL3 = 8, 3  # shapes placed by the mapper / refined by the partitioner
@@ -52,123 +49,6 @@ def _replay_cost(stages: int, m: int, k: int) -> int:
     """Actions one fast-model evaluation replays (long steps are extrapolated, two replays)."""
     m0 = 2 * stages + 6
     return 2 * stages * (m + k) if m <= m0 else 4 * stages * (m0 + stages + k)
-
-
-def microbatch_choices(batch: int, replicas: int) -> list[int]:
-    """Micro-batch counts that divide the per-replica batch.
-
-    All divisors: the largest ones (micro-batches of one or two samples) are often the only
-    way a big model fits memory, and the replay of long steps is extrapolated, so many
-    micro-batches cost the search little.
-    """
-    per = batch // replicas
-    return [m for m in range(1, per + 1) if per % m == 0]
-
-
-@dataclass
-class _Shape:
-    stages: int
-    replicas: int
-    microbatches: int
-    score: float
-    fits: bool
-
-
-def _slice_term(
-    fill: float, size: int, tau: Callable[[float], float], pin: int | None, max_slices: int
-) -> float:
-    """Closed-form cost of a micro-batch of ``size`` samples cut into its best q slices.
-
-    Each stage runs the q slices (``q * tau(size / q)``), and the pipeline waits ``fill`` slice
-    times for them: ``stages - 1`` when the micro-batch is the only one (its slices both fill
-    and drain the pipeline), half of that for one end of several micro-batches (with q = 1 the
-    two ends of a plain 1F1B together give its ``(stages - 1) * tau`` bubble). A pinned count
-    is taken as is.
-    """
-    qs = [pin] if pin else range(1, min(max_slices, size) + 1)
-    return min((q + fill) * tau(size / q) for q in qs)
-
-
-def _shapes(
-    costs: BlockCosts,
-    cluster: Cluster,
-    devs: list[str],
-    batch: int,
-    pins: dict,
-    use_all: bool,
-    optimizer_factor: float,
-    max_slices: int = 1,
-) -> list[_Shape]:
-    """Level 1: every allowed (S, R, m) with its closed-form estimate.
-
-    The estimate already counts startup and drain slices (``_slice_term``): with per-call
-    costs, the best micro-batch count with slices is often smaller than without them (fewer,
-    larger micro-batches; the ends cut finer), and a shape ranked on plain 1F1B alone would
-    never reach the partitioner.
-    """
-    order = speed_order(cluster, devs)
-    specs = [cluster.device(d).spec for d in order]
-    nd, n = len(order), costs.num_blocks
-    work = costs.compute[-1]
-    big = max(costs.compute[i + 1] - costs.compute[i] for i in range(n))
-    params, mem = costs.params[-1], costs.mem[-1]
-    act = sum(costs.act[:-1]) / max(1, n - 1)
-    mbs = costs.micro_batch_size
-    out = []
-    s_list = [pins["num_stages"]] if pins["num_stages"] else range(1, min(n, nd) + 1)
-    for s in s_list:
-        if pins["replicas"]:
-            r_list = [pins["replicas"]]
-        elif use_all:
-            r_list = [nd // s] if nd % s == 0 else []
-        else:
-            r_list = sorted({r for r in range(1, nd // s + 1) if batch % r == 0})
-        for r in r_list:
-            if s * r > nd or batch % r:
-                continue
-            chunks = [specs[i * r : (i + 1) * r] for i in range(s)]
-            speeds = [min(x.speed for x in c) for c in chunks]
-            cap = min(min(x.memory_bytes for x in c) for c in chunks)
-            ovh = max(x.overhead_ms for c in chunks for x in c)
-            sum_sp = sum(speeds)
-            g0 = order[:r]
-            ar = allreduce_ms(cluster, g0, int(params / s)) if r > 1 else 0.0
-            hop = xfer = 0.0  # fill latency of one hop; slowest cut's transfer per sample
-            for c in range(s - 1):
-                a, b = order[c * r], order[(c + 1) * r]
-                ms = act / mbs / (cluster.bandwidth_gbps(a, b) * BYTES_PER_MS_PER_GBPS)
-                if cluster.device(a).server != cluster.device(b).server:
-                    ms *= r  # the replicas' transfers share the NIC
-                hop = max(hop, cluster.latency_us(a, b) / 1e3 + ms * mbs)
-                xfer = max(xfer, ms)
-            # perfectly balanced stages, plus half a block of rounding on the slowest stage
-            base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
-            fixed = min(sum(costs.fixed(0, n)) / sum_sp, base)  # per-call part of base
-            m_list = [pins["num_microbatches"]] if pins["num_microbatches"] else (
-                microbatch_choices(batch, r)
-            )
-
-            def tau(samples: float, base=base, fixed=fixed, ovh=ovh, xfer=xfer) -> float:
-                """One stage's forward + backward of ``samples``: compute- or link-bound."""
-                return max(unit_ms(base, fixed, samples / mbs, 1.0, 2 * ovh), xfer * samples)
-
-            k_pin, j_pin = pins["startup_slices"], pins["drain_slices"]
-            limit = max_slices if s > 1 else 1  # one stage has no fill or drain to shorten
-            for m in m_list:
-                if (batch // r) % m or batch // (r * m) < max(k_pin or 1, j_pin or 1):
-                    continue  # a pinned m, k or j this shape's replica batch cannot hold
-                size = batch // (m * r)
-                scale = size / mbs
-                if m == 1:  # one micro-batch: startup slices only
-                    est = _slice_term(s - 1, size, tau, k_pin, limit)
-                else:
-                    est = (m - 2) * tau(size) + sum(
-                        _slice_term((s - 1) / 2, size, tau, pin, limit) for pin in (k_pin, j_pin)
-                    )
-                est += 2 * (s - 1) * hop * scale + ar
-                need = peak_memory_bytes(params / s, mem / s * scale, min(s, m), optimizer_factor)
-                out.append(_Shape(s, r, m, est, need <= cap))
-    return out
 
 
 def autopipe_proposals(
@@ -195,7 +75,8 @@ def autopipe_proposals(
     Raises:
         PlanError: no shape uses all devices when ``use_all`` is set.
     """
-    shapes = _shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor, max_slices)
+    shapes = score_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor,
+                          max_slices)
     if not shapes:
         raise PlanError(
             f"no (stages x replicas) shape uses all {len(devs)} devices with global batch "
@@ -203,7 +84,7 @@ def autopipe_proposals(
         )
     shapes.sort(key=lambda x: (not x.fits, x.score))
     k_pin = pins["startup_slices"]
-    picked: list[_Shape] = []
+    picked: list[Shape] = []
     per_shape: dict[tuple[int, int], int] = {}
     for sh in shapes:  # the best few, at most two micro-batch counts per (stages, replicas)
         key = (sh.stages, sh.replicas)

@@ -11,7 +11,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_autopipe.planner.pricing import peak_memory_bytes
+from lightning_autopipe.planner.pricing import param_state_factor, peak_memory_bytes
 
 __all__ = ["StageLimits", "balanced_cuts"]
 
@@ -132,11 +132,17 @@ def _reach(
 ) -> int:
     """The furthest ``j`` (``>= i``) a stage starting at ``i`` can reach within ``cap``."""
     j = bisect_right(work, work[i] + cap * speed + 1e-12, i + 1, hi + 1) - 1
-    if limits is not None and j > i and not limits.ok(stage, i, j):
+    if limits is None or j <= i:
+        return j
+    # StageLimits.ok written out on locals (the partitioner's innermost loop): same arithmetic
+    params, mem, room = limits.params, limits.mem, limits.capacity[stage]
+    act, factor = limits.act_factor[stage], param_state_factor(limits.optimizer_factor)
+    p0, m0 = params[i], mem[i]
+    if not (params[j] - p0) * factor + (mem[j] - m0) * act + 0.0 <= room:
         lo_ok, hi_bad = i, j  # memory is monotone in j: binary search the last fit
         while hi_bad - lo_ok > 1:
             mid = (lo_ok + hi_bad) // 2
-            if limits.ok(stage, i, mid):
+            if (params[mid] - p0) * factor + (mem[mid] - m0) * act + 0.0 <= room:
                 lo_ok = mid
             else:
                 hi_bad = mid

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_autopipe.errors import ScheduleError
-from lightning_autopipe.planner.generators import SCHEDULES
-from lightning_autopipe.planner.schedule import Kind, is_split, unit_sizes, units
+from lightning_autopipe.planner.generators import SCHEDULES, splits_backward
+from lightning_autopipe.planner.schedule import Kind, unit_sizes, units
 
 __all__ = ["F", "B", "W", "Compiled", "compiled", "inflight", "lists", "inflight_of",
-           "extrapolation_point", "splits_backward"]
+           "extrapolation_point", "splits_backward"]  # splits_backward: from .generators
 
 @dataclass(frozen=True)
 class Compiled:
@@ -110,12 +110,6 @@ def compiled(
     m, k, j = num_microbatches, startup_slices, drain_slices
     fracs = [sz / mb for sz in unit_sizes(mb, m, k, j)]
     return _compilelists(lists(schedule, num_stages, m, k, j), fracs)
-
-
-@functools.cache
-def splits_backward(schedule: str) -> bool:
-    """Whether the generator ``schedule`` splits backward into B and W (zero bubble)."""
-    return is_split(SCHEDULES[schedule](1, 1, 1, 1))
 
 
 def inflight_of(lists: Sequence[Sequence[tuple[int, int]]], fracs: list[float]) -> tuple:

@@ -33,8 +33,8 @@ class Flow:
 class FluidLinks:
     """The flows in progress on a set of capacity-limited resources.
 
-    Completion events go into the caller's heap as ``(time, seq, kind, flow, version)``;
-    an event whose version no longer matches ``flow.ver`` is stale and must be ignored (see
+    Completion events go into the caller's heap as ``(time, seq, event(flow, version))``;
+    one whose version no longer matches ``flow.ver`` is stale and must be ignored (see
     :meth:`finish`).
     """
 
@@ -43,12 +43,12 @@ class FluidLinks:
         capacity: Callable[[tuple], float],
         heap: list,
         tick: Callable[[], int],
-        event_kind: int,
+        event: Callable[[Flow, int], object],
     ) -> None:
         self._capacity = capacity  # bytes per ms of a resource id
         self._heap = heap
         self._tick = tick
-        self._kind = event_kind
+        self._event = event
         self._flows: dict[tuple, set[Flow]] = {}
         self._cap: dict[tuple, float] = {}
         self._dirty: list[Flow] = []
@@ -69,7 +69,7 @@ class FluidLinks:
         if alone:  # nothing to share with (yet): full speed without rebalancing
             f.rate = min(cap[r] for r in res)
             f.ver = 1
-            heapq.heappush(self._heap, (now + nbytes / f.rate, self._tick(), self._kind, f, 1))
+            heapq.heappush(self._heap, (now + nbytes / f.rate, self._tick(), self._event(f, 1)))
         else:
             self._dirty.append(f)
 
@@ -129,8 +129,8 @@ class FluidLinks:
                         for r in f.res:
                             cap[r] -= share
                             cnt[r] -= 1
-        heap, tick, kind = self._heap, self._tick, self._kind
+        heap, tick, event = self._heap, self._tick, self._event
         for f in comp:
             if f.rate != old[f]:  # an unchanged rate keeps its pending completion event valid
                 f.ver += 1
-                heapq.heappush(heap, (now + max(f.rem, 0.0) / f.rate, tick(), kind, f, f.ver))
+                heapq.heappush(heap, (now + max(f.rem, 0.0) / f.rate, tick(), event(f, f.ver)))

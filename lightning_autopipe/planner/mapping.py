@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, PlanError
-from lightning_autopipe.planner.costmodel import Estimate, evaluate
+from lightning_autopipe.planner.costmodel import Estimate, evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.partition import balanced_cuts, stage_limits
 
@@ -158,10 +158,10 @@ def rank_layouts(
         )
     if not devices:
         raise ClusterError("no devices to place stages on; pass at least one device name")
-    out: list[MappingResult] = []
     scores: dict[str, float] = {}
     work = costs.compute
     seen = set()
+    found: list[tuple[str, Layout, list[int]]] = []
     for name, groups in candidate_groupings(cluster, devices, num_stages, replicas).items():
         layout = Layout.from_cluster(cluster, groups)
         sig = layout.signature()
@@ -175,8 +175,12 @@ def rank_layouts(
         cuts = balanced_cuts(work, layout.speeds, limits=limits, stage_work=typed) or (
             balanced_cuts(work, layout.speeds, stage_work=typed))
         assert cuts is not None
-        est = evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
-                       schedule=schedule, optimizer_factor=optimizer_factor, critical_path=False)
+        found.append((name, layout, cuts))
+    ests = evaluate_batch(costs, [lay for _, lay, _ in found], [c for _, _, c in found], batch,
+                          num_microbatches, startup_slices, schedule=schedule,
+                          optimizer_factor=optimizer_factor, critical_path=False)
+    out: list[MappingResult] = []
+    for (name, layout, cuts), est in zip(found, ests):
         scores[name] = est.iteration_ms
         out.append(MappingResult(name, layout, cuts, est, scores))
     out.sort(key=lambda r: (not r.estimate.fits, r.estimate.iteration_ms))

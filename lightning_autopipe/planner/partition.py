@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.balance import StageLimits, balanced_cuts
 from lightning_autopipe.planner.compiled import inflight
-from lightning_autopipe.planner.costmodel import Estimate, evaluate
+from lightning_autopipe.planner.costmodel import Estimate, evaluate, evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.slicer import better, choose_drain_slices, choose_startup_slices
 
 __all__ = [
     "balanced_cuts",
@@ -48,8 +49,8 @@ __all__ = [
     "step_budget",
 ]
 
-_EPS = 1e-9
 _ALTERNATIVES = 2  # runner-up cut lists handed on, for the simulator to judge
+_SHIFT_BATCH = 8  # chain shifts priced together (the first better one is taken)
 
 
 def stage_limits(
@@ -99,13 +100,35 @@ def step_budget(max_evaluations: int) -> int:
 
 
 class _Scorer:
-    """Memoised fast-model evaluation of cut lists for one (layout, batch, m, k)."""
+    """Memoised fast-model evaluation of cut lists for one (layout, batch, m, k).
 
-    def __init__(self, fn: Callable[[list[int]], Estimate], max_steps: int) -> None:
+    ``cache`` holds the cut lists the search has looked at (its size is the search's
+    evaluation count); :meth:`prefetch` prices candidates the search is about to look at in
+    one batch and keeps them aside until it does, so batching changes no step of the search.
+    """
+
+    def __init__(
+        self, fn: Callable[[list[int]], Estimate], max_steps: int,
+        many: Callable[[list[list[int]]], list[Estimate]] | None = None,
+    ) -> None:
         self._fn = fn
+        self._many = many
         self.cache: dict[tuple[int, ...], Estimate] = {}
+        self._ahead: dict[tuple[int, ...], Estimate] = {}
         self.steps = 0
         self.max_steps = max_steps
+
+    def prefetch(self, cands: Sequence[Sequence[int]], room: int) -> None:
+        """Price together the first ``room`` of ``cands`` not looked at yet."""
+        todo: dict[tuple[int, ...], None] = {}
+        for c in cands:
+            if len(todo) >= room:
+                break
+            key = tuple(c)
+            if key not in self.cache and key not in self._ahead:
+                todo[key] = None
+        if self._many is not None and len(todo) > 1:
+            self._ahead.update(zip(todo, self._many([list(k) for k in todo])))
 
     def step(self) -> bool:
         """Count one descent pass; False once the step budget is spent."""
@@ -116,17 +139,11 @@ class _Scorer:
         key = tuple(cuts)
         hit = self.cache.get(key)
         if hit is None:
-            hit = self.cache[key] = self._fn(list(key))
+            hit = self._ahead.pop(key, None)
+            if hit is None:
+                hit = self._fn(list(key))
+            self.cache[key] = hit
         return hit
-
-
-def _better(a: Estimate, b: Estimate | None, rel: float = _EPS) -> bool:
-    """Plans that fit memory beat plans that do not; then the clearly shorter step wins."""
-    if b is None:
-        return True
-    if a.fits != b.fits:
-        return a.fits
-    return a.iteration_ms < b.iteration_ms * (1 - rel)
 
 
 def autopipe_partition(
@@ -169,6 +186,10 @@ def autopipe_partition(
             optimizer_factor=optimizer_factor, schedule=schedule,
         ),
         step_budget(max_evaluations),
+        lambda cs: evaluate_batch(
+            costs, layout, cs, batch, num_microbatches, startup_slices,
+            optimizer_factor=optimizer_factor, schedule=schedule,
+        ),
     )
 
     def rebalance(lo: int, hi: int, first: int, count: int) -> list[int] | None:
@@ -194,7 +215,7 @@ def autopipe_partition(
                         cands.append(cur[: c + 1] + suf)
                 for cand in cands:
                     e = score(cand)  # memoised: a visited cut list costs nothing to compare
-                    if _better(e, best):
+                    if better(e, best):
                         cur, best, moved = cand, e, True
                 if moved:
                     break
@@ -215,7 +236,7 @@ def autopipe_partition(
                 continue
             limit = len(score.cache) + max(10, max_evaluations // 4)
             c2, b2 = descend(list(alt), min(limit, max_evaluations))
-            if _better(b2, best):
+            if better(b2, best):
                 cur, best = c2, b2
     seen = sorted(score.cache.items(), key=lambda kv: (not kv[1].fits, kv[1].iteration_ms))
     alts = [(list(c), e) for c, e in seen if list(c) != cur][:_ALTERNATIVES]
@@ -238,20 +259,26 @@ def _nudge(
         w = max(1, left // max(1, 2 * (len(cur) - 2)))
         for p in range(1, len(cur) - 1):
             lo, hi = max(cur[p - 1] + 1, cur[p] - w), min(cur[p + 1] - 1, cur[p] + w)
-            for c in sorted(range(lo, hi + 1), key=lambda x: abs(x - cur[p])):
-                if c == cur[p]:
-                    continue
-                cand = cur[:p] + [c] + cur[p + 1 :]
+            # every candidate of this cut differs from ``cur`` at ``p`` only, whichever is
+            # taken: price them together
+            cands = [cur[:p] + [c] + cur[p + 1 :]
+                     for c in sorted(range(lo, hi + 1), key=lambda x: abs(x - cur[p]))
+                     if c != cur[p]]
+            score.prefetch(cands, budget - len(score.cache))
+            for cand in cands:
                 e = score(cand)
-                if _better(e, best):
+                if better(e, best):
                     cur, best, improved = cand, e, True
                 if len(score.cache) >= budget:
                     return cur, best
         if improved:
             continue
-        for cand in _chain_shifts(cur):
+        shifts = _chain_shifts(cur)
+        for q, cand in enumerate(shifts):
+            if q % _SHIFT_BATCH == 0:  # the walk stops at the first improvement: a few at once
+                score.prefetch(shifts[q : q + _SHIFT_BATCH], budget - len(score.cache))
             e = score(cand)
-            if _better(e, best):
+            if better(e, best):
                 cur, best, improved = cand, e, True
                 break
             if len(score.cache) >= budget:
@@ -277,66 +304,6 @@ def _chain_shifts(cuts: list[int]) -> list[list[int]]:
                 if all(cand[q] < cand[q + 1] for q in range(n)) and cand != cuts:
                     out.append(cand)
     return out
-
-
-def choose_startup_slices(
-    costs: BlockCosts,
-    layout: Layout,
-    cuts: list[int],
-    batch: int,
-    num_microbatches: int,
-    max_slices: int = 8,
-    *,
-    optimizer_factor: float = 2.0,
-    schedule: str = "1f1b",
-) -> tuple[int, Estimate]:
-    """The number of startup slices (1 = off) with the shortest predicted step that fits memory.
-
-    ``k`` is limited by the per-replica micro-batch size (a slice holds at least one sample).
-    """
-    mb = batch // (num_microbatches * max(layout.replicas))
-    return _fewest_best(
-        max(1, min(max_slices, mb)),
-        lambda k: evaluate(costs, layout, cuts, batch, num_microbatches, k,
-                           optimizer_factor=optimizer_factor, schedule=schedule,
-                           critical_path=False),
-    )
-
-
-def choose_drain_slices(
-    costs: BlockCosts,
-    layout: Layout,
-    cuts: list[int],
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int,
-    max_slices: int = 8,
-    *,
-    optimizer_factor: float = 2.0,
-    schedule: str = "1f1b",
-) -> tuple[int, Estimate]:
-    """Slices ``j`` of the last micro-batch (1 = off) with the shortest predicted step.
-
-    Chosen after ``k`` (coordinate descent): the drain tail and the fill head are at opposite
-    ends of the step and barely interact. Only with two or more micro-batches.
-    """
-    mb = batch // (num_microbatches * max(layout.replicas))
-    return _fewest_best(
-        max(1, min(max_slices, mb)) if num_microbatches >= 2 else 1,
-        lambda j: evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
-                           drain_slices=j, optimizer_factor=optimizer_factor, schedule=schedule,
-                           critical_path=False),
-    )
-
-
-def _fewest_best(top: int, estimate: Callable[[int], Estimate]) -> tuple[int, Estimate]:
-    """The smallest slice count in ``1..top`` whose estimate no larger count clearly beats."""
-    best_n, best = 1, estimate(1)
-    for n in range(2, top + 1):
-        e = estimate(n)
-        if _better(e, best, 1e-6):
-            best_n, best = n, e
-    return best_n, best
 
 
 def partition_and_slice(

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_autopipe.errors import PlanError
-from lightning_autopipe.planner.compiled import splits_backward
-from lightning_autopipe.planner.generators import schedule_generator
+from lightning_autopipe.planner.generators import schedule_generator, splits_backward
 
 __all__ = ["StagePlan", "Plan", "Proposal"]
 

@@ -14,14 +14,17 @@ through these functions, so a change to how something costs is a change in one p
   (:func:`ring_latency_ms`), and the reduction itself adds :func:`reduce_ms_per_byte` per
   gradient byte, sharing no link (:func:`allreduce_ms` puts them together on a cluster).
   Under contention (rings and transfers that share a NIC or a PCIe level), the fast model's
-  :func:`allreduce_finish` and the simulator's fluid flows split bandwidth; the volume, the
-  latency and the reduction term still come from here.
+  :func:`~.allreduce.allreduce_finish` and the simulator's fluid flows split bandwidth; the
+  volume, the latency and the reduction term still come from here.
 * **Peak memory of a stage**: parameter bytes x (weights + gradients + ``optimizer_factor``)
   plus the activation memory of the micro-batches it holds in flight
   (:func:`peak_memory_bytes`).
+* **A stage's unit prices** (forward, backward, or input and weight backward when split; the
+  first stage's W is its whole backward; a recomputing stage's backward pays the forward again):
+  :func:`unit_prices`, the one place the fast model and the simulator take them from.
 * **Activation recomputation** of a stage (chosen only when nothing fits otherwise): each unit
-  in flight holds only the stage's inputs, one micro-batch's activations live again while its
-  backward runs, and the backward pays the recomputed forward (:func:`recomputed`).
+  in flight holds only the stage's inputs and one micro-batch's activations live again while
+  its backward runs (:func:`recompute_memory`); its time is in :func:`unit_prices`.
 
 Pure functions over numbers and a :class:`~lightning_autopipe.cluster.Cluster`; no torch.
 """
@@ -35,13 +38,12 @@ from lightning_autopipe.errors import ClusterError
 from lightning_autopipe.profile import Profile
 
 __all__ = [
-    "allreduce_finish",
     "allreduce_ms",
     "contended_gbps",
     "device_profile",
     "param_state_factor",
     "peak_memory_bytes",
-    "recomputed",
+    "recompute_memory",
     "reduce_ms_per_byte",
     "replica_pairs",
     "ring_costs",
@@ -51,6 +53,7 @@ __all__ = [
     "type_profiles",
     "unit_ms",
     "unit_parts",
+    "unit_prices",
 ]
 
 
@@ -175,26 +178,58 @@ def peak_memory_bytes(
     ``activation_bytes`` is the memory one micro-batch holds for its backward on the stage;
     ``inflight`` the most micro-batches (fractions for slices) held at once under the
     schedule; ``once_bytes`` what is held once on top (a recomputing stage's backward, see
-    :func:`recomputed`). Works on numbers and on numpy arrays alike.
+    :func:`recompute_memory`). Works on numbers and on numpy arrays alike.
     """
     return (param_bytes * param_state_factor(optimizer_factor) + activation_bytes * inflight
             + once_bytes)
 
 
-def recomputed(
-    forward: float, backward: float, memory_bytes: float, input_bytes: float
-) -> tuple[float, float, float]:
-    """A stage that recomputes its activations: (backward cost, bytes one unit holds in flight,
-    bytes held once).
+def recompute_memory(memory_bytes: Any, input_bytes: Any) -> tuple[Any, Any]:
+    """A stage that recomputes its activations: (bytes one unit holds in flight, bytes held
+    once).
 
-    The backward runs the forward again first (``forward`` is added: its ms, or its fixed
-    part, since the recomputed forward is a whole forward of the unit); a unit in flight
-    keeps only the stage's ``input_bytes`` (the boundary tensors it received); while one
-    backward runs, one micro-batch's ``memory_bytes`` live again. For schedules whose
-    backward is not split: a split one would hold the recomputed activations until each
-    weight backward.
+    A unit in flight keeps only the stage's ``input_bytes`` (the boundary tensors it
+    received); while one backward runs, one micro-batch's ``memory_bytes`` live again. Its
+    time is :func:`unit_prices` with ``recompute``. For schedules whose backward is not
+    split: a split one would hold the recomputed activations until each weight backward.
     """
-    return backward + forward, input_bytes, memory_bytes
+    return input_bytes, memory_bytes
+
+
+# ---------------------------------------------------------------------------- unit prices
+def unit_prices(
+    forward: tuple[float, float],
+    backward: tuple[float, float],
+    split_parts: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
+    *,
+    first: bool = False,
+    split: bool = False,
+    recompute: bool = False,
+) -> list[tuple[float, float]]:
+    """A stage's compute per action kind, each ``(ms, fixed ms)`` at the profile's
+    micro-batch: ``[F, B]``, or ``[F, B, W]`` when the schedule splits the backward.
+
+    The fast model and the simulator both price a stage's units from this (then
+    :func:`unit_parts` / :func:`unit_ms` scale them to a unit's samples and the device):
+
+    * ``forward`` and ``backward`` are the stage's summed (ms, fixed ms); ``split_parts`` its
+      split backward (input ms, weight ms, input fixed, weight fixed:
+      :meth:`~lightning_autopipe.profile.BlockProfile.split_backward` summed);
+    * split, B is the input gradient and W the weight gradient, except on the ``first``
+      stage, which has no input gradient to send: its B is empty and its W is the whole
+      backward, as the executor runs it;
+    * a stage that recomputes its activations (``recompute``; never with a split backward)
+      runs the forward again before its backward: the backward costs both (its fixed part
+      too, since the recomputed forward is a whole forward of the unit).
+    """
+    if recompute:
+        backward = (backward[0] + forward[0], backward[1] + forward[1])
+    if not split:
+        return [forward, backward]
+    if first:
+        return [forward, (0.0, 0.0), backward]
+    b_in, b_wt, fix_in, fix_wt = split_parts
+    return [forward, (b_in, fix_in), (b_wt, fix_wt)]
 
 
 # ---------------------------------------------------------------------------- links (fast model)
@@ -206,6 +241,11 @@ def replica_pairs(a: list[str], b: list[str]) -> list[tuple[str, str]]:
 
 def contended_gbps(cluster: Cluster, pairs: list[tuple[str, str]]) -> float:
     """Bandwidth of the slowest of ``pairs`` when all transfer at once over shared links."""
+    cache = _memo(cluster, "contended")
+    key = tuple(pairs)
+    got = cache.get(key)
+    if got is not None:
+        return got
     use: dict[tuple, int] = {}
     res = [cluster.link_resources(x, y) for x, y in pairs]
     for rs in res:
@@ -217,7 +257,29 @@ def contended_gbps(cluster: Cluster, pairs: list[tuple[str, str]]) -> float:
         for r in rs:
             bw = min(bw, cluster.resource_gbps(r) / use[r])
         worst = min(worst, bw)
+    cache[key] = worst
     return worst
+
+
+def _memo(cluster: Cluster, what: str) -> dict:
+    """A cache of link figures kept on ``cluster`` (the mapper builds dozens of layouts over
+    the same device groups; a cluster's links never change once it is built)."""
+    return cluster.__dict__.setdefault("_planner_memo", {}).setdefault(what, {})
+
+
+def _ring(
+    cluster: Cluster, group: list[str]
+) -> tuple[list[tuple[str, str]], list[tuple], list[float], list[float]]:
+    """The ring of ``group``: its edges and each edge's resources, Gb/s and latency (us)."""
+    cache = _memo(cluster, "rings")
+    key = tuple(group)
+    got = cache.get(key)
+    if got is None:
+        edges = _ring_edges(cluster, list(group))
+        links = [cluster._link(a, b) for a, b in edges]
+        got = cache[key] = (edges, [x[2] for x in links], [x[0] for x in links],
+                            [x[1] for x in links])
+    return got
 
 
 def ring_costs(
@@ -229,29 +291,25 @@ def ring_costs(
     share a NIC or a PCIe level split its bandwidth, which decides between keeping a stage's
     replicas in one server and spreading them.
     """
-    rings = []
+    rings = [_ring(cluster, g) for g in groups]
     use: dict[tuple, int] = {}
-    for g in groups:
-        edges = _ring_edges(cluster, g)
-        res = [cluster.link_resources(a, b) for a, b in edges]
+    for _, res, _, _ in rings if contended else ():
         for rs in res:
             for r in rs:
                 use[r] = use.get(r, 0) + 1
-        rings.append((edges, res))
     lat, per_byte = [], []
-    for edges, res in rings:
+    for edges, res, gbps, lats in rings:
         n = len(edges)
         if n < 2:
             lat.append(0.0)
             per_byte.append(0.0)
             continue
         bw = float("inf")
-        for (a, b), rs in zip(edges, res):
-            e = cluster.bandwidth_gbps(a, b)
+        for rs, e in zip(res, gbps):
             for r in rs if contended else ():
                 e = min(e, cluster.resource_gbps(r) / use[r])
             bw = min(bw, e)
-        lat.append(ring_latency_ms(n, max(cluster.latency_us(a, b) for a, b in edges) / 1e3))
+        lat.append(ring_latency_ms(n, max(lats) / 1e3))
         per_byte.append(ring_volume(n, 1.0) / (bw * BYTES_PER_MS_PER_GBPS))
     return lat, per_byte
 
@@ -265,9 +323,10 @@ def ring_resources(
     rings = []
     for g in groups:
         edges = []
-        for a, b in _ring_edges(cluster, g):
+        ring_edges, ring_res, _, _ = _ring(cluster, g)
+        for (a, b), res in zip(ring_edges, ring_res):
             ids = []
-            for r in cluster.link_resources(a, b):
+            for r in res:
                 if r not in index:
                     index[r] = len(caps)
                     caps.append(cluster.resource_gbps(r) * BYTES_PER_MS_PER_GBPS)
@@ -279,80 +338,3 @@ def ring_resources(
             edges.append(tuple(ids))
         rings.append(tuple(edges))
     return tuple(rings), tuple(caps)
-
-
-def _reduce_of(layout: Any, s: int) -> float:
-    """Stage ``s``'s reduction time per gradient byte (0 for layouts built without it)."""
-    return layout.ar_reduce_ms_per_byte[s] if layout.ar_reduce_ms_per_byte else 0.0
-
-
-def allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) -> list[float]:
-    """When each stage's gradient all-reduce ends, rings sharing links splitting their bandwidth.
-
-    A small fluid model: each ring starts when its stage's last action ends and moves
-    :func:`ring_volume` bytes over every edge; an edge gets an equal share of each resource it
-    crosses, a ring advances at its slowest edge's rate, and rates are recomputed whenever a
-    ring starts or ends; the ring's latency and the reduction's own work (no link) add to its
-    end. The optimistic layout (a lower bound) uses uncontended rings instead.
-    """
-    num = len(stage_end)
-    out = list(stage_end)
-    jobs = {}
-    for s in range(num):
-        edges = layout.ar_rings[s] if layout.ar_rings else ()
-        if len(edges) > 1 and nbytes[s] > 0:
-            if layout.optimistic:
-                per_byte = layout.ar_ms_per_byte[s] + _reduce_of(layout, s)
-                out[s] = stage_end[s] + layout.ar_lat_ms[s] + nbytes[s] * per_byte
-            else:
-                reduce = nbytes[s] * _reduce_of(layout, s)
-                jobs[s] = [stage_end[s], ring_volume(len(edges), nbytes[s]), reduce]
-    if not jobs:
-        return out
-    caps = layout.ar_caps
-    users: dict[int, int] = {}
-    for s in jobs:
-        for r in {r for e in layout.ar_rings[s] for r in e}:
-            users[r] = users.get(r, 0) + 1
-    if max(users.values()) == 1:  # no two rings share a link: each runs at its own pace
-        for s, (start, volume, reduce) in jobs.items():
-            rate = min(caps[r] for e in layout.ar_rings[s] for r in e)
-            out[s] = start + volume / rate + layout.ar_lat_ms[s] + reduce
-        return out
-    pending = sorted(jobs, key=lambda s: jobs[s][0])
-    active: dict[int, float] = {}
-    t = jobs[pending[0]][0]
-    # Every pass admits the next ring or ends the ring(s) that finish first, chosen by the
-    # time they finish and not by what is left of their bytes: with near-free links a ring's
-    # remaining time can fall below the resolution of ``t`` (a step of 0), so a test on the
-    # leftover bytes would never succeed and the loop would spin. At most 2 x rings passes.
-    while pending or active:
-        while pending and jobs[pending[0]][0] <= t:
-            s = pending.pop(0)
-            active[s] = jobs[s][1]
-        if not active:
-            t = jobs[pending[0]][0]
-            continue
-        load: dict[int, int] = {}
-        for s in active:
-            for e in layout.ar_rings[s]:
-                for r in e:
-                    load[r] = load.get(r, 0) + 1
-        rate = {s: min(caps[r] / load[r] for e in layout.ar_rings[s] for r in e) for s in active}
-        left = {s: active[s] / rate[s] for s in active}
-        first = min(left.values())
-        nxt = jobs[pending[0]][0] if pending else float("inf")
-        if nxt < t + first:  # a ring starts before any ends: advance to it
-            for s in active:
-                active[s] -= rate[s] * (nxt - t)
-            t = nxt
-            continue
-        ended = [s for s in active if left[s] <= first * (1 + 1e-9)]
-        t += first
-        for s in list(active):
-            if s in ended:
-                del active[s]
-                out[s] = t + layout.ar_lat_ms[s] + jobs[s][2]
-            else:
-                active[s] = max(active[s] - rate[s] * first, 0.0)
-    return out

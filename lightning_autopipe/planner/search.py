@@ -32,11 +32,11 @@ from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner.autopipe import autopipe_proposals
 from lightning_autopipe.planner.baselines import propose
-from lightning_autopipe.planner.compiled import splits_backward
-from lightning_autopipe.planner.generators import schedule_generator
+from lightning_autopipe.planner.costmodel import evaluate
+from lightning_autopipe.planner.generators import schedule_generator, splits_backward
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
-from lightning_autopipe.planner.polish import evaluate_many, polish, sweep_budget
+from lightning_autopipe.planner.polish import evaluate_many, polish
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import Profile
 
@@ -131,8 +131,8 @@ def make_plan(
         # (the proposal right after it, see _autopipe)
         chosen = props[:2]
     if len(chosen) >= 2:
-        plans = [finish_plan(p, planner, profile, cluster, global_batch_size, optimizer_factor)
-                 for p in chosen]
+        plans = _simulate_finalists(chosen, planner, profile, costs, cluster, global_batch_size,
+                                    optimizer_factor)
         search_ms = (time.perf_counter() - t0) * 1e3 - excluded
     else:
         search_ms = (time.perf_counter() - t0) * 1e3 - excluded
@@ -152,6 +152,37 @@ def make_plan(
     return best
 
 
+def _simulate_finalists(
+    chosen: list[Proposal], planner: str, profile: Profile, costs: BlockCosts, cluster: Cluster,
+    batch: int, optimizer_factor: float,
+) -> list[Plan]:
+    """The finalists as simulated plans, skipping those that cannot win.
+
+    Once a simulated finalist fits memory, a later one is simulated only if its optimistic
+    replay (every stage on its fastest replica over uncontended links, the whole step
+    replayed: a lower bound of the simulator) does not exceed the best fitting step so far;
+    the others could not be chosen (the fastest fitting plan is), so skipping them changes
+    nothing but the time spent.
+    """
+    plans: list[Plan] = []
+    best = float("inf")
+    for p in chosen:
+        if best < float("inf"):
+            bound = evaluate(
+                costs, Layout.from_cluster(cluster, p.groups, optimistic=True), p.cuts, batch,
+                p.num_microbatches, p.startup_slices, drain_slices=p.drain_slices,
+                schedule=p.schedule, optimizer_factor=optimizer_factor, critical_path=False,
+                exact=True,
+            ).iteration_ms
+            if bound * (1 - 1e-9) > best:
+                continue
+        plan = finish_plan(p, planner, profile, cluster, batch, optimizer_factor)
+        plans.append(plan)
+        if _fits(plan, cluster):
+            best = min(best, plan.iteration_ms)
+    return plans
+
+
 def _polish_favourite(
     props: list[Proposal], costs: BlockCosts, cluster: Cluster, batch: int,
     optimizer_factor: float,
@@ -161,14 +192,15 @@ def _polish_favourite(
     on the plan (that the walk stopped at its sweep budget)."""
     top = props[0]
     layout = Layout.from_cluster(cluster, top.groups)
-    cuts, sweeps = polish(top.cuts, functools.partial(
+    walk = polish(top.cuts, functools.partial(
         evaluate_many, costs, layout, batch=batch, num_microbatches=top.num_microbatches,
         startup_slices=top.startup_slices, drain_slices=top.drain_slices,
         schedule=top.schedule, optimizer_factor=optimizer_factor))
-    props[0] = replace(top, cuts=cuts)
-    if sweeps >= sweep_budget(layout.num_stages):
-        return [f"the final local search over the cuts stopped at its budget of {sweeps} "
-                "sweeps (a better partition may lie further)"]
+    props[0] = replace(top, cuts=walk.cuts)
+    if walk.at_budget:
+        return [f"the final local search over the cuts stopped at its budget of {walk.sweeps} "
+                f"sweeps while its last sweep still gained {walk.last_gain:.3%} (a better "
+                "partition may lie further)"]
     return []
 
 

@@ -104,6 +104,9 @@ class TextDataConfig:
     val_fraction: float = 0.02
     num_workers: int = 0
     seed: int = 0
+    # Samples per step over all replicas, fixed whatever the world (elastic runs); null: the
+    # global batch is batch_size x replicas.
+    global_batch_size: int | None = None
 
 
 @dataclass
@@ -128,6 +131,7 @@ class ImageDataConfig:
     batch_size: int = 16
     num_workers: int = 0
     seed: int = 0
+    global_batch_size: int | None = None  # as TextDataConfig's
 
 
 # ----------------------------------------------------------------------------------- strategy
@@ -240,6 +244,10 @@ class RecipeConfig:
     ``run_dir`` (default ``outputs/<recipe>/<time>``, or ``$AUTOPIPE_RUN_DIR``) holds logs and
     the timeline picture; ``threads_per_rank`` null = CPU cores / local ranks;
     ``plan_only`` prints the plan for ``cluster`` without launching (same as ``--plan-only``).
+    ``checkpoint_every_n_steps`` saves ``last.ckpt`` (atomically) every N optimizer steps in
+    ``checkpoint_dir`` (default ``<run_dir>/checkpoints``); ``ckpt_path`` is passed to
+    ``Trainer.fit`` (``last``: resume the newest checkpoint, start fresh when there is none:
+    set it and forget it, as an elastic torchrun run needs).
     """
 
     recipe: str = MISSING
@@ -253,6 +261,9 @@ class RecipeConfig:
     run_dir: str | None = None
     threads_per_rank: int | None = None
     plan_only: bool = False
+    ckpt_path: str | None = None
+    checkpoint_every_n_steps: int | None = None
+    checkpoint_dir: str | None = None
 
 
 _SCHEMAS: list[tuple[str | None, str, type]] = [

@@ -19,6 +19,8 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
+from lightning_autopipe.lightning.sampler import ElasticDataLoader
+
 __all__ = [
     "EOS",
     "IGNORE_INDEX",
@@ -236,13 +238,23 @@ class _ReplicaOrder(RandomSampler):
 
 class _FixedDataModule(pl.LightningDataModule):
     """Train/val loaders over two datasets; fixed batch size (``drop_last``) for pipelining;
-    training order as a one-replica ``DistributedSampler`` (see :class:`_ReplicaOrder`)."""
+    training order as a one-replica ``DistributedSampler`` (see :class:`_ReplicaOrder`).
 
-    def __init__(self, batch_size: int, num_workers: int = 0, seed: int = 0) -> None:
+    With ``global_batch_size`` the training loader is an
+    :class:`~lightning_autopipe.lightning.sampler.ElasticDataLoader` of that many samples per
+    step over all replicas (the same order, resumable, whatever the world size; the Trainer
+    then needs ``use_distributed_sampler=False``) and ``batch_size`` only sizes validation.
+    """
+
+    def __init__(
+        self, batch_size: int, num_workers: int = 0, seed: int = 0,
+        global_batch_size: int | None = None,
+    ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.batch_size = batch_size
+        self.global_batch_size = global_batch_size
         self.num_workers = num_workers
         self.seed = seed
         self.train_set: Dataset | None = None
@@ -261,6 +273,12 @@ class _FixedDataModule(pl.LightningDataModule):
                 )
 
     def _loader(self, dataset: Dataset | None, train: bool) -> DataLoader:
+        if train and self.global_batch_size:
+            return ElasticDataLoader(
+                dataset, self.global_batch_size, shuffle=True,
+                seed=int(os.getenv("PL_GLOBAL_SEED", "0")),  # _ReplicaOrder's order
+                num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            )
         return DataLoader(
             dataset,  # type: ignore[arg-type]
             batch_size=self.batch_size,
@@ -291,6 +309,8 @@ class StdlibTextDataModule(_FixedDataModule):
     Args:
         block_size: tokens per sample (the model's context length).
         batch_size: samples per batch handed to the strategy (per data-parallel replica).
+        global_batch_size: if set, training batches are global ones, resumable at any world
+            size (see :class:`_FixedDataModule`).
         max_bytes: corpus cap in bytes (= tokens).
         val_fraction: share of blocks, taken from the end of the corpus, held out.
     """
@@ -305,8 +325,9 @@ class StdlibTextDataModule(_FixedDataModule):
         val_fraction: float = 0.02,
         num_workers: int = 0,
         seed: int = 0,
+        global_batch_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed)
+        super().__init__(batch_size, num_workers, seed, global_batch_size)
         self.block_size = block_size
         self.max_bytes = max_bytes
         self.val_fraction = val_fraction
@@ -335,8 +356,10 @@ class StdlibMLMDataModule(StdlibTextDataModule):
         mask_prob: float = 0.15,
         num_workers: int = 0,
         seed: int = 0,
+        global_batch_size: int | None = None,
     ) -> None:
-        super().__init__(block_size, batch_size, max_bytes, val_fraction, num_workers, seed)
+        super().__init__(block_size, batch_size, max_bytes, val_fraction, num_workers, seed,
+                         global_batch_size)
         self.mask_prob = mask_prob
 
     def _datasets(self) -> tuple[Dataset, Dataset]:
@@ -361,8 +384,9 @@ class SyntheticImageDataModule(_FixedDataModule):
         batch_size: int = 16,
         num_workers: int = 0,
         seed: int = 0,
+        global_batch_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed)
+        super().__init__(batch_size, num_workers, seed, global_batch_size)
         self.num_classes = num_classes
         self.image_size = image_size
         self.channels = channels

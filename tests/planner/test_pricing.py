@@ -10,11 +10,12 @@ import random
 import pytest
 
 from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.planner.allreduce import allreduce_finish
 from lightning_autopipe.planner.costmodel import evaluate
 from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, StagePlan
-from lightning_autopipe.planner.pricing import allreduce_finish, allreduce_ms, unit_ms
+from lightning_autopipe.planner.pricing import allreduce_ms, unit_ms
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import BlockProfile, Profile
 

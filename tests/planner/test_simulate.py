@@ -437,13 +437,14 @@ def test_fluid_links_share_max_min_fairly() -> None:
     # resource A (10 bytes/ms) carries flows 1 and 2, B (4 bytes/ms) carries flow 1 only:
     # B caps flow 1 at 4, so flow 2 gets the remaining 6 of A (not an equal 5 / 5 split)
     heap: list = []
-    links = FluidLinks({"A": 10.0, "B": 4.0}.__getitem__, heap, itertools.count().__next__, 7)
+    links = FluidLinks({"A": 10.0, "B": 4.0}.__getitem__, heap, itertools.count().__next__,
+                       lambda flow, ver: (7, flow, ver))
     links.start(0.0, 40.0, ("A", "B"), "one")
     links.start(0.0, 30.0, ("A",), "two")
     links.settle(0.0)
     done = {}
     while heap:
-        t, _, kind, flow, ver = heapq.heappop(heap)
+        t, _, (kind, flow, ver) = heapq.heappop(heap)
         assert kind == 7
         if links.finish(flow, ver):
             done[flow.payload] = t

@@ -1,0 +1,264 @@
+"""What the simulator reads and returns: per-stage costs, unit sizes, timeline events, results.
+
+:func:`stage_costs` sums a plan's blocks per stage, :func:`unit_samples` sizes every unit of the
+step, :func:`overlaps` and :func:`peers` say which replica feeds which over which link,
+:func:`stage_peaks` is each stage's peak memory under a schedule; :class:`SimResult` and its
+:class:`Event` list are what :func:`~.simulate.simulate` predicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import PlanError
+from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.planner.pricing import peak_memory_bytes, recompute_memory, unit_prices
+from lightning_autopipe.planner.schedule import (
+    Kind,
+    Schedule,
+    is_split,
+    slice_count,
+    unit_sizes,
+    units,
+)
+from lightning_autopipe.profile import Profile
+
+__all__ = ["CODE", "Event", "Peer", "SimResult", "StageCost", "overlaps", "peers", "stage_costs",
+           "stage_peaks", "unit_samples"]
+
+#: action codes of the simulator's per-stage lists and of its raw timeline records
+F, B, SF, SB, RF, RB, AR, W = range(8)
+CODE = {
+    Kind.FORWARD: F,
+    Kind.BACKWARD: B,
+    Kind.SEND_F: SF,
+    Kind.SEND_B: SB,
+    Kind.RECV_F: RF,
+    Kind.RECV_B: RB,
+    Kind.WEIGHT: W,
+}
+_NAME = ["F", "B", "SF", "SB", "RF", "RB", "AR", "W"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval on the timeline.
+
+    ``kind`` is ``F``/``B``/``W`` (compute on ``device``; ``W`` the weight gradient of a split
+    backward, whose ``B`` is then the input gradient), ``SF``/``SB`` (a transfer from ``device``
+    to ``peer``: activations / gradients, from the send until it arrives) or ``AR`` (the
+    stage's gradient all-reduce on ``device``). ``unit`` is (micro-batch, slice) or None.
+    """
+
+    device: str
+    stage: int
+    kind: str
+    unit: tuple[int, int] | None
+    start_ms: float
+    end_ms: float
+    peer: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.unit is None:
+            return f"{self.stage}{self.kind}"
+        return f"{self.stage}{self.kind}{self.unit[0]}.{self.unit[1]}"
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` predicts for one training step."""
+
+    iteration_ms: float
+    bubble_fraction: float
+    busy_ms: dict[str, float]
+    peak_memory_bytes: dict[str, int]
+    stage_ms: list[float]
+    allreduce_ms: list[float] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+    _raw: list[tuple] = field(default_factory=list, repr=False)
+    _units: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    _stage_of: list[int] = field(default_factory=list, repr=False)
+
+    @cached_property
+    def events(self) -> list[Event]:
+        """Every compute, transfer and all-reduce interval (built on first access)."""
+        out = []
+        devs, us, st = self.devices, self._units, self._stage_of
+        for d, code, u, start, end, peer in self._raw:
+            out.append(
+                Event(
+                    devs[d],
+                    st[d],
+                    _NAME[code],
+                    None if u < 0 else us[u],
+                    start,
+                    end,
+                    None if peer < 0 else devs[peer],
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per-stage sums over its blocks (for ``profile.micro_batch_size`` samples)."""
+
+    forward_ms: float
+    backward_ms: float
+    param_bytes: int
+    memory_bytes: int
+    activation_bytes: int  # output of the stage's last block: what it sends to the next stage
+    forward_fixed_ms: float = 0.0  # the parts of forward_ms / backward_ms that do not scale
+    backward_fixed_ms: float = 0.0  # with samples (see pricing.unit_parts)
+    # a split backward (BlockProfile.split_backward): input part, weight part, their fixed parts
+    split: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    once_bytes: int = 0  # held once at the peak (a recomputing stage's backward)
+    recompute: bool = False  # the stage recomputes its activations (its backward pays F again)
+
+    def prices(self, first: bool, split: bool) -> list[tuple[float, float]]:
+        """(ms, fixed ms) per action kind: :func:`~.pricing.unit_prices` of this stage."""
+        return unit_prices((self.forward_ms, self.forward_fixed_ms),
+                           (self.backward_ms, self.backward_fixed_ms), self.split, first=first,
+                           split=split, recompute=self.recompute)
+
+
+def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
+    """Sum the profile's block costs over each stage's block range (a recomputing stage's
+    memory by :func:`~.pricing.recompute_memory`; its time is priced where its units are, by
+    :func:`~.pricing.unit_prices`)."""
+    if plan.num_blocks > len(profile.blocks):
+        raise PlanError(
+            f"plan covers blocks [0, {plan.num_blocks}) but the profile of {profile.model!r} has "
+            f"{len(profile.blocks)} blocks; re-plan with this profile"
+        )
+    out = []
+    for st in plan.stages:
+        bl = profile.blocks[st.blocks[0] : st.blocks[1]]
+        out.append(
+            StageCost(
+                forward_ms=sum(b.forward_ms for b in bl),
+                backward_ms=sum(b.backward_ms for b in bl),
+                param_bytes=sum(b.param_bytes for b in bl),
+                # a storage two blocks save counted once; the first stage's saved inputs are
+                # slices of the replica's batch, held once (m micro-batches' worth)
+                memory_bytes=sum(b.memory_bytes for b in bl)
+                - sum(b.shared_input_bytes for b in bl[1:])
+                - (bl[0].shared_input_bytes if st.blocks[0] == 0 else 0),
+                once_bytes=bl[0].shared_input_bytes * plan.num_microbatches
+                if st.blocks[0] == 0 else 0.0,
+                activation_bytes=bl[-1].activation_bytes,
+                forward_fixed_ms=sum(b.forward_fixed_ms for b in bl),
+                backward_fixed_ms=sum(b.backward_fixed_ms for b in bl),
+                split=tuple(sum(x) for x in zip(*(b.split_backward() for b in bl))),
+            )
+        )
+    for s, st in enumerate(plan.stages):
+        if plan.recomputes(s):
+            c, i = out[s], st.blocks[0]
+            inputs = profile.blocks[i - 1].activation_bytes if i > 0 else 0
+            held, once = recompute_memory(c.memory_bytes, inputs)
+            out[s] = replace(c, memory_bytes=held, once_bytes=once + c.once_bytes,
+                             recompute=True)
+    return out
+
+
+def unit_samples(plan: Plan) -> tuple[list[float], list[int]]:
+    """Global samples of each unit (summed over a stage's replicas) and replicas per stage."""
+    reps = [s.replicas for s in plan.stages]
+    m, k, j = plan.num_microbatches, plan.startup_slices, plan.drain_slices
+    if len(set(reps)) == 1:
+        r = reps[0]
+        n = plan.microbatch_size  # raises PlanError when B is not divisible into R x m
+        return [float(sz * r) for sz in unit_sizes(n, m, k, j)], reps
+    if plan.global_batch_size % m:
+        raise PlanError(
+            f"global batch {plan.global_batch_size} is not divisible into {m} micro-batches; "
+            f"use a multiple of {m}"
+        )
+    g = plan.global_batch_size / m
+    if max(k, j) > g:
+        raise PlanError(
+            f"cannot split a micro-batch of {g:g} samples into {max(k, j)} startup/drain slices"
+        )
+    return [g / slice_count(mb, m, k, j) for mb, _ in units(m, k, j)], reps
+
+
+def overlaps(r_a: int, r_b: int) -> list[tuple[int, int, float]]:
+    """(i, j, fraction of a unit) pairs where replica i of one stage feeds replica j of the next."""
+    out = []
+    for i in range(r_a):
+        lo_a, hi_a = i * r_b, (i + 1) * r_b
+        for j in range(r_b):
+            ov = min(hi_a, (j + 1) * r_a) - max(lo_a, j * r_a)
+            if ov > 0:
+                out.append((i, j, ov / (r_a * r_b)))
+    return out
+
+
+@dataclass
+class Peer:
+    """Where a device sends one direction's messages: bytes per global sample and link."""
+
+    dst: int
+    bytes_per_sample: float
+    gbps: float
+    latency_ms: float
+    resources: tuple
+
+
+def peers(
+    plan: Plan, profile: Profile, cluster: Cluster, costs: list[StageCost], reps: list[int],
+    stage_devs: list[list[int]],
+) -> tuple[list[list[Peer]], list[list[Peer]], list[list[int]]]:
+    """Per device (index in ``plan.devices``): whom it sends activations and gradients, and
+    how many messages it receives per unit from the previous and from the next stage."""
+    names = plan.devices
+    nd, link = len(names), cluster._link
+    out_f: list[list[Peer]] = [[] for _ in range(nd)]
+    out_b: list[list[Peer]] = [[] for _ in range(nd)]
+    indeg = [[0, 0] for _ in range(nd)]  # [from previous stage, from next stage]
+    mbs = float(profile.micro_batch_size)
+    for s in range(plan.num_stages - 1):
+        per_sample = costs[s].activation_bytes / mbs  # activations out = gradients back
+        for i, j, frac in overlaps(reps[s], reps[s + 1]):
+            a, b = stage_devs[s][i], stage_devs[s + 1][j]
+            gbps, lat, res = link(names[a], names[b])
+            out_f[a].append(Peer(b, per_sample * frac, gbps, lat / 1e3, res))
+            gbps, lat, res = link(names[b], names[a])
+            out_b[b].append(Peer(a, per_sample * frac, gbps, lat / 1e3, res))
+            indeg[b][0] += 1
+            indeg[a][1] += 1
+    return out_f, out_b, indeg
+
+
+def stage_peaks(
+    schedule: Schedule,
+    costs: list,
+    gsamples: list[float],
+    reps: list[int],
+    uidx: dict,
+    mbs: float,
+    opt: float,
+    whole: float,
+) -> list[int]:
+    """Per stage: parameter state plus the most activation memory held in flight (a unit's
+    activations are held from its forward to its backward, or to its weight backward when the
+    backward is split: W still reads what the forward saved), plus what a stage holds once
+    (``once_bytes`` of a whole micro-batch of ``whole`` global samples)."""
+    release = Kind.WEIGHT if is_split(schedule) else Kind.BACKWARD
+    out = []
+    for s, c in enumerate(costs):
+        per_sample = c.memory_bytes / mbs / reps[s]
+        held = peak = 0.0
+        for a in schedule[s]:
+            if a.kind is Kind.FORWARD:
+                held += per_sample * gsamples[uidx[a.unit]]
+                peak = max(peak, held)
+            elif a.kind is release:
+                held -= per_sample * gsamples[uidx[a.unit]]
+        once = c.once_bytes / mbs / reps[s] * whole
+        out.append(int(round(peak_memory_bytes(c.param_bytes, peak, 1.0, opt, once))))
+    return out

@@ -1,0 +1,190 @@
+"""The faster pricing equals the reference pricing, and the search is never worse than the
+planner before it.
+
+* the level-by-level replay of many candidates (``planner/levels.py``) equals the scalar
+  replay to the bit, on a grid of schedules, depths, micro-batch and slice counts, with and
+  without link queues;
+* ``evaluate_batch`` equals ``evaluate`` one candidate at a time (estimates, critical path
+  included), for one layout and for one layout per candidate; past the extrapolation point
+  this also holds the shorter replay resumed from the longer one's shared prefix
+  (``planner/extrapolate.py``, taken by the scalar path) equal to the whole replay;
+* level 1's array scoring (``planner/shapes.py``) equals the scalar closed form it replaced
+  (kept below as the reference), shape for shape and bit for bit;
+* on 50 seeded random profiles and clusters the whole search predicts a step no longer than
+  the planner before these changes did (its figures frozen in ``data/search_reference.json``,
+  written by ``search_cases.py`` run against that planner).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS
+from lightning_autopipe.planner import costmodel, make_plan
+from lightning_autopipe.planner.compiled import compiled
+from lightning_autopipe.planner.costmodel import _replay, evaluate, evaluate_batch
+from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.levels import replay_levels
+from lightning_autopipe.planner.mapping import candidate_groupings, speed_order
+from lightning_autopipe.planner.polish import neighbours
+from lightning_autopipe.planner.pricing import allreduce_ms, peak_memory_bytes, unit_ms
+from lightning_autopipe.planner.shapes import microbatch_choices, score_shapes
+
+from .search_cases import CASES, case
+from .test_search_ends import _random_cluster, _random_profile
+
+REFERENCE = Path(__file__).parent / "data" / "search_reference.json"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+def test_level_replay_equals_the_scalar_replay_to_the_bit(schedule):
+    rng = random.Random(schedule)
+    for stages in (1, 2, 3, 5, 9):
+        for m, k, j in ((1, 1, 1), (1, 3, 1), (4, 2, 2), (9, 1, 3), (23, 4, 2)):
+            comp = compiled(schedule, stages, m, k, 4, j)
+            kinds = 3 if comp.split else 2
+            for queue in (True, False):
+                count = 3
+                var = [[[rng.random() for _ in range(stages)] for _ in range(kinds)]
+                       for _ in range(count)]
+                call = [[[rng.random() * 0.1 for _ in range(stages)] for _ in range(kinds)]
+                        for _ in range(count)]
+                cut = [[rng.random() * 0.5 for _ in range(stages - 1)] for _ in range(count)]
+                lat = [[rng.random() * 0.1 for _ in range(stages - 1)] for _ in range(count)]
+                finish, started = replay_levels(
+                    comp, np.array(var).transpose(1, 2, 0), np.array(call).transpose(1, 2, 0),
+                    np.array(cut).reshape(count, -1).T, np.array(lat).reshape(count, -1).T,
+                    queue, True)
+                for i in range(count):
+                    ref, _, via = _replay(comp, var[i], call[i], cut[i], tuple(lat[i]),
+                                          [0.0] * stages, queue)
+                    assert finish[:, i].tolist() == ref, (stages, m, k, j, queue)
+                    assert started[:, i].tolist() == via, (stages, m, k, j, queue)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_evaluate_batch_equals_evaluate_one_by_one(seed, monkeypatch):
+    rng = random.Random(300 + seed)
+    profile = _random_profile(rng, rng.randint(30, 90))
+    cluster = _random_cluster(rng)
+    costs = BlockCosts.from_profile(profile)
+    devs = [d.name for d in cluster.devices]
+    stages = rng.randint(2, min(12, len(devs)))
+    m = rng.choice([1, stages, 3 * stages + 9])  # past the extrapolation point too
+    batch = m * rng.choice([2, 4])  # two startup / drain slices need two samples
+    layouts = [Layout.from_cluster(cluster, g, optimistic=opt)
+               for g in candidate_groupings(cluster, devs, stages, 1).values()
+               for opt in (False, True)]  # with link queues and without
+    base = [round(i * costs.num_blocks / stages) for i in range(stages)] + [costs.num_blocks]
+    cands = [base] + neighbours(base)[:40]
+    for schedule in ("1f1b", "zb-h1"):
+        kw = dict(schedule=schedule, drain_slices=rng.choice([1, 2]) if m > 1 else 1)
+        with monkeypatch.context() as patch:  # the batches go level by level
+            patch.setattr(costmodel, "_LEVEL_WIDTH", 0.0)
+            many = evaluate_batch(costs, layouts[0], cands, batch, m, 2, **kw)
+            per_layout = evaluate_batch(costs, layouts, [base] * len(layouts), batch, m, 1,
+                                        critical_path=False, **kw)
+        assert many == [evaluate(costs, layouts[0], c, batch, m, 2, **kw) for c in cands]
+        assert per_layout == [evaluate(costs, lay, base, batch, m, 1, critical_path=False, **kw)
+                              for lay in layouts]
+
+
+def _reference_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor,
+                      max_slices):
+    """Level 1 as the planner scored it one shape at a time (the reference)."""
+    order = speed_order(cluster, devs)
+    specs = [cluster.device(d).spec for d in order]
+    nd, n = len(order), costs.num_blocks
+    work = costs.compute[-1]
+    big = max(costs.compute[i + 1] - costs.compute[i] for i in range(n))
+    params, mem = costs.params[-1], costs.mem[-1]
+    act = sum(costs.act[:-1]) / max(1, n - 1)
+    mbs = costs.micro_batch_size
+    out = []
+    for s in [pins["num_stages"]] if pins["num_stages"] else range(1, min(n, nd) + 1):
+        if pins["replicas"]:
+            r_list = [pins["replicas"]]
+        elif use_all:
+            r_list = [nd // s] if nd % s == 0 else []
+        else:
+            r_list = sorted({r for r in range(1, nd // s + 1) if batch % r == 0})
+        for r in r_list:
+            if s * r > nd or batch % r:
+                continue
+            chunks = [specs[i * r : (i + 1) * r] for i in range(s)]
+            speeds = [min(x.speed for x in c) for c in chunks]
+            cap = min(min(x.memory_bytes for x in c) for c in chunks)
+            ovh = max(x.overhead_ms for c in chunks for x in c)
+            sum_sp = sum(speeds)
+            ar = allreduce_ms(cluster, order[:r], int(params / s)) if r > 1 else 0.0
+            hop = xfer = 0.0
+            for c in range(s - 1):
+                a, b = order[c * r], order[(c + 1) * r]
+                ms = act / mbs / (cluster.bandwidth_gbps(a, b) * BYTES_PER_MS_PER_GBPS)
+                if cluster.device(a).server != cluster.device(b).server:
+                    ms *= r
+                hop = max(hop, cluster.latency_us(a, b) / 1e3 + ms * mbs)
+                xfer = max(xfer, ms)
+            base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
+            fixed = min(sum(costs.fixed(0, n)) / sum_sp, base)
+
+            def tau(samples, base=base, fixed=fixed, ovh=ovh, xfer=xfer):
+                return max(unit_ms(base, fixed, samples / mbs, 1.0, 2 * ovh), xfer * samples)
+
+            def term(fill, size, pin, limit, tau=tau):
+                qs = [pin] if pin else range(1, min(limit, size) + 1)
+                return min((q + fill) * tau(size / q) for q in qs)
+
+            k_pin, j_pin = pins["startup_slices"], pins["drain_slices"]
+            limit = max_slices if s > 1 else 1
+            for m in [pins["num_microbatches"]] if pins["num_microbatches"] else (
+                    microbatch_choices(batch, r)):
+                if (batch // r) % m or batch // (r * m) < max(k_pin or 1, j_pin or 1):
+                    continue
+                size = batch // (m * r)
+                scale = size / mbs
+                if m == 1:
+                    est = term(s - 1, size, k_pin, limit)
+                else:
+                    est = (m - 2) * tau(size) + sum(
+                        term((s - 1) / 2, size, pin, limit) for pin in (k_pin, j_pin))
+                est += 2 * (s - 1) * hop * scale + ar
+                need = peak_memory_bytes(params / s, mem / s * scale, min(s, m), optimizer_factor)
+                out.append((s, r, m, est, need <= cap))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_array_shape_scores_equal_the_scalar_closed_form(seed):
+    rng = random.Random(900 + seed)
+    profile = _random_profile(rng, rng.randint(5, 120))
+    cluster = _random_cluster(rng)
+    costs = BlockCosts.from_profile(profile)
+    devs = [d.name for d in cluster.devices]
+    batch = 64 * rng.choice([1, 3, 4])
+    free = dict.fromkeys(("num_stages", "replicas", "num_microbatches", "startup_slices",
+                          "drain_slices"))
+    pinned = {**free, "startup_slices": 2, "drain_slices": 3}
+    for pins in (free, pinned):
+        for use_all in (False, True):
+            got = score_shapes(costs, cluster, devs, batch, pins, use_all, 2.0, 8)
+            want = _reference_shapes(costs, cluster, devs, batch, pins, use_all, 2.0, 8)
+            assert [(x.stages, x.replicas, x.microbatches, x.score, x.fits)
+                    for x in got] == want
+
+
+def test_the_search_is_never_worse_than_the_planner_before_it():
+    reference = {int(k): v for k, v in json.loads(REFERENCE.read_text()).items()}
+    assert sorted(reference) == list(range(CASES))
+    worse = []
+    for seed in range(CASES):
+        profile, cluster, batch = case(seed)
+        got = make_plan(profile, cluster, batch, memory_check=False).iteration_ms
+        if got > reference[seed] * (1 + 1e-9):
+            worse.append((seed, got, reference[seed]))
+    assert not worse, worse

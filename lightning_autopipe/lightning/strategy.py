@@ -92,7 +92,11 @@ from lightning_autopipe import checkpoint as ckpt
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.lightning import elastic, summary, telemetry
 from lightning_autopipe.lightning.example import _example
-from lightning_autopipe.lightning.held_pipeline import HeldPipeline, destroy_released_groups
+from lightning_autopipe.lightning.held_pipeline import (
+    HeldPipeline,
+    destroy_pipeline_groups,
+    destroy_released_groups,
+)
 from lightning_autopipe.lightning.precision import install_loss_scaling
 from lightning_autopipe.lightning.prelaunch import (
     CheckedMultiProcessingLauncher,
@@ -438,7 +442,7 @@ class AutoPipeStrategy(ParallelStrategy):
         Returns the migration's :class:`~lightning_autopipe.runtime.migrate.MigrationStats`.
         """
         assert self._pipe is not None
-        module, runner = self._held.module, self._held.runner
+        module, runner, old = self._held.module, self._held.runner, self._pipe
         scaler = getattr(self.precision_plugin, "scaler", None)
         if getattr(self.precision_plugin, "precision", None) != "16-mixed":
             scaler = None
@@ -447,7 +451,7 @@ class AutoPipeStrategy(ParallelStrategy):
             timeout=self.options.timeout_delta,
             on_built=lambda new: self._adopt(new, module, runner),
         )
-        destroy_released_groups()  # the old pipeline's, on every rank at once
+        destroy_pipeline_groups(old.groups)  # on every rank at once
         if self._bn is not None:  # BatchNorm's step work, on the new stage
             self._bn.close()
             self._bn = BatchNormSteps(self._pipe, track=not self.options.compile)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.runtime.groups import destroy_groups
 
-__all__ = ["HeldPipeline", "destroy_released_groups"]
+__all__ = ["HeldPipeline", "destroy_pipeline_groups", "destroy_released_groups"]
 
 # Modules whose parameters a pipeline has bound to one stage (the others released).
 _SPLIT: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -109,6 +109,22 @@ def destroy_released_groups() -> None:
     dist.barrier()
     _destroy_released()
     dist.barrier()
+
+
+def destroy_pipeline_groups(groups: Any) -> None:
+    """Destroy one released pipeline's process groups on every rank at once, between two
+    barriers (a live re-plan's old pipeline: every rank knows it, so no garbage collection is
+    needed to agree on what to destroy, and a full one costs seconds on a loaded machine)."""
+    if groups is None:
+        return
+    for i, queued in enumerate(_RELEASED):
+        if queued is groups:
+            del _RELEASED[i]
+            break
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        destroy_groups(groups)
+        dist.barrier()
 
 
 def _release(box: list[Any]) -> None:

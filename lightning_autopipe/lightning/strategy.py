@@ -46,7 +46,11 @@ from lightning_autopipe import checkpoint as ckpt
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.lightning import elastic, summary, telemetry
 from lightning_autopipe.lightning.example import _example
-from lightning_autopipe.lightning.held_pipeline import HeldPipeline, destroy_released_groups
+from lightning_autopipe.lightning.held_pipeline import (
+    HeldPipeline,
+    destroy_pipeline_groups,
+    destroy_released_groups,
+)
 from lightning_autopipe.lightning.precision import install_loss_scaling
 from lightning_autopipe.lightning.prelaunch import (
     CheckedMultiProcessingLauncher,
@@ -54,6 +58,7 @@ from lightning_autopipe.lightning.prelaunch import (
     check_before_launch,
     check_trainer,
 )
+from lightning_autopipe.lightning.replan import Replanner, SwitchRecord, write_plan
 from lightning_autopipe.lightning.report_once import install_excepthook, shown_by_rank_zero
 from lightning_autopipe.lightning.reproducible import BatchNormSteps, reproducible_options
 from lightning_autopipe.lightning.reproducible import note as reproducible_note
@@ -66,6 +71,7 @@ from lightning_autopipe.runtime.checks import check_microbatches
 from lightning_autopipe.runtime.failure import describe, watch_launcher
 from lightning_autopipe.runtime.materialize import deferred_init, is_deferred
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline
+from lightning_autopipe.runtime.replan import switch_pipeline
 
 __all__ = ["AutoPipeStrategy"]
 
@@ -124,6 +130,8 @@ class AutoPipeStrategy(ParallelStrategy):
         self._grads: list[Tensor | None] | None = None
         self._hidden_example: Any = None
         self._initial_state: Any = None  # a checkpoint's weights for a meta-device module
+        self._orders: tuple[list[str], list[str]] = ([], [])  # the whole model's names
+        self._replanner = Replanner()
         self._bn: BatchNormSteps | None = None  # BatchNorm's step work for the held pipeline
         self._resumed: tuple[Any, Any, Any] | None = None  # (path, its facts, progress note)
         self._progress = elastic.ProgressNote(None)
@@ -294,9 +302,14 @@ class AutoPipeStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             self._check_optimizers()
         self.setup_precision_plugin()
-        install_loss_scaling(self.precision_plugin, self._pipe.executor)  # 16-mixed only
+        self._install_executor()
         if fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _install_executor(self) -> None:
+        """The precision plugin's loss scaling and clipping run on the current executor."""
+        assert self._pipe is not None
+        install_loss_scaling(self.precision_plugin, self._pipe.executor)  # 16-mixed only
         executor = self._pipe.executor
         self.precision_plugin.clip_grad_by_norm = (  # type: ignore[method-assign]
             lambda optimizer, clip_val: executor.clip_grad_norm_(float(clip_val))
@@ -339,13 +352,66 @@ class AutoPipeStrategy(ParallelStrategy):
             initial_state=self._initial_state,
         )
         self._initial_state = None
+        self._orders = (param_order, state_order)
+        self._adopt(pipe, module, runner)
+        rank_zero_info(pipe.table)
+        plan_dir = self._plan_dir()
+        if plan_dir is not None:
+            write_plan(plan_dir, pipe.plan, 0)
+        self._note_attempt(trainer)
+
+    def _adopt(self, pipe: LocalPipeline, module: Any, runner: StepRunner) -> None:
+        """Hold ``pipe`` (releasing the earlier one) and point checkpoints at its layout."""
         self._held.hold(self, pipe, module, runner)
         self._checkpoint = ckpt.PipelineCheckpoint(
-            pipe.layout, param_order, state_order, self.options.checkpoint_format
+            pipe.layout, *self._orders, self.options.checkpoint_format
         )
         self.plan, self.profile, self.cluster = pipe.plan, pipe.profile, pipe.cluster
-        rank_zero_info(pipe.table)
-        self._note_attempt(trainer)
+
+    def _plan_dir(self) -> Path | None:
+        """Rank 0's folder for ``plan.json`` and ``plans/`` (beside ``cluster.yaml``)."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        return _run_dir(trainer) if self.global_rank == 0 and trainer is not None else None
+
+    # ------------------------------------------------------------------- live re-planning
+    @property
+    def switches(self) -> list[SwitchRecord]:
+        """Every live switch of plans so far (``replan="auto"``), in order."""
+        return self._replanner.switches
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        """The optimizer step, then the re-plan boundary (:mod:`.replan`)."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._replanner.after_optimizer_step(self)
+        return out
+
+    def _switch_to(self, plan: Plan, step: int) -> Any:
+        """Every rank: this rank's state migrated in memory to ``plan``'s layout (collective).
+
+        The new pipeline is held as soon as it is built (a failure later releases it with the
+        run); the old pipeline's process groups are destroyed on every rank together.
+        Returns the migration's :class:`~lightning_autopipe.runtime.migrate.MigrationStats`.
+        """
+        assert self._pipe is not None
+        module, runner, old = self._held.module, self._held.runner, self._pipe
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if getattr(self.precision_plugin, "precision", None) != "16-mixed":
+            scaler = None
+        _, migrated = switch_pipeline(
+            self._pipe, plan, self.optimizers, scaler=scaler, step=step,
+            timeout=self.options.timeout_delta,
+            on_built=lambda new: self._adopt(new, module, runner),
+        )
+        destroy_pipeline_groups(old.groups)  # on every rank at once
+        if self._bn is not None:  # BatchNorm's step work, on the new stage
+            self._bn.close()
+            self._bn = BatchNormSteps(self._pipe, track=not self.options.compile)
+        self._install_executor()
+        self._check_optimizers()
+        return migrated.stats
 
     def _note_attempt(self, trainer: Any) -> None:
         """Log what a resumed (elastic) attempt lost and replays; note each step's start."""

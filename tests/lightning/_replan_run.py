@@ -1,0 +1,163 @@
+"""The cases of tests/lightning/test_replan.py, run on the shared 2-rank world (tests._worlds).
+
+    run by tests/_world.py: run_case(CASE, WORLD, OUT_DIR)
+
+A tied-embedding GPT trained with Adam on 2 planned stages while rank 1's every forward is made
+``SLOW_FORWARD_S`` slower on purpose (from the first training step, after profiling, so the
+first plan is balanced and rank 1 then measures slow):
+
+* ``auto``: ``replan="auto"`` (window 2, at least 2 steps between switches); records the
+  losses, the switches, the final state and writes ``auto.ckpt`` after training;
+* ``off``: the same with ``replan="off"``;
+* ``fp16``: the fp16 loss-scaling net of :mod:`tests.lightning._fp16` (an overflow at step 2,
+  right after the switch at step 2, which only the carried-over scale gives), ``16-mixed``,
+  norm clipping, per-step records of :class:`tests.lightning._fp16_run.Record`;
+* ``fail``: ``auto`` with rank 1 failing as it loads its new stage (the rebind module's
+  ``load_stage_tensors`` replaced in this process only); records each rank's error and when.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_autopipe  # noqa: E402
+import lightning_autopipe.runtime.replan as replan_mod  # noqa: E402
+from lightning_autopipe.cluster import Cluster  # noqa: E402
+from tests.runtime import _cases as C  # noqa: E402
+
+SLOW_FORWARD_S = 0.02
+STEPS = 8
+LR = 1e-2
+# Adam's eps: with the default 1e-8 a gradient that is rounding noise gets a full lr-sized step,
+# so micro-batched and whole-batch training part by 1e-4 within 8 steps even in one process
+EPS = 1e-4
+TIMEOUT = 60  # the strategy's; a failed switch must end far sooner
+INJECTED = "injected failure while loading the new stage"
+
+
+class Task(pl.LightningModule):
+    """``C.build_net("gpt")`` (tied embedding and head) trained with Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = C.build_net("gpt")
+        self.step_losses: list[float] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def pipeline_loss(self, outputs, batch):
+        return C.loss_fn(outputs, batch)
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(batch[0]), batch)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.step_losses.append(float(loss))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=LR, eps=EPS)
+
+    def train_dataloader(self):
+        data = C.dataset("gpt", C.REPLICA_BATCH * STEPS, seed=1)
+        return DataLoader(TensorDataset(*data), batch_size=C.REPLICA_BATCH)
+
+
+class SlowRank1(pl.Callback):
+    """Rank 1's every forward ``SLOW_FORWARD_S`` slower, on whatever stage it holds."""
+
+    def __init__(self) -> None:
+        self.hooked = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        executor = trainer.strategy.pipeline.executor
+        if trainer.global_rank == 1 and executor is not self.hooked:
+            executor.stage.register_forward_hook(lambda *_: time.sleep(SLOW_FORWARD_S))
+            self.hooked = executor
+
+
+def _inject_failure(record: dict) -> None:
+    def failing(*args, **kwargs):
+        record["injected_at"] = time.time()
+        raise RuntimeError(INJECTED)
+
+    replan_mod.load_stage_tensors = failing
+
+
+def _strategy(case: str, world: int, **pins) -> lightning_autopipe.AutoPipeStrategy:
+    return lightning_autopipe.AutoPipeStrategy(
+        num_stages=2, schedule="1f1b", profile_repeats=1, timeout=TIMEOUT,
+        cluster=Cluster.local(world), replan="off" if case == "off" else "auto",
+        replan_window=2, replan_min_steps=2, replan_threshold=0.05, **pins,
+    )
+
+
+def fp16_case(world: int, out: Path) -> dict:
+    from tests.lightning import _fp16 as F16
+    from tests.lightning._fp16_run import Record
+
+    record = Record()
+    strategy = _strategy("fp16", world, num_microbatches=F16.MICROBATCHES,
+                         startup_slices=F16.STARTUP_SLICES, drain_slices=F16.DRAIN_SLICES)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, plugins=[F16.plugin()],
+        max_steps=F16.STEPS, gradient_clip_val=F16.CLIP, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[record, SlowRank1()],
+        default_root_dir=str(out / "root-fp16"),
+    )
+    trainer.fit(F16.Task(), F16.loader(F16.REPLICA_BATCH * F16.STEPS, seed=1))
+    pipe = strategy.pipeline
+    return {"rows": record.rows, "switches": [dict(vars(s)) for s in strategy.switches],
+            "stage": pipe.layout.stage, "replica": pipe.layout.replica,
+            "rank": trainer.global_rank}
+
+
+def run_case(case: str, world: int, out: Path) -> dict:
+    if case == "fp16":
+        return fp16_case(world, out)
+    strategy = _strategy(case, world, num_microbatches=4)
+    task = Task()
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[SlowRank1()], default_root_dir=str(out / f"root-{case}"),
+    )
+    record: dict = {"case": case}
+    original = replan_mod.load_stage_tensors
+    if case == "fail" and os.environ.get("LOCAL_RANK") == "1":
+        _inject_failure(record)
+    try:
+        trainer.fit(task)
+    except Exception as exc:  # noqa: BLE001 - the fail case's record
+        record["error"] = (type(exc).__name__, str(exc))
+        record["error_at"] = time.time()
+    finally:
+        replan_mod.load_stage_tensors = original
+    record.update(
+        rank=trainer.global_rank,
+        losses=task.step_losses,
+        switches=[dict(vars(s)) for s in strategy.switches],
+        checks=strategy._replanner.checks,
+        plan=strategy.plan.to_json() if strategy.plan is not None else None,
+    )
+    if "error" not in record:
+        record["state"] = {k: v.detach().clone() for k, v in task.state_dict().items()}
+        trainer.save_checkpoint(out / f"{case}.ckpt")
+        plans = out / f"root-{case}" / "autopipe"
+        record["plan_files"] = sorted(str(p.relative_to(plans)) for p in plans.rglob("*.json")
+                                      if "profile" not in p.name)
+    return record

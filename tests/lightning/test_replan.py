@@ -1,0 +1,137 @@
+"""Live re-planning through the Trainer on 2 gloo ranks (cases: tests/lightning/_replan_run.py).
+
+Rank 1 is slowed on purpose after profiling, so the first plan is balanced and the measured
+speeds call for another: with ``replan="auto"`` every rank switches at the same step and the
+training equals one process (Adam, tied embedding and head); with ``replan="off"`` nothing is
+gathered or switched; a rank failing mid-switch ends every rank with its error, fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_autopipe.planner.plan import Plan
+from tests.lightning import _fp16 as F16
+from tests.lightning import _replan_run as R
+from tests.runtime import _cases as C
+
+MODULE = "tests.lightning._replan_run"
+WORLD_CASES = {2: [f"{MODULE}:{case}" for case in ("auto", "off", "fp16", "fail")]}
+WORLD_ORDER = 90  # last in the world: the failing case leaves its ranks after a failed switch
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _reference() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One process: the whole batch per step, Adam, the samples Lightning's sampler gives."""
+    net = C.build_net("gpt")
+    data = C.dataset("gpt", C.REPLICA_BATCH * R.STEPS, seed=1)
+    order = C.replica_indices(len(data[0]), 1, 0, shuffle=True)
+    opt = torch.optim.Adam(net.parameters(), lr=R.LR, eps=R.EPS)
+    losses = []
+    b = C.REPLICA_BATCH
+    for t in range(R.STEPS):
+        idx = order[t * b:(t + 1) * b]
+        batch = tuple(d[idx] for d in data)
+        opt.zero_grad()
+        loss = C.loss_fn(net(batch[0]), batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), {f"net.{k}": v.detach().clone()
+                                 for k, v in net.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+def _ranks(worlds, case):
+    return worlds.results(2, MODULE, case)
+
+
+def test_auto_switches_on_every_rank_at_the_same_step_and_equals_one_process(worlds, reference):
+    ranks = _ranks(worlds, "auto")
+    losses, state = reference
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+    steps = [[s["step"] for s in rec["switches"]] for rec in ranks]
+    assert steps[0], "rank 1 was slowed on purpose but no switch happened"
+    assert all(s == steps[0] for s in steps), steps
+    assert ranks[0]["checks"] == ranks[1]["checks"] > 0
+    first = ranks[0]["switches"][0]
+    assert first["predicted_step_ms"] < first["measured_step_ms"]
+    assert first["speeds"], "the switch names the measured speeds"
+    # the switch was priced from the bytes the migration then sent (Adam's moments included)
+    assert abs(first["bytes"] - first["bytes_moved"]) <= 0.05 * first["bytes_moved"], first
+    final = Plan.from_json(ranks[0]["plan"])
+    assert final.to_json() == ranks[0]["switches"][-1]["plan"] == ranks[1]["plan"]
+    held = set()
+    for rec in ranks:
+        torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=RTOL, atol=ATOL)
+        for key, value in rec["state"].items():
+            torch.testing.assert_close(value, state[key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, key=key: f"{key}: {m}")
+        held |= set(rec["state"])
+    assert held == set(state)  # together the ranks hold the whole model after the switch
+    # the plan history: the first plan and one per switch, plan.json the running one
+    files = ranks[0]["plan_files"]
+    assert files == sorted(["plan.json", "plans/plan-0.json",
+                            *(f"plans/plan-{s}.json" for s in steps[0])])
+
+
+def test_a_checkpoint_after_the_switch_loads_into_the_plain_model(worlds, reference):
+    _, state = reference
+    path = worlds.folder(2, MODULE) / "auto.ckpt"
+    saved = torch.load(path, weights_only=False)
+    plain = R.Task()
+    plain.load_state_dict(saved["state_dict"], strict=True)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=RTOL, atol=ATOL)
+    moments = saved["optimizer_states"][0]["state"]
+    assert moments, "the optimizer state (Adam's moments) is saved after the switch"
+
+
+def test_replan_off_never_gathers_nor_switches(worlds, reference):
+    losses, state = reference
+    for rec in _ranks(worlds, "off"):
+        assert "error" not in rec, rec.get("error")
+        assert rec["switches"] == []
+        assert rec["checks"] == 0
+        torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=RTOL, atol=ATOL)
+        for key, value in rec["state"].items():
+            torch.testing.assert_close(value, state[key], rtol=RTOL, atol=ATOL)
+
+
+def test_fp16_loss_scaling_carries_over_the_switch(worlds):
+    """The scaler's state moves with the switch at step 2: the overflow the settings put at
+    step 2 happens there on every rank, and training equals one process (tolerances as in
+    tests/lightning/test_fp16.py)."""
+    ranks = worlds.results(2, MODULE, "fp16", weights_only=False)
+    steps = [[s["step"] for s in rec["switches"]] for rec in ranks]
+    assert steps[0] == steps[1] == [2]
+    batches = [tuple(row["batch"]) for row in ranks[0]["rows"]]
+    ref = F16.reference(batches)
+    assert ref["skipped"][F16.OVERFLOW_STEP]
+    u = 2.0**-11
+    for rec in ranks:
+        rows = rec["rows"]
+        assert [r["found_inf"] for r in rows] == ref["skipped"]
+        assert [r["scale"] for r in rows] == pytest.approx(ref["scales"], rel=1e-6)
+        torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]),
+                                   torch.tensor(ref["losses"]), rtol=2 * u, atol=0)
+        for name, value in rows[-1]["state"].items():
+            torch.testing.assert_close(value, ref["states"][-1][name], rtol=0, atol=2e-4)
+
+
+def test_a_rank_failing_mid_switch_ends_every_rank_with_its_error_fast(worlds):
+    ranks = _ranks(worlds, "fail")
+    injected_at = ranks[1]["injected_at"]
+    for rec in ranks:
+        kind, text = rec["error"]
+        assert kind == "PipelineRuntimeError", rec["error"]
+        assert R.INJECTED in text, text
+        assert "rank 1" in text, text
+        # well inside the strategy's timeout: no rank waited for a peer that had failed
+        assert rec["error_at"] - injected_at < R.TIMEOUT / 3

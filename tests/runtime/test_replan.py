@@ -1,0 +1,61 @@
+"""The re-plan mechanism's pure parts, in one process (the switch itself runs through the Trainer
+in tests/lightning/test_replan.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_autopipe.errors import PipelineRuntimeError
+from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.runtime.replan import (
+    SwitchMessage,
+    agree_switch,
+    optimizer_state_ratio,
+    same_data_layout,
+)
+
+NAMES = [f"local:{r}" for r in range(4)]
+
+
+def _plan(*stages: tuple[tuple[int, int], list[str]]) -> Plan:
+    return Plan("autopipe", 8, 4, 1, [StagePlan(b, d) for b, d in stages])
+
+
+def test_a_plan_keeping_every_rank_s_replica_keeps_the_data_layout():
+    a = _plan(((0, 3), NAMES[:2]), ((3, 6), NAMES[2:]))
+    moved_cut = _plan(((0, 2), NAMES[:2]), ((2, 6), NAMES[2:]))
+    swapped_stages = _plan(((0, 3), NAMES[2:]), ((3, 6), NAMES[:2]))
+    assert same_data_layout(a, moved_cut, NAMES)
+    assert same_data_layout(a, swapped_stages, NAMES)  # ranks swap stages, not replicas
+
+
+def test_a_plan_giving_a_rank_another_replica_or_width_changes_the_data_layout():
+    a = _plan(((0, 3), NAMES[:2]), ((3, 6), NAMES[2:]))
+    other_replica = _plan(((0, 3), [NAMES[1], NAMES[0]]), ((3, 6), NAMES[2:]))
+    wider = _plan(((0, 6), NAMES))
+    assert not same_data_layout(a, other_replica, NAMES)
+    assert not same_data_layout(a, wider, NAMES)
+
+
+def test_optimizer_state_ratio_counts_the_state_per_parameter_byte():
+    net = nn.Linear(8, 8)
+    adam = torch.optim.Adam(net.parameters())
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1)
+    assert optimizer_state_ratio([adam], list(net.parameters())) == 0.0  # no step yet
+    net(torch.randn(2, 8)).sum().backward()
+    adam.step()
+    sgd.step()
+    ratio = optimizer_state_ratio([adam], list(net.parameters()))
+    params = sum(p.numel() for p in net.parameters())
+    assert ratio == pytest.approx(2.0 + 2 / params)  # two moments and a scalar step each
+    assert optimizer_state_ratio([sgd], list(net.parameters())) == 0.0
+
+
+def test_every_rank_gets_rank0_s_verdict_and_a_stale_one_is_refused():
+    verdict = SwitchMessage(step=4, switch=False, reason="the running plan is best")
+    assert agree_switch(verdict, rank=0, step=4, broadcast=lambda obj, src: obj) is verdict
+    assert agree_switch(None, rank=1, step=4, broadcast=lambda obj, src: verdict) is verdict
+    with pytest.raises(PipelineRuntimeError, match="for step 6 but received"):
+        agree_switch(None, rank=1, step=6, broadcast=lambda obj, src: verdict)

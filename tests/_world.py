@@ -103,7 +103,8 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         print(f"[world {world}] rank {_rank()}: {spec} starts", file=sys.stderr, flush=True)
-        try:
+        environ = dict(os.environ)  # a case's seed_everything exports PL_GLOBAL_SEED, which
+        try:  # would reseed every later case's DistributedSampler: each case starts afresh
             record = importlib.import_module(module_name).run_case(case, world, folder)
         except BaseException as exc:  # noqa: BLE001 - recorded for the case's own tests
             if isinstance(exc, KeyboardInterrupt):
@@ -113,6 +114,10 @@ def main() -> None:
             print(f"[world {world}] rank {_rank()}: {spec} raised {type(exc).__name__}: {exc}",
                   file=sys.stderr, flush=True)
             continue
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            torch.use_deterministic_algorithms(False)  # Trainer(deterministic=True) sets it
         if isinstance(record, dict):
             torch.save(record, folder / f"{case}.rank{_rank()}.pt")
         print(f"[world {world}] rank {_rank()}: {spec} done in {time.monotonic() - start:.1f} s",

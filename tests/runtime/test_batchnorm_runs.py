@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_autopipe.planner.plan import Plan
+from tests._launch import launch_env
 from tests.runtime import _cases as C
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,11 +36,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("bn")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "PL_GLOBAL_SEED", "MASTER_PORT"):
-        env.pop(key, None)
     proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(WORLD), *CASES],
-                          cwd=out, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=out, env=launch_env(), capture_output=True, text=True,
+                          timeout=900)
     if proc.returncode:
         pytest.fail(f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     records = {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False)

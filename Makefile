@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) tests/suite.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

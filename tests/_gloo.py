@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +48,9 @@ def _serve(rank: int, world: int, port: int, timeout_s: float, conn: Any) -> Non
             conn.send(("error", f"rank {rank}: " + "".join(traceback.format_exception(exc))))
             break
         conn.send(("ok", result))
-    dist.destroy_process_group()
+    # no destroy_process_group(): its peers may be gone already, and tearing down gloo while they
+    # are waits for timeouts; the parent is done with this process either way
+    os._exit(0)
 
 
 class GlooWorld:
@@ -102,7 +105,7 @@ class GlooWorld:
             with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)

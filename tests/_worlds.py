@@ -102,3 +102,6 @@ class Worlds:
                 continue
             self._logs[size] = (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                                 f"--- stderr\n{proc.stderr[-12000:]}")
+            # the whole output (each case's start and duration per rank) for a look afterwards
+            (out / "launch.log").write_text(
+                f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")

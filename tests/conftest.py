@@ -2,7 +2,15 @@
 threads competing with other processes make every op wait for the slower thread. Tests marked
 ``gpu`` are skipped where no CUDA device is present. Multi-rank Lightning cases share one
 launch per world size (``worlds``, :mod:`tests._worlds`), cases on gloo without Lightning one
-set of processes per size (``gloo``, :mod:`tests._gloo`)."""
+set of processes per size (``gloo``, :mod:`tests._gloo`).
+
+``make test`` runs :mod:`tests.suite`: two pytest processes side by side, then the tests
+marked ``serial`` alone. A test waiting on its launched ranks leaves a core idle that the other
+lane's tests fill. The ``launch`` lane holds the shared Lightning worlds and the tests marked
+``launch`` (recipes, torchrun nodes, elastic restarts, failing ranks: what starts Lightning ranks
+of its own and takes long), one after another; the other lane holds the rest (the gloo worlds
+and the shorter launches included), so the two take about as long. ``serial`` tests time
+processes against each other and must have the machine to themselves."""
 
 from __future__ import annotations
 
@@ -37,6 +45,12 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The shared Lightning worlds run in :mod:`tests.suite`'s launch lane."""
+    if "worlds" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.launch)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,7 +11,6 @@ on the GPU must load strictly into the model on the CPU.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from lightning_autopipe.planner.plan import Plan
+from tests._launch import launch_env
 from tests.reliability import _task as T
 
 pytestmark = pytest.mark.gpu
@@ -49,11 +49,9 @@ def _reference(device: torch.device) -> tuple[list[float], dict[str, torch.Tenso
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bf16")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT"):
-        env.pop(key, None)
     cmd = [sys.executable, str(SCRIPT), str(out), ACCELERATOR]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                          timeout=300)
     if proc.returncode:
         pytest.fail(f"the Trainer run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return {**torch.load(out / "run.pt"), "ckpt": out / "ckpt" / "last.ckpt"}

@@ -8,7 +8,6 @@ the error, whose message appears once; the other rank says one line.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch import nn
 
 from lightning_autopipe.errors import TraceError
 from lightning_autopipe.graph.trace import TRACE_LOGS_ENV, trace
+from tests._launch import launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "lightning" / "_untraceable_run.py"
@@ -62,9 +62,8 @@ def test_the_tracers_logs_show_on_request(capfd, monkeypatch):
 
 @pytest.mark.slow
 def test_two_ranks_print_the_trace_error_once_within_40_lines(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", TRACE_LOGS_ENV):
-        env.pop(key, None)
+    env = launch_env()
+    env.pop(TRACE_LOGS_ENV, None)
     proc = subprocess.run([sys.executable, str(SCRIPT), "2"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     lines = (proc.stdout + proc.stderr).splitlines()

@@ -10,7 +10,7 @@ import pytest
 from tests._launch import free_port
 from tests.recipes._run import ROOT, TINY_GPT, env, losses, run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launch]
 
 STEPS = ["trainer.max_steps=3", "strategy.startup_slices=2", *TINY_GPT]
 

@@ -16,6 +16,7 @@ BANNER = "== AutoPipe plan: 2 stages x "
 QUIET = ["trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
 
 
+@pytest.mark.launch  # two ranks
 def test_main_job_pipelines_gpt_on_two_ranks_and_the_loss_goes_down(
     tmp_path, monkeypatch, capsys
 ):
@@ -47,6 +48,7 @@ def test_main_job_pipelines_gpt_on_two_ranks_and_the_loss_goes_down(
     assert [reference[s] for s in range(30)] == pytest.approx(values, rel=1e-4)
 
 
+@pytest.mark.launch  # two ranks
 @pytest.mark.parametrize(
     ("recipe", "extra"),
     [
@@ -64,6 +66,7 @@ def test_recipe_runs_two_pipelined_steps(tmp_path, recipe, extra):
     assert all(math.isfinite(v) and v > 0 for v in logged.values())
 
 
+@pytest.mark.launch  # two ranks
 def test_a_cluster_file_named_on_the_command_line_trains(tmp_path):
     """``cluster=mixed_rack`` (the README's override): the plan uses that file's devices.
 

@@ -301,6 +301,7 @@ def test_the_elastic_recipe_preset_resumes_last_and_checkpoints_every_n_steps(
 
 # ----------------------------------------------------------------- the torchrun scenario
 @pytest.mark.slow
+@pytest.mark.launch
 def test_node_loss_and_rejoin_train_like_one_process(tmp_path):
     run = _Scenario(tmp_path)
     began = time.monotonic()

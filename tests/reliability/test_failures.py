@@ -24,7 +24,7 @@ SCRIPT = ROOT / "tests" / "reliability" / "_run.py"
 # Ending after a hang: the timeout, then the launcher's exit and the orphan watchdog (~1 s).
 AFTER_TIMEOUT_S = 15.0
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launch]
 
 
 def _alive(pid: int) -> bool:

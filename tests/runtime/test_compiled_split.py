@@ -162,8 +162,11 @@ def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend, reque
 
     for got, want in zip(got_dx, want_dx, strict=True):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    # a weight gradient sums the units' contributions: an element near cancellation keeps the
+    # absolute rounding of its terms, so its error is bounded relative to the tensor's scale
     for got, want in zip((p.grad for p in inner.parameters()), want_w, strict=True):
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got, want, rtol=RTOL,
+                                   atol=ATOL + RTOL * float(want.abs().max()))
     for a, b in zip(inner.buffers(), eager.buffers(), strict=True):  # BatchNorm's statistics
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     assert pieces <= stage.compilations <= graphs, stage.compiled_shapes

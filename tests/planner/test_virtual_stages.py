@@ -245,3 +245,91 @@ def test_generators_check_their_chunk_counts_and_placements():
              schedule="zbv", chunks_per_rank=2, placement="v")
     with pytest.raises(PlanError, match="3 stage chunks cannot be dealt"):
         Plan("t", 8, 2, 1, stages[:3], schedule="interleaved-1f1b", chunks_per_rank=2)
+
+
+# ---------------------------------------------------------------------------- pricing
+CHUNKED = [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zbv", 2), ("interleaved-1f1b", 1)]
+
+
+@pytest.mark.parametrize(("schedule", "v"), CHUNKED)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fast_model_equals_the_simulator_for_every_chunked_generator(schedule, v, replicas):
+    """The chunk-level fast model and the simulator price the same lists alike (the latency-
+    only cluster of test_pricing: devices of two speeds, overheads, all-reduce rings)."""
+    import random
+
+    from lightning_autopipe.planner.layout import BlockCosts
+    from lightning_autopipe.planner.simulate import simulate
+    from lightning_autopipe.planner.vcost import ChunkLayout, evaluate_chunked
+
+    from .test_pricing import _latency_only_cluster, _profile
+
+    rng = random.Random(f"{schedule}-{v}-{replicas}")
+    pl = GENERATORS[schedule].placement
+    for ranks, m, k, j in itertools.product(range(1, 4), range(1, 6), (1, 2), (1, 2)):
+        if j > 1 and m < 2:
+            continue
+        n = ranks * v
+        prof = _profile(rng, n + 3)
+        costs = BlockCosts.from_profile(prof)
+        cluster = _latency_only_cluster((ranks + 1) // 2 * replicas)
+        groups = [[f"{'ab'[r % 2]}:{(r // 2) * replicas + i}" for i in range(replicas)]
+                  for r in range(ranks)]
+        cuts = [0, *sorted(rng.sample(range(1, n + 3), n - 1)), n + 3]
+        owner = chunk_ranks(ranks, v, pl)
+        batch = 4 * m * replicas * 3
+        plan = Plan("t", batch, m, k, [StagePlan((cuts[c], cuts[c + 1]), groups[owner[c]])
+                                       for c in range(n)],
+                    schedule=schedule, drain_slices=j, chunks_per_rank=v, placement=pl)
+        sim = simulate(plan, prof, cluster)
+        est = evaluate_chunked(costs, ChunkLayout.from_cluster(cluster, groups, v, pl), cuts,
+                               batch, m, k, drain_slices=j, schedule=schedule)
+        case = (schedule, v, ranks, replicas, m, k, j)
+        assert est.iteration_ms == pytest.approx(sim.iteration_ms, rel=1e-9), case
+        assert est.stage_ms == pytest.approx(sim.stage_ms, rel=1e-9), case
+        for r in range(ranks):
+            assert est.peak_bytes[r] == pytest.approx(
+                sim.peak_memory_bytes[groups[r][0]], abs=1.0), case
+
+
+def test_hand_computed_v_timeline_in_the_simulator():
+    """ZB-V on 2 ranks (rank 0: chunks 0 and 3, rank 1: chunks 1 and 2), m = 2, free links;
+    every chunk F 1, B 1, W 1, except chunk 0 whose whole backward (2) is its W (it has no
+    input gradient). By hand, from the lists of test_hand_computed_small_v:
+    rank 1: 1F0 [1,2] 2F0 [2,3] 1F1 [3,4] 2F1 [4,5] 2B0 [5,6] 1B0 [6,7] 2B1 [7,8] 1B1 [8,9]
+    then 1W0 2W0 1W1 2W1 to 13; rank 0: 0F0 [0,1] 0F1 [1,2] 3F0 [3,4] 3B0 [4,5] 3F1 [5,6]
+    3B1 [6,7] 0B0 at 7 (empty) 0W0 [7,9] 0B1 at 9 3W0 [9,10] 0W1 [10,12] 3W1 [12,13]."""
+    from lightning_autopipe.planner.simulate import simulate
+
+    from .test_zero_bubble import _free, _profile
+
+    prof = _profile([(1.0, 2.0, 1.0, 1.0)] * 4)
+    stages = [StagePlan((c, c + 1), [f"s:{r}"]) for c, r in enumerate((0, 1, 1, 0))]
+    plan = Plan("t", 8, 2, 1, stages, schedule="zbv", chunks_per_rank=2, placement="v")
+    res = simulate(plan, prof, _free(2))
+    assert res.iteration_ms == pytest.approx(13.0)
+    got = {(e.device, e.label): (e.start_ms, e.end_ms) for e in res.events
+           if e.kind in ("F", "B", "W")}
+    want = {
+        ("s:1", "1F0.0"): (1, 2), ("s:1", "2F0.0"): (2, 3), ("s:1", "1F1.0"): (3, 4),
+        ("s:1", "2F1.0"): (4, 5), ("s:1", "2B0.0"): (5, 6), ("s:1", "1B0.0"): (6, 7),
+        ("s:1", "2B1.0"): (7, 8), ("s:1", "1B1.0"): (8, 9), ("s:1", "1W0.0"): (9, 10),
+        ("s:1", "2W0.0"): (10, 11), ("s:1", "1W1.0"): (11, 12), ("s:1", "2W1.0"): (12, 13),
+        ("s:0", "0F0.0"): (0, 1), ("s:0", "0F1.0"): (1, 2), ("s:0", "3F0.0"): (3, 4),
+        ("s:0", "3B0.0"): (4, 5), ("s:0", "3F1.0"): (5, 6), ("s:0", "3B1.0"): (6, 7),
+        ("s:0", "0B0.0"): (7, 7), ("s:0", "0W0.0"): (7, 9), ("s:0", "0B1.0"): (9, 9),
+        ("s:0", "3W0.0"): (9, 10), ("s:0", "0W1.0"): (10, 12), ("s:0", "3W1.0"): (12, 13),
+    }
+    assert sorted(got) == sorted(want)
+    for key, span in want.items():
+        assert got[key] == pytest.approx(span), key
+    # no message crosses the V's turn on rank 1 (chunks 1 -> 2) or leaves the model's ends
+    sends = {e.label for e in res.events if e.kind in ("SF", "SB")}
+    assert sends == {"0SF0.0", "0SF1.0", "2SF0.0", "2SF1.0", "3SB0.0", "3SB1.0",
+                     "1SB0.0", "1SB1.0"}
+    # memory: each rank holds the state of its two chunks' parameters (1000 bytes each) and
+    # at its peak both units on both chunks (4 chunk micro-batches of 1000 bytes)
+    from lightning_autopipe.planner.pricing import param_state_factor
+
+    for dev in ("s:0", "s:1"):
+        assert res.peak_memory_bytes[dev] == 2 * 1000 * param_state_factor(2.0) + 4 * 1000

@@ -149,6 +149,11 @@ def build_pipeline(
 ) -> LocalPipeline:
     """This rank's pipeline for ``plan``; collective (process groups are created).
 
+    With several chunks per rank (``plan.chunks_per_rank``) the rank's chunks are bound
+    together as one :class:`~lightning_autopipe.runtime.chunks.RankChunks` (``pipe.stage``),
+    each compiled or recomputed on its own, and the executor runs them all; a weight two of
+    them use is one Parameter, a weight shared with another rank a tie group over rows.
+
     The plan's stage for this rank is taken from ``source.blocks``; on a meta-device model only
     that stage is materialised, on ``source.device`` (read from ``source.initial_state`` by
     original name, else initialised from ``source.seed``, see

@@ -15,6 +15,9 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from lightning_autopipe.errors import PipelineRuntimeError
+from lightning_autopipe.runtime.groups import RankLayout
+
 __all__ = ["RankChunks", "chunk_modules"]
 
 
@@ -53,6 +56,22 @@ class RankChunks(nn.Module):
         )
 
 
-def chunk_modules(stage: nn.Module) -> dict[int, nn.Module] | None:
-    """The chunks of ``stage`` when it is a :class:`RankChunks`, else None (one chunk)."""
-    return stage.chunks if isinstance(stage, RankChunks) else None
+def chunk_modules(
+    stage: nn.Module | Mapping[int, nn.Module], layout: RankLayout
+) -> dict[int, nn.Module]:
+    """Chunk index -> module of this rank; a single module is the rank's one chunk."""
+    held = layout.chunks
+    if isinstance(stage, nn.Module):
+        if len(held) != 1:
+            raise PipelineRuntimeError(
+                f"rank {layout.rank} holds chunks {list(held)} of the plan but the executor got "
+                "one module; give a mapping chunk -> module"
+            )
+        return {held[0]: stage}
+    mods = {int(c): m for c, m in stage.items()}
+    if sorted(mods) != list(held):
+        raise PipelineRuntimeError(
+            f"rank {layout.rank} holds chunks {list(held)} of the plan but the executor got "
+            f"modules for chunks {sorted(mods)}"
+        )
+    return dict(sorted(mods.items()))

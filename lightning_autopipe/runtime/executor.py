@@ -37,6 +37,7 @@ from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.schedule import Action, Kind
 from lightning_autopipe.runtime.backward import splits_backward_at
 from lightning_autopipe.runtime.checks import check_batch_sizes
+from lightning_autopipe.runtime.chunks import chunk_modules
 from lightning_autopipe.runtime.failure import FailureBoard, pipeline_failure
 from lightning_autopipe.runtime.gradsync import GradientSync
 from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout
@@ -120,7 +121,7 @@ class PipelineExecutor:
     ) -> None:
         if layout.world_size > 1 and groups is None:
             raise PipelineRuntimeError("a multi-rank pipeline needs its process groups")
-        self.chunks = _chunk_modules(stage, layout)
+        self.chunks = chunk_modules(stage, layout)
         self.stage = stage if isinstance(stage, nn.Module) else nn.ModuleDict(
             {str(c): mod for c, mod in self.chunks.items()})
         self.layout = layout
@@ -382,27 +383,6 @@ class PipelineExecutor:
             if t.param.grad is None:
                 t.param.grad = torch.zeros_like(t.param)
             dist.all_reduce(t.param.grad, group=group)
-
-
-def _chunk_modules(
-    stage: nn.Module | Mapping[int, nn.Module], layout: RankLayout
-) -> dict[int, nn.Module]:
-    """Chunk index -> module of this rank; a single module is the rank's one chunk."""
-    held = layout.chunks
-    if isinstance(stage, nn.Module):
-        if len(held) != 1:
-            raise PipelineRuntimeError(
-                f"rank {layout.rank} holds chunks {list(held)} of the plan but the executor got "
-                "one module; give a mapping chunk -> module"
-            )
-        return {held[0]: stage}
-    mods = {int(c): m for c, m in stage.items()}
-    if sorted(mods) != list(held):
-        raise PipelineRuntimeError(
-            f"rank {layout.rank} holds chunks {list(held)} of the plan but the executor got "
-            f"modules for chunks {sorted(mods)}"
-        )
-    return dict(sorted(mods.items()))
 
 
 def _action_name(a: Action) -> str:

@@ -110,3 +110,18 @@ def test_chunk_cuts_share_work_by_rank_speed():
         # speeds 1 : 0.5: fast ranks 2/6 of 40 blocks each, slow ranks 1/6 (within rounding)
         assert per_rank[0] == pytest.approx(40 / 3, abs=v)
         assert per_rank[1] == pytest.approx(40 / 6, abs=v)
+
+
+def test_the_timeline_picture_and_trace_name_the_chunks(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lightning_autopipe.planner.timeline import chrome_trace, write_png
+
+    prof, cl = _profile(), _cluster(4)
+    plan = make_plan(prof, cl, 32, num_stages=4, replicas=1, num_microbatches=4,
+                     schedules=("zbv",))
+    res = simulate(plan, prof, cl)
+    write_png(res, tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
+    names = {e["name"] for e in chrome_trace(res)["traceEvents"] if e.get("ph") == "X"}
+    assert {"0F0.0", "7F0.0", "7B0.0", "3F0.0", "4F0.0"} <= names  # both chunks of each rank
+    assert {e.stage for e in res.events if e.device == plan.rank_devices(0)[0]} == {0, 7}

@@ -17,7 +17,8 @@ __all__ = ["StagePlan", "Plan", "Proposal"]
 
 @dataclass
 class Proposal:
-    """A planner's answer before scoring: device groups per stage, cuts, m, k and j."""
+    """A planner's answer before scoring: device groups per rank position, cuts (per chunk
+    with several chunks per rank), m, k, j, the schedule and its chunks per rank."""
 
     groups: list[list[str]]
     cuts: list[int]

@@ -2,6 +2,10 @@
 
     .venv/bin/python benchmarks/planner.py [--out benchmarks/results/planner.md] [--quick]
         [--profiles-dir benchmarks/results/gpu] [--measured-only]
+    .venv/bin/python benchmarks/planner.py --chunks [--quick] [--out ...planner_chunks.md]
+
+``--chunks`` runs only the comparison with and without several stage chunks per rank
+(``benchmarks/planner_chunks.py``: predicted iteration and memory of both plans per case).
 
 Every plan is scored by the same simulator (``planner/simulate.py``). Block costs come from
 FLOP and byte counts (``lightning_autopipe.planner.analytic``: time = FLOPs / (312 TFLOP/s x
@@ -296,8 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality-cases", type=int, default=30,
                     help="random lognormal cases per schedule for the partition-quality table "
                          "(0: none)")
+    ap.add_argument("--chunks", action="store_true",
+                    help="only plans with and without several stage chunks per rank")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    if args.chunks:
+        return _chunks(args, t0)
     measured = measured_profiles(args.profiles_dir)
     if args.measured_only and not measured:
         ap.error(f"--measured-only: no *.profile.json under {args.profiles_dir}")
@@ -351,6 +359,25 @@ def main(argv: list[str] | None = None) -> int:
             "improves.\n",
             quality(range(1000, 1000 + args.quality_cases)), "",
         ] if args.quality_cases else []),
+        f"Total benchmark time {time.perf_counter() - t0:.0f} s.",
+    ])
+    print(report)
+    if args.out:
+        args.out.write_text(report + "\n")
+    return 0
+
+
+def _chunks(args: argparse.Namespace, t0: float) -> int:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import planner_chunks
+
+    clusters = {c: Cluster.load(ROOT / "conf" / "cluster" / f"{c}.yaml") for c in CLUSTERS}
+    found = planner_chunks.rows(build_profiles(), clusters, args.quick)
+    flags = " --chunks" + (" --quick" if args.quick else "")
+    report = "\n".join([
+        f"# Planner: several stage chunks per rank\n\nReproduce: `{COMMAND}{flags}`\n",
+        planner_chunks.__doc__.split("\n\n", 2)[2].strip() + "\n",
+        planner_chunks.table(found), "",
         f"Total benchmark time {time.perf_counter() - t0:.0f} s.",
     ])
     print(report)

@@ -9,14 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from lightning_autopipe.errors import PlanError
-from lightning_autopipe.planner.generators import schedule_generator, splits_backward
+from lightning_autopipe.planner.generators import check_schedule, splits_backward
+from lightning_autopipe.planner.placement import chunk_ranks
 
 __all__ = ["StagePlan", "Plan", "Proposal"]
 
 
 @dataclass
 class Proposal:
-    """A planner's answer before scoring: device groups per stage, cuts, m, k and j."""
+    """A planner's answer before scoring: device groups per rank position, cuts (per chunk
+    with several chunks per rank), m, k, j, the schedule and its chunks per rank."""
 
     groups: list[list[str]]
     cuts: list[int]
@@ -24,6 +26,8 @@ class Proposal:
     startup_slices: int = 1
     drain_slices: int = 1
     schedule: str = "1f1b"
+    chunks_per_rank: int = 1
+    placement: str = "looped"
 
 
 @dataclass
@@ -61,6 +65,12 @@ class Plan:
     ``schedule`` names the generator (``"1f1b"`` or ``"gpipe"``). The predicted figures
     (``iteration_ms`` …) come from the simulator. ``recompute[s]`` marks a stage that recomputes
     its activations in backward (empty: none; plans written before it existed load so).
+
+    Several stages per rank: with ``chunks_per_rank = v > 1`` the ``stages`` are the ``S = p v``
+    chunks of the model in model order and rank position ``r`` of a replica holds the chunks
+    :func:`~.placement.rank_chunks` names for ``placement`` (``"looped"`` or ``"v"``); the
+    chunks of one rank list the same devices. Plans written before chunks existed load with
+    ``v = 1``, where chunk == stage == rank position.
     """
 
     planner: str
@@ -79,6 +89,8 @@ class Plan:
     drain_slices: int = 1
     search_notes: list[str] = field(default_factory=list)
     recompute: list[bool] = field(default_factory=list)
+    chunks_per_rank: int = 1
+    placement: str = "looped"
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
@@ -98,11 +110,8 @@ class Plan:
         if self.stages[0].blocks[0] != 0:
             first = self.stages[0].blocks[0]
             raise PlanError(f"the first stage must start at block 0, not {first}")
-        used = [d for s in self.stages for d in s.devices]
-        if len(used) != len(set(used)):
-            dup = sorted({d for d in used if used.count(d) > 1})
-            raise PlanError(f"devices {dup} are assigned to more than one stage")
-        schedule_generator(self.schedule)  # ScheduleError naming the known ones
+        check_schedule(self.schedule, self.chunks_per_rank, self.placement)
+        self._check_chunks()
         if any(self.recompute) and splits_backward(self.schedule):
             raise PlanError(
                 f"schedule {self.schedule!r} splits the backward, so a recomputing stage would "
@@ -115,9 +124,53 @@ class Plan:
                 f"({self.startup_slices}) and drain_slices ({self.drain_slices}) must be >= 1"
             )
 
+    def _check_chunks(self) -> None:
+        """Chunks per rank divide the stages; one rank's chunks share their devices; no device
+        serves two ranks."""
+        v = self.chunks_per_rank
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"chunks_per_rank must be a positive integer, got {v!r}")
+        if len(self.stages) % v:
+            raise PlanError(
+                f"{len(self.stages)} stage chunks cannot be dealt to ranks of {v} chunks each; "
+                f"give a multiple of {v} stages or change chunks_per_rank"
+            )
+        owner = chunk_ranks(len(self.stages) // v, v, self.placement)
+        for c, r in enumerate(owner):
+            first = self.stages[owner.index(r)]
+            if self.stages[c].devices != first.devices:
+                raise PlanError(
+                    f"chunks {owner.index(r)} and {c} are both on rank {r} "
+                    f"({self.placement} placement) but list devices {first.devices} and "
+                    f"{self.stages[c].devices}; give a rank's chunks the same devices"
+                )
+        used = [d for r in range(self.num_ranks) for d in self.stages[owner.index(r)].devices]
+        if len(used) != len(set(used)):
+            dup = sorted({d for d in used if used.count(d) > 1})
+            raise PlanError(f"devices {dup} are assigned to more than one stage")
+
     @property
     def num_stages(self) -> int:
+        """Stage chunks of the model (``p v``; with one chunk per rank, the ranks)."""
         return len(self.stages)
+
+    @property
+    def num_ranks(self) -> int:
+        """Rank positions of one replica (``p``)."""
+        return len(self.stages) // self.chunks_per_rank
+
+    @property
+    def chunk_ranks(self) -> tuple[int, ...]:
+        """The rank position of every chunk (:func:`~.placement.chunk_ranks`)."""
+        return chunk_ranks(self.num_ranks, self.chunks_per_rank, self.placement)
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The chunks rank position ``rank`` holds, in model order."""
+        return [c for c, r in enumerate(self.chunk_ranks) if r == rank]
+
+    def rank_devices(self, rank: int) -> list[str]:
+        """The devices (data-parallel replicas) of rank position ``rank``."""
+        return list(self.stages[self.rank_stages(rank)[0]].devices)
 
     def recomputes(self, stage: int) -> bool:
         """Whether ``stage`` recomputes its activations in backward."""
@@ -140,7 +193,8 @@ class Plan:
 
     @property
     def devices(self) -> list[str]:
-        return [d for s in self.stages for d in s.devices]
+        """Every device once, by rank position."""
+        return [d for r in range(self.num_ranks) for d in self.rank_devices(r)]
 
     @property
     def replicas(self) -> int:
@@ -186,6 +240,8 @@ class Plan:
             "search_ms": self.search_ms,
             **({"search_notes": list(self.search_notes)} if self.search_notes else {}),
             **({"recompute": list(self.recompute)} if any(self.recompute) else {}),
+            **({"chunks_per_rank": self.chunks_per_rank, "placement": self.placement}
+               if self.chunks_per_rank > 1 else {}),
         }
 
     @classmethod

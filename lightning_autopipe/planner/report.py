@@ -66,10 +66,18 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster | None = None) ->
         f"slice{'s' if plan.startup_slices != 1 else ''}, {plan.drain_slices} drain "
         f"slice{'s' if plan.drain_slices != 1 else ''}, schedule {plan.schedule}",
     ]
+    v = plan.chunks_per_rank
+    if v > 1:  # the stages are chunks: say which rank position holds which
+        held = "; ".join(f"rank {r}: {plan.rank_stages(r)}" for r in range(plan.num_ranks))
+        lines[0] = lines[0].replace(f"{plan.num_stages} stages x",
+                                    f"{plan.num_ranks} ranks x {v} chunks x")
+        lines.append(f"{v} chunks per rank ({plan.placement} placement), rank -> chunks: "
+                     f"{held}")
     typed = cluster is not None and all(
         d in {x.name for x in cluster.devices} for d in plan.devices)
     kind = f" {'device type (speed)':<{_TYPE_W}}" if typed else ""
-    head = (f"{'stage':>5}  {'blocks':<11} {'first .. last block':<44} {'devices':<28}{kind} "
+    col = "stage" if v == 1 else "chunk"
+    head = (f"{col:>5}  {'blocks':<11} {'first .. last block':<44} {'devices':<28}{kind} "
             f"{'stage ms':>9}  {'peak memory':>11}")
     lines += [head, "-" * len(head)]
     names = profile.names

@@ -1,8 +1,10 @@
 """The one representation of a pipeline training step, shared by the simulator and the runtime.
 
-A schedule is ``dict[int, list[Action]]``: for each pipeline stage (equivalently, each rank of
-one data-parallel replica) the ordered actions it performs in one training step. All
-data-parallel replicas of a stage run the same list on their own shard of the batch.
+A schedule is ``dict[int, list[Action]]``: for each rank position of one data-parallel replica
+the ordered actions it performs in one training step. All data-parallel replicas of a rank
+position run the same list on their own shard of the batch. A rank may hold several stage
+chunks (:mod:`~.placement`): ``Action.stage`` is then the chunk (``0..S-1`` in model order,
+``S = p v``) and the dict stays keyed by rank; with one chunk per rank, chunk == rank.
 
 An :class:`Action` prints and parses as short text, ``"<stage><kind><microbatch>.<slice>"``:
 
@@ -36,6 +38,7 @@ __all__ = [
     "Schedule",
     "format_actions",
     "parse_actions",
+    "chunk_owners",
     "lower_communication",
     "slice_sizes",
     "units",
@@ -117,36 +120,48 @@ def parse_actions(text: str) -> list[Action]:
     return [Action.parse(t) for t in text.split()]
 
 
+def chunk_owners(schedule: Schedule) -> dict[int, int]:
+    """Chunk -> rank position, as the schedule lists them (``Action.stage`` is the chunk)."""
+    return {a.stage: r for r, acts in schedule.items() for a in acts}
+
+
 def lower_communication(schedule: Schedule) -> Schedule:
     """Insert the point-to-point actions around each compute action.
 
     Each receive is placed right before the compute that consumes it and each send right after
-    the compute that produces it; sends are non-blocking in the runtime, receives block. Stage
-    ``s`` receives activations from ``s - 1`` and gradients from ``s + 1``.
+    the compute that produces it; sends are non-blocking in the runtime, receives block. Chunk
+    ``c`` receives activations from ``c - 1`` and gradients from ``c + 1``; two neighbouring
+    chunks on one rank (several chunks per rank, :mod:`~.placement`) hand over locally, with
+    no send or receive. With one chunk per rank, chunk == rank position.
     """
-    last = max(schedule)
+    owner = chunk_owners(schedule)
+    last = max([max(schedule), *owner])
+
+    def remote(r: int, c: int) -> bool:
+        return owner.get(c, -1) != r
+
     out: Schedule = {}
-    for stage, actions in schedule.items():
+    for r, actions in schedule.items():
         lowered: list[Action] = []
         for a in actions:
             if not a.kind.is_compute:
                 raise ScheduleError(f"lower_communication expects compute actions only, got {a}")
-            mb, sl = a.microbatch, a.slice
+            c, mb, sl = a.stage, a.microbatch, a.slice
             if a.kind is Kind.WEIGHT:  # the weight gradient: nobody waits for it
                 lowered.append(a)
             elif a.kind is Kind.FORWARD:
-                if stage > 0:
-                    lowered.append(Action(stage, Kind.RECV_F, mb, sl))
+                if c > 0 and remote(r, c - 1):
+                    lowered.append(Action(c, Kind.RECV_F, mb, sl))
                 lowered.append(a)
-                if stage < last:
-                    lowered.append(Action(stage, Kind.SEND_F, mb, sl))
+                if c < last and remote(r, c + 1):
+                    lowered.append(Action(c, Kind.SEND_F, mb, sl))
             else:
-                if stage < last:
-                    lowered.append(Action(stage, Kind.RECV_B, mb, sl))
+                if c < last and remote(r, c + 1):
+                    lowered.append(Action(c, Kind.RECV_B, mb, sl))
                 lowered.append(a)
-                if stage > 0:
-                    lowered.append(Action(stage, Kind.SEND_B, mb, sl))
-        out[stage] = lowered
+                if c > 0 and remote(r, c - 1):
+                    lowered.append(Action(c, Kind.SEND_B, mb, sl))
+        out[r] = lowered
     return out
 
 

@@ -32,12 +32,18 @@ from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner.autopipe import autopipe_proposals
 from lightning_autopipe.planner.baselines import propose
-from lightning_autopipe.planner.costmodel import evaluate
 from lightning_autopipe.planner.generators import schedule_generator, splits_backward
 from lightning_autopipe.planner.layout import BlockCosts, Layout
-from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
+from lightning_autopipe.planner.plan import Plan, Proposal
 from lightning_autopipe.planner.polish import evaluate_many, polish
 from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.planner.vsearch import (
+    choice_note,
+    chunked_proposals,
+    one_chunk,
+    optimistic_ms,
+    proposal_stages,
+)
 from lightning_autopipe.profile import Profile
 
 __all__ = ["make_plan", "search_plan", "PLANNERS", "finish_plan"]
@@ -79,7 +85,8 @@ def make_plan(
         uniform_replicas: every stage gets the same replica count (the runtime needs it).
         use_all_devices: stages x replicas must equal the number of devices.
         memory_check: raise :class:`MemoryPlanError` when the best plan does not fit.
-        schedules: the schedules AutoPipe may choose among (the yardsticks run 1F1B).
+        schedules: the schedules AutoPipe may choose among (the yardsticks run 1F1B);
+            ``interleaved-1f1b`` and ``zbv`` add plans of several chunks per rank (vsearch).
 
     Returns:
         The plan with the simulator's predictions, ``search_ms`` and the profile's identity.
@@ -103,14 +110,16 @@ def make_plan(
         for name in schedules:
             schedule_generator(name)  # ScheduleError naming the known ones
         props = autopipe_proposals(costs, cluster, devs, global_batch_size, pins, use_all_devices,
-                                   max_startup_slices, optimizer_factor, tuple(schedules))
+                                   max_startup_slices, optimizer_factor, one_chunk(schedules))
         notes = _polish_favourite(props, costs, cluster, global_batch_size, optimizer_factor)
+        props = chunked_proposals(props, costs, cluster, global_batch_size, optimizer_factor,
+                                  schedules)
     else:
         props, excluded = propose(
             planner, profile, costs, cluster, devs, global_batch_size, pins=pins,
             uniform_replicas=uniform_replicas, use_all_devices=use_all_devices,
             optimizer_factor=optimizer_factor, max_startup_slices=max_startup_slices,
-            schedules=tuple(schedules),
+            schedules=one_chunk(schedules),
         )
         for p in props:  # a pinned drain applies to every planner's layout
             p.drain_slices = drain_slices or p.drain_slices
@@ -148,7 +157,8 @@ def make_plan(
     if memory_check and not fitting:
         raise _memory_error(best, cluster, global_batch_size)
     best.search_ms = search_ms
-    best.search_notes = notes
+    best.search_notes = notes + choice_note(best, fitting or plans, props, lambda p: finish_plan(
+        p, planner, profile, cluster, global_batch_size, optimizer_factor))
     return best
 
 
@@ -167,15 +177,9 @@ def _simulate_finalists(
     plans: list[Plan] = []
     best = float("inf")
     for p in chosen:
-        if best < float("inf"):
-            bound = evaluate(
-                costs, Layout.from_cluster(cluster, p.groups, optimistic=True), p.cuts, batch,
-                p.num_microbatches, p.startup_slices, drain_slices=p.drain_slices,
-                schedule=p.schedule, optimizer_factor=optimizer_factor, critical_path=False,
-                exact=True,
-            ).iteration_ms
-            if bound * (1 - 1e-9) > best:
-                continue
+        if best < float("inf") and optimistic_ms(
+                p, costs, cluster, batch, optimizer_factor) * (1 - 1e-9) > best:
+            continue
         plan = finish_plan(p, planner, profile, cluster, batch, optimizer_factor)
         plans.append(plan)
         if _fits(plan, cluster):
@@ -210,6 +214,8 @@ def _recomputing(
 ) -> Plan | None:
     """``plan`` with every stage that does not fit memory recomputing its activations, under
     1F1B when its own schedule splits the backward (None when that is not allowed)."""
+    if plan.chunks_per_rank > 1:  # recomputation runs with one chunk per rank only
+        return None
     over = [any(plan.peak_memory_bytes.get(d, 0) > cluster.device(d).spec.memory_bytes
                 for d in st.devices) for st in plan.stages]
     schedule = plan.schedule
@@ -234,12 +240,11 @@ def finish_plan(
 ) -> Plan:
     """Turn a proposal into a Plan carrying the simulator's predictions (``recompute``: the
     stages that recompute their activations)."""
-    cuts = prop.cuts
-    stages = [StagePlan((cuts[s], cuts[s + 1]), list(g)) for s, g in enumerate(prop.groups)]
-    plan = Plan(planner, batch, prop.num_microbatches, prop.startup_slices, stages,
-                model=profile.model, fingerprint=profile.fingerprint,
+    plan = Plan(planner, batch, prop.num_microbatches, prop.startup_slices,
+                proposal_stages(prop), model=profile.model, fingerprint=profile.fingerprint,
                 drain_slices=prop.drain_slices, schedule=prop.schedule,
-                recompute=list(recompute) if any(recompute) else [])
+                recompute=list(recompute) if any(recompute) else [],
+                chunks_per_rank=prop.chunks_per_rank, placement=prop.placement)
     res = simulate(plan, profile, cluster, optimizer_bytes_per_param_byte=optimizer_factor)
     for st, ms in zip(plan.stages, res.stage_ms):
         st.stage_ms = ms
@@ -302,7 +307,6 @@ def search_plan(
         cls = kinds.pop() if len(kinds) == 1 else PlanError  # e.g. MemoryPlanError everywhere
         raise cls("no plan fits the launched devices: " + " | ".join(failures))
     return best[2]
-
 
 
 # ---------------------------------------------------------------------------- checks

@@ -49,7 +49,9 @@ class Event:
     ``kind`` is ``F``/``B``/``W`` (compute on ``device``; ``W`` the weight gradient of a split
     backward, whose ``B`` is then the input gradient), ``SF``/``SB`` (a transfer from ``device``
     to ``peer``: activations / gradients, from the send until it arrives) or ``AR`` (the
-    stage's gradient all-reduce on ``device``). ``unit`` is (micro-batch, slice) or None.
+    stage's gradient all-reduce on ``device``). ``unit`` is (micro-batch, slice) or None;
+    ``stage`` is the chunk (with one chunk per rank: the stage; an ``AR`` names the rank's
+    first chunk: a rank all-reduces the gradients of all its chunks in one ring).
     """
 
     device: str
@@ -80,18 +82,17 @@ class SimResult:
     devices: list[str] = field(default_factory=list)
     _raw: list[tuple] = field(default_factory=list, repr=False)
     _units: list[tuple[int, int]] = field(default_factory=list, repr=False)
-    _stage_of: list[int] = field(default_factory=list, repr=False)
 
     @cached_property
     def events(self) -> list[Event]:
         """Every compute, transfer and all-reduce interval (built on first access)."""
         out = []
-        devs, us, st = self.devices, self._units, self._stage_of
-        for d, code, u, start, end, peer in self._raw:
+        devs, us = self.devices, self._units
+        for d, code, u, start, end, peer, chunk in self._raw:
             out.append(
                 Event(
                     devs[d],
-                    st[d],
+                    chunk,
                     _NAME[code],
                     None if u < 0 else us[u],
                     start,
@@ -212,25 +213,32 @@ class Peer:
 def peers(
     plan: Plan, profile: Profile, cluster: Cluster, costs: list[StageCost], reps: list[int],
     stage_devs: list[list[int]],
-) -> tuple[list[list[Peer]], list[list[Peer]], list[list[int]]]:
-    """Per device (index in ``plan.devices``): whom it sends activations and gradients, and
-    how many messages it receives per unit from the previous and from the next stage."""
+) -> tuple[list[dict[int, list[Peer]]], list[dict[int, list[Peer]]], list[dict[int, list[int]]]]:
+    """Per device (index in ``plan.devices``) and chunk it holds: whom it sends activations
+    and gradients, and how many messages it receives per unit from the previous and from the
+    next chunk. Neighbouring chunks on one rank hand over locally: no message."""
     names = plan.devices
     nd, link = len(names), cluster._link
-    out_f: list[list[Peer]] = [[] for _ in range(nd)]
-    out_b: list[list[Peer]] = [[] for _ in range(nd)]
-    indeg = [[0, 0] for _ in range(nd)]  # [from previous stage, from next stage]
+    out_f: list[dict[int, list[Peer]]] = [{} for _ in range(nd)]
+    out_b: list[dict[int, list[Peer]]] = [{} for _ in range(nd)]
+    indeg: list[dict[int, list[int]]] = [{} for _ in range(nd)]  # chunk -> [prev, next]
+    for s, devs in enumerate(stage_devs):
+        for d in devs:
+            out_f[d][s], out_b[d][s], indeg[d][s] = [], [], [0, 0]
+    owner = plan.chunk_ranks
     mbs = float(profile.micro_batch_size)
     for s in range(plan.num_stages - 1):
+        if owner[s] == owner[s + 1]:
+            continue
         per_sample = costs[s].activation_bytes / mbs  # activations out = gradients back
         for i, j, frac in overlaps(reps[s], reps[s + 1]):
             a, b = stage_devs[s][i], stage_devs[s + 1][j]
             gbps, lat, res = link(names[a], names[b])
-            out_f[a].append(Peer(b, per_sample * frac, gbps, lat / 1e3, res))
+            out_f[a][s].append(Peer(b, per_sample * frac, gbps, lat / 1e3, res))
             gbps, lat, res = link(names[b], names[a])
-            out_b[b].append(Peer(a, per_sample * frac, gbps, lat / 1e3, res))
-            indeg[b][0] += 1
-            indeg[a][1] += 1
+            out_b[b][s + 1].append(Peer(a, per_sample * frac, gbps, lat / 1e3, res))
+            indeg[b][s + 1][0] += 1
+            indeg[a][s][1] += 1
     return out_f, out_b, indeg
 
 
@@ -244,21 +252,24 @@ def stage_peaks(
     opt: float,
     whole: float,
 ) -> list[int]:
-    """Per stage: parameter state plus the most activation memory held in flight (a unit's
-    activations are held from its forward to its backward, or to its weight backward when the
-    backward is split: W still reads what the forward saved), plus what a stage holds once
-    (``once_bytes`` of a whole micro-batch of ``whole`` global samples)."""
+    """Per rank position: the parameter state of its chunks plus the most activation memory
+    it holds in flight (a unit's activations are held on a chunk from its forward to its
+    backward, or to its weight backward when the backward is split: W still reads what the
+    forward saved; a rank's chunks summed), plus what its chunks hold once (``once_bytes`` of
+    a whole micro-batch of ``whole`` global samples). With one chunk per rank: per stage."""
     release = Kind.WEIGHT if is_split(schedule) else Kind.BACKWARD
     out = []
-    for s, c in enumerate(costs):
-        per_sample = c.memory_bytes / mbs / reps[s]
+    for r in sorted(schedule):
+        mine = sorted({a.stage for a in schedule[r]})
+        per_sample = {c: costs[c].memory_bytes / mbs / reps[c] for c in mine}
         held = peak = 0.0
-        for a in schedule[s]:
+        for a in schedule[r]:
             if a.kind is Kind.FORWARD:
-                held += per_sample * gsamples[uidx[a.unit]]
+                held += per_sample[a.stage] * gsamples[uidx[a.unit]]
                 peak = max(peak, held)
             elif a.kind is release:
-                held -= per_sample * gsamples[uidx[a.unit]]
-        once = c.once_bytes / mbs / reps[s] * whole
-        out.append(int(round(peak_memory_bytes(c.param_bytes, peak, 1.0, opt, once))))
+                held -= per_sample[a.stage] * gsamples[uidx[a.unit]]
+        once = sum(costs[c].once_bytes / mbs / reps[c] * whole for c in mine)
+        params = sum(costs[c].param_bytes for c in mine)
+        out.append(int(round(peak_memory_bytes(params, peak, 1.0, opt, once))))
     return out

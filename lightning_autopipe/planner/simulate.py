@@ -36,10 +36,16 @@ Cost model (the one every planner here is judged by):
   (:func:`~.pricing.unit_prices`), a unit in flight holds its inputs only, and one whole
   micro-batch's activations are held once on top (:func:`~.pricing.recompute_memory`).
 
-The replay is a :class:`_Simulator`: a heap of typed events (a device free again, a transfer's
-bytes through the links, a message or ring flow arriving, a ring done), each handled by one
-method; the inputs and results (:class:`~.simdata.StageCost`, :class:`~.simdata.SimResult`)
-live in :mod:`~.simdata`.
+**Several chunks per rank.** With ``plan.chunks_per_rank > 1`` the schedule is keyed by rank
+position and its actions name chunks: each chunk is priced from its own blocks on its rank's
+devices, neighbouring chunks on one rank hand over locally (no message), a rank all-reduces
+the gradients of all its chunks in one ring after its last action, and its peak memory sums
+its chunks' parameter state and the activations they hold at once.
+
+The replay is a :class:`_Simulator`: a heap of typed events (:mod:`~.simevents`: a device
+free again, a transfer's bytes through the links, a message or ring flow arriving, a ring
+done), each handled by one method; the inputs and results (:class:`~.simdata.StageCost`,
+:class:`~.simdata.SimResult`) live in :mod:`~.simdata`.
 """
 
 from __future__ import annotations
@@ -47,11 +53,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import ScheduleError
-from lightning_autopipe.planner.fluid import Flow, FluidLinks
+from lightning_autopipe.planner.fluid import FluidLinks
 from lightning_autopipe.planner.generators import build_schedule
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.pricing import (
@@ -66,6 +71,7 @@ from lightning_autopipe.planner.schedule import Kind, Schedule, is_split, lower_
 from lightning_autopipe.planner.simdata import (
     AR,
     CODE,
+    RB,
     RF,
     SF,
     B,
@@ -79,57 +85,17 @@ from lightning_autopipe.planner.simdata import (
     stage_peaks,
     unit_samples,
 )
+from lightning_autopipe.planner.simevents import (
+    Arrived,
+    FlowDone,
+    Free,
+    Message,
+    RingDone,
+    RingFlow,
+)
 from lightning_autopipe.profile import Profile
 
 __all__ = ["Event", "SimResult", "StageCost", "simulate", "stage_costs"]
-
-
-# ---------------------------------------------------------------------------- events
-@dataclass(frozen=True, slots=True)
-class _Free:
-    """A device finished its compute action and runs on."""
-
-    device: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Message:
-    """Activations (``SF``) or gradients (``SB``) of one unit from ``src`` to ``dst``."""
-
-    src: int
-    dst: int
-    code: int
-    unit: int
-
-
-@dataclass(frozen=True, slots=True)
-class _RingFlow:
-    """One edge's share of a stage's gradient all-reduce."""
-
-    stage: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Arrived:
-    """A message or ring flow is through (its latency paid); ``sent`` is when it left."""
-
-    what: _Message | _RingFlow
-    sent: float
-
-
-@dataclass(frozen=True, slots=True)
-class _FlowDone:
-    """The links carried a flow's last byte (stale when the flow's rate changed since)."""
-
-    flow: Flow
-    version: int
-
-
-@dataclass(frozen=True, slots=True)
-class _RingDone:
-    """A stage's all-reduce ended (its last flow, latency and reduction done)."""
-
-    stage: int
 
 
 # ---------------------------------------------------------------------------- simulator
@@ -154,14 +120,17 @@ class _Simulator:
         self.names = plan.devices
         dev_index = {n: i for i, n in enumerate(self.names)}
         self.specs = [cluster.device(n).spec for n in self.names]
-        self.stage_of = [0] * len(self.names)
-        for s, st in enumerate(plan.stages):
-            for n in st.devices:
-                self.stage_of[dev_index[n]] = s
+        self.rank_of = [0] * len(self.names)
+        self.rank_devs = [[dev_index[n] for n in plan.rank_devices(r)]
+                          for r in range(plan.num_ranks)]
+        for r, devs in enumerate(self.rank_devs):
+            for d in devs:
+                self.rank_of[d] = r
+        self.chunks = [plan.rank_stages(r) for r in range(plan.num_ranks)]
         self.stage_devs = [[dev_index[n] for n in st.devices] for st in plan.stages]
         self.split = is_split(lowered)
-        self.acts_of = [[(CODE[a.kind], uidx[a.unit]) for a in lowered[s]]
-                        for s in range(plan.num_stages)]
+        self.acts_of = [[(CODE[a.kind], uidx[a.unit], a.stage) for a in lowered[r]]
+                        for r in range(plan.num_ranks)]
         self.has_backward = any(a.kind is Kind.BACKWARD for acts in schedule.values()
                                 for a in acts)
         type_profiles(profile, cluster)  # ClusterError when a type's profile is of other blocks
@@ -169,28 +138,38 @@ class _Simulator:
         self.dur = [self._durations(d) for d in range(len(self.names))]
         self.out_f, self.out_b, indeg = peers(plan, profile, cluster, self.costs, self.reps,
                                               self.stage_devs)
-        nu = len(self.units)
+        nu, nc = len(self.units), plan.num_stages
         # event loop state
         self.heap: list[tuple] = []
         self.tick = itertools.count().__next__
         self.ptr = [0] * len(self.names)
         self.waiting = [-1] * len(self.names)
-        self.left = [[indeg[d][0]] * nu + [indeg[d][1]] * nu for d in range(len(self.names))]
+        # messages still due per (chunk, direction, unit) slot: _slot
+        self.left = [[0] * (2 * nc * nu) for _ in range(len(self.names))]
+        for d, per in enumerate(indeg):
+            for c, (prev, nxt) in per.items():
+                for u in range(nu):
+                    self.left[d][self._slot(c, RF, u)] = prev
+                    self.left[d][self._slot(c, RB, u)] = nxt
         self.busy = [0.0] * len(self.names)
         self.finish = [0.0] * len(self.names)
-        self.stage_left = list(self.reps)
+        self.rank_left = [len(devs) for devs in self.rank_devs]
         self.raw: list[tuple] = []
-        self.rings: dict[int, list] = {}  # stage -> [flows left, start, latency + reduction]
-        self.ar_ms = [0.0] * plan.num_stages
+        self.rings: dict[int, list] = {}  # rank -> [flows left, start, latency + reduction]
+        self.ar_ms = [0.0] * plan.num_ranks
         self.links = FluidLinks(
             lambda r: cluster.resource_gbps(r) * BYTES_PER_MS_PER_GBPS, self.heap, self.tick,
-            _FlowDone,
+            FlowDone,
         )
 
+    def _slot(self, chunk: int, code: int, unit: int) -> int:
+        """Where device counts the messages a receive (RF or RB) of ``chunk`` waits for."""
+        return (2 * chunk + (code == RB)) * len(self.units) + unit
+
     # ------------------------------------------------------------------ set-up
-    def _cost(self, d: int) -> StageCost:
-        """Device ``d``'s stage costs, from its device type's own profile when it has one."""
-        s, spec = self.stage_of[d], self.specs[d]
+    def _cost(self, d: int, s: int) -> StageCost:
+        """Chunk ``s``'s costs on device ``d``, from its device type's own profile if any."""
+        spec = self.specs[d]
         prof, _ = device_profile(spec, self.profile)
         if prof is self.profile:
             return self.costs[s]
@@ -198,70 +177,79 @@ class _Simulator:
             self.own[spec.name] = stage_costs(self.plan, prof)
         return self.own[spec.name][s]
 
-    def _durations(self, d: int) -> list[list[float]]:
-        """Per kind code (F, B and, split, W): device ``d``'s time for every unit."""
-        s, spec = self.stage_of[d], self.specs[d]
+    def _durations(self, d: int) -> dict[int, list[list[float]]]:
+        """Per chunk of its rank and kind code (F, B and, split, W): device ``d``'s time for
+        every unit."""
+        spec = self.specs[d]
         prof, speed = device_profile(spec, self.profile)
-        per = self.reps[s] * float(prof.micro_batch_size)
-        prices = self._cost(d).prices(s == 0, self.split)
-        return [[unit_ms(ms, fixed, g / per, speed, spec.overhead_ms) for g in self.gsamples]
-                for ms, fixed in prices]
+        out = {}
+        for s in self.chunks[self.rank_of[d]]:
+            per = self.reps[s] * float(prof.micro_batch_size)
+            prices = self._cost(d, s).prices(s == 0, self.split)
+            out[s] = [[unit_ms(ms, fixed, g / per, speed, spec.overhead_ms)
+                       for g in self.gsamples] for ms, fixed in prices]
+        return out
 
     # ------------------------------------------------------------------ actions
     def _push(self, t: float, event: object) -> None:
         heapq.heappush(self.heap, (t, self.tick(), event))
 
     def _start_flow(self, now: float, nbytes: float, gbps: float, lat: float, res: tuple,
-                    what: _Message | _RingFlow) -> None:
+                    what: Message | RingFlow) -> None:
         if nbytes <= 0 or not res or gbps == math.inf:  # nothing to share: a pure delay
             t = now + lat + (nbytes / (gbps * BYTES_PER_MS_PER_GBPS) if nbytes > 0 else 0.0)
-            self._push(t, _Arrived(what, now))
+            self._push(t, Arrived(what, now))
         else:
             self.links.start(now, nbytes, res, (lat, what, now))
 
+    def _grad_bytes(self, r: int) -> int:
+        """Gradient bytes rank ``r`` all-reduces: all its chunks' parameters, in one ring."""
+        return sum(self.costs[s].param_bytes for s in self.chunks[r])
+
     def _start_allreduce(self, s: int, now: float) -> None:
         cluster = self.cluster
-        ring = cluster.ring_order([self.names[d] for d in self.stage_devs[s]])
+        ring = cluster.ring_order([self.names[d] for d in self.rank_devs[s]])
         n = len(ring)
-        nbytes = ring_volume(n, self.costs[s].param_bytes)
+        nbytes = ring_volume(n, self._grad_bytes(s))
         lat = max(cluster.latency_us(ring[i], ring[(i + 1) % n]) for i in range(n)) / 1e3
-        reduce = self.costs[s].param_bytes * reduce_ms_per_byte(cluster, ring)  # no link
+        reduce = self._grad_bytes(s) * reduce_ms_per_byte(cluster, ring)  # no link
         self.rings[s] = [n, now, ring_latency_ms(n, lat) + reduce]
         for i in range(n):
             gbps, _, res = cluster._link(ring[i], ring[(i + 1) % n])
             # latency: once per ring step, added when the ring ends
-            self._start_flow(now, nbytes, gbps, 0.0, res, _RingFlow(s))
+            self._start_flow(now, nbytes, gbps, 0.0, res, RingFlow(s))
 
     def _finish_device(self, d: int, now: float) -> None:
         self.finish[d] = now
-        s = self.stage_of[d]
-        self.stage_left[s] -= 1
-        if (self.stage_left[s] == 0 and self.reps[s] > 1 and self.costs[s].param_bytes > 0
+        r = self.rank_of[d]
+        self.rank_left[r] -= 1
+        if (self.rank_left[r] == 0 and len(self.rank_devs[r]) > 1 and self._grad_bytes(r) > 0
                 and self.has_backward):
-            self._start_allreduce(s, now)
+            self._start_allreduce(r, now)
 
     def _advance(self, d: int, now: float) -> None:
         """Run device ``d``'s actions from its pointer until one takes time or must wait."""
-        acts = self.acts_of[self.stage_of[d]]
-        p, n, nu = self.ptr[d], len(acts), len(self.units)
+        acts = self.acts_of[self.rank_of[d]]
+        p, n = self.ptr[d], len(acts)
         while p < n:
-            code, u = acts[p]
+            code, u, c = acts[p]
             if code <= B or code == W:
-                dur = self.dur[d][0 if code == F else 1 if code == B else 2][u]
+                dur = self.dur[d][c][0 if code == F else 1 if code == B else 2][u]
                 self.busy[d] += dur
                 end = now + dur
-                self.raw.append((d, code, u, now, end, -1))
+                self.raw.append((d, code, u, now, end, -1, c))
                 self.ptr[d] = p + 1
-                self._push(end, _Free(d))
+                self._push(end, Free(d))
                 return
             if code < RF:  # a send (codes are ordered F, B, SF, SB, RF, RB)
                 g = self.gsamples[u]
-                for peer in self.out_f[d] if code == SF else self.out_b[d]:
+                dst_chunk = c + 1 if code == SF else c - 1
+                for peer in (self.out_f if code == SF else self.out_b)[d][c]:
                     self._start_flow(now, peer.bytes_per_sample * g, peer.gbps,
                                      peer.latency_ms, peer.resources,
-                                     _Message(d, peer.dst, code, u))
+                                     Message(d, peer.dst, code, u, c, dst_chunk))
             else:  # a receive
-                slot = u if code == RF else nu + u
+                slot = self._slot(c, code, u)
                 if self.left[d][slot] > 0:
                     self.ptr[d] = p
                     self.waiting[d] = slot
@@ -271,19 +259,19 @@ class _Simulator:
         self._finish_device(d, now)
 
     # ------------------------------------------------------------------ events
-    def _on_flow_done(self, t: float, ev: _FlowDone) -> bool:
+    def _on_flow_done(self, t: float, ev: FlowDone) -> bool:
         """False for a stale completion (the flow's rate changed since it was scheduled)."""
         if not self.links.finish(ev.flow, ev.version):
             return False
         lat, what, sent = ev.flow.payload
-        self._push(t + lat, _Arrived(what, sent))
+        self._push(t + lat, Arrived(what, sent))
         return True
 
-    def _on_arrived(self, t: float, ev: _Arrived) -> None:
+    def _on_arrived(self, t: float, ev: Arrived) -> None:
         what = ev.what
-        if isinstance(what, _Message):
-            self.raw.append((what.src, what.code, what.unit, ev.sent, t, what.dst))
-            slot = what.unit if what.code == SF else len(self.units) + what.unit
+        if isinstance(what, Message):
+            self.raw.append((what.src, what.code, what.unit, ev.sent, t, what.dst, what.chunk))
+            slot = self._slot(what.dst_chunk, RF if what.code == SF else RB, what.unit)
             dst = what.dst
             self.left[dst][slot] -= 1
             if self.left[dst][slot] == 0 and self.waiting[dst] == slot:
@@ -294,15 +282,15 @@ class _Simulator:
             ring = self.rings[what.stage]
             ring[0] -= 1
             if ring[0] == 0:
-                self._push(t + ring[2], _RingDone(what.stage))
+                self._push(t + ring[2], RingDone(what.stage))
 
-    def _on_ring_done(self, t: float, ev: _RingDone) -> None:
+    def _on_ring_done(self, t: float, ev: RingDone) -> None:
         s = ev.stage
         start = self.rings[s][1]
         self.ar_ms[s] = t - start
-        for d in self.stage_devs[s]:
+        for d in self.rank_devs[s]:
             self.finish[d] = t
-            self.raw.append((d, AR, -1, start, t, -1))
+            self.raw.append((d, AR, -1, start, t, -1, self.chunks[s][0]))
 
     def run(self) -> SimResult:
         """Replay the step and collect the predictions."""
@@ -312,19 +300,19 @@ class _Simulator:
         links.settle(0.0)
         while heap:
             t, _, ev = heapq.heappop(heap)
-            if type(ev) is _Free:
+            if type(ev) is Free:
                 self._advance(ev.device, t)
-            elif type(ev) is _FlowDone:
+            elif type(ev) is FlowDone:
                 if not self._on_flow_done(t, ev):
                     continue  # nothing changed: the links settle after the next event
-            elif type(ev) is _Arrived:
+            elif type(ev) is Arrived:
                 self._on_arrived(t, ev)
             else:
                 self._on_ring_done(t, ev)
             if links.pending and (not heap or heap[0][0] > t):
                 links.settle(t)
         stuck = [self.names[d] for d in range(len(self.names))
-                 if self.ptr[d] < len(self.acts_of[self.stage_of[d]])]
+                 if self.ptr[d] < len(self.acts_of[self.rank_of[d]])]
         if stuck:
             raise ScheduleError(f"schedule deadlocks in simulation; devices {stuck} never finish")
         return self._result()
@@ -343,7 +331,7 @@ class _Simulator:
                 per = whole / self.reps[s] / prof.micro_batch_size
                 ovh = self.specs[d].overhead_ms
                 f, *back = [unit_ms(x, fx, per, speed, ovh)
-                            for x, fx in self._cost(d).prices(s == 0, self.split)]
+                            for x, fx in self._cost(d, s).prices(s == 0, self.split)]
                 ms.append(f + (back[0] + back[1] if self.split else back[0]))
             stage_ms.append(max(ms))
         peak = stage_peaks(self.schedule, self.costs, self.gsamples, self.reps, self.uidx,
@@ -352,13 +340,12 @@ class _Simulator:
             iteration_ms=iteration,
             bubble_fraction=bubble,
             busy_ms={names[d]: self.busy[d] for d in range(nd)},
-            peak_memory_bytes={names[d]: peak[self.stage_of[d]] for d in range(nd)},
+            peak_memory_bytes={names[d]: peak[self.rank_of[d]] for d in range(nd)},
             stage_ms=stage_ms,
             allreduce_ms=self.ar_ms,
             devices=list(names),
             _raw=self.raw,
             _units=self.units,
-            _stage_of=self.stage_of,
         )
 
 
@@ -380,9 +367,10 @@ def simulate(
     stage_costs(plan, profile)  # PlanError first when the plan does not fit the profile
     if schedule is None:
         schedule = build_schedule(plan)
-    if sorted(schedule) != list(range(plan.num_stages)):
+    if sorted(schedule) != list(range(plan.num_ranks)):
         raise ScheduleError(
-            f"schedule has stages {sorted(schedule)} but the plan has {plan.num_stages} stages"
+            f"schedule has stages {sorted(schedule)} but the plan has {plan.num_ranks} "
+            f"{'stages' if plan.chunks_per_rank == 1 else 'ranks'}"
         )
     if all(a.kind.is_compute for acts in schedule.values() for a in acts):
         lowered = lower_communication(schedule)

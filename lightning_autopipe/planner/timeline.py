@@ -100,7 +100,8 @@ def write_png(result: SimResult, path: str | Path, *, title: str | None = None) 
     """Write a Gantt chart: devices top to bottom, time left to right.
 
     Forward, backward and all-reduce are full-height bars (slices of micro-batch 0 show as
-    short bars, labelled where they are wide enough); transfers are thin bars under the sender.
+    short bars, labelled where they are wide enough: ``mb.slice``, ``chunk:mb.slice`` when a
+    device holds several chunks); transfers are thin bars under the sender.
     """
     matplotlib = import_extra("matplotlib", "the timeline picture (timeline.png)")
     matplotlib.use("Agg", force=False)
@@ -113,6 +114,10 @@ def write_png(result: SimResult, path: str | Path, *, title: str | None = None) 
     fig_h = 1.2 + 0.35 * len(devs)
     fig, ax = plt.subplots(figsize=(14, min(fig_h, 40)))
     bars: dict[tuple[str, bool], tuple[list, list]] = {}
+    held: dict[str, set[int]] = {}
+    for e in result.events:
+        held.setdefault(e.device, set()).add(e.stage)
+    chunked = any(len(c) > 1 for c in held.values())  # label bars with their chunk too
     for e in result.events:
         compute = e.kind in _COMPUTE
         xs, ys = bars.setdefault((e.kind, compute), ([], []))
@@ -123,7 +128,8 @@ def write_png(result: SimResult, path: str | Path, *, title: str | None = None) 
             ax.text(
                 e.start_ms + width / 2,
                 row[e.device],
-                f"{e.unit[0]}.{e.unit[1]}" if e.unit else "",
+                (f"{e.stage}:" if chunked else "") + f"{e.unit[0]}.{e.unit[1]}" if e.unit
+                else "",
                 ha="center",
                 va="center",
                 fontsize=6,

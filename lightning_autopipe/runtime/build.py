@@ -21,11 +21,18 @@ from torch.utils import swap_tensors
 
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.options import AutoPipeOptions
-from lightning_autopipe.planner.generators import SCHEDULES
+from lightning_autopipe.planner.generators import generate
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.report import plan_table
-from lightning_autopipe.planner.schedule import forward_only, lower_communication
+from lightning_autopipe.planner.schedule import (
+    Action,
+    Kind,
+    Schedule,
+    forward_only,
+    lower_communication,
+)
 from lightning_autopipe.profile import Profile
+from lightning_autopipe.runtime.chunks import RankChunks
 from lightning_autopipe.runtime.compiled_stage import compiled_stage
 from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
 from lightning_autopipe.runtime.failure import FailureBoard
@@ -142,6 +149,11 @@ def build_pipeline(
 ) -> LocalPipeline:
     """This rank's pipeline for ``plan``; collective (process groups are created).
 
+    With several chunks per rank (``plan.chunks_per_rank``) the rank's chunks are bound
+    together as one :class:`~lightning_autopipe.runtime.chunks.RankChunks` (``pipe.stage``),
+    each compiled or recomputed on its own, and the executor runs them all; a weight two of
+    them use is one Parameter, a weight shared with another rank a tie group over rows.
+
     The plan's stage for this rank is taken from ``source.blocks``; on a meta-device model only
     that stage is materialised, on ``source.device`` (read from ``source.initial_state`` by
     original name, else initialised from ``source.seed``, see
@@ -156,54 +168,59 @@ def build_pipeline(
     """
     options, rank, device = source.options, source.rank, source.device
     layout = layout_for_rank(plan, source.names, rank)
-    s = layout.stage
-    i, j = plan.stages[s].blocks
+    held = layout.chunks  # this rank's chunks of the model (one with one chunk per rank)
     if not fresh:  # the slots an earlier binding emptied, which the stages share
         restore_tensors(source.module, source.tensors)
     # Tie groups first: they look at every stage, which binding strips of foreign parameters.
     ties = list(source.blocks.tie_groups(plan.cuts))
-    stage = source.blocks.stage(i, j)
+    parts = {c: source.blocks.stage(*plan.stages[c].blocks) for c in held}
+    stage: nn.Module = parts[held[0]] if len(held) == 1 else RankChunks(parts)
     if source.deferred:
-        retarget_devices(stage, device)
+        for part in parts.values():
+            retarget_devices(part, device)
     if not fresh:  # tensors this rank did not hold under the earlier plan: storage again
-        _allocate_released(stage, source.shapes, device)
-    elif source.deferred:  # only this stage ever gets storage on this rank
+        for part in parts.values():
+            _allocate_released(part, source.shapes, device)
+    elif source.deferred:  # only this rank's chunks ever get storage on this rank
         Materializer(source.module, source.seed, source=source.initial_state).materialize(
             [*stage.parameters(), *(b for b in stage.buffers() if b is not None)], device)
     stage = stage.to(device)
     bind_local_stage(source.module, stage, stage.param_names, aliases=source.aliases)
 
-    tie_sets = [sorted(_tie_locals(t)) for t in ties]
-    local_params = dict(stage.named_parameters(remove_duplicate=False))
+    # A tie across ranks sums its copies' gradients; chunks of one rank share one Parameter.
+    tie_sets = [sorted({layout.position(c) for c in _tie_locals(t)}) for t in ties]
     tied = []
-    for t, tie in enumerate(ties):
-        where = _tie_locals(tie)
-        if s in where and len(where) > 1:
-            tied.append(TiedParameter(t, local_params[where[s]], counted=s == min(where)))
+    for t, (tie, rows) in enumerate(zip(ties, tie_sets)):
+        here = [c for c in _tie_locals(tie) if c in parts]
+        if here and len(rows) > 1:
+            param = dict(parts[here[0]].named_parameters(remove_duplicate=False))[
+                _tie_locals(tie)[here[0]]]
+            tied.append(TiedParameter(t, param, counted=layout.stage == rows[0]))
     groups = None
     timeout = options.timeout_delta
     if dist.is_available() and dist.is_initialized():
         backend = source.backend or options.process_group_backend
         groups = build_groups(layout, tie_sets, backend=backend, timeout=timeout)
 
-    gen = SCHEDULES[plan.schedule]
-    num_stages = plan.num_stages
     meter = None
     if source.measure_memory:
         names = source.names
         predicted = plan.peak_memory_bytes.get(names[rank], 0) if rank < len(names) else 0
         meter = MemoryMeter(list(stage.parameters()), device, predicted=predicted, rank=rank,
-                            stage=s)
+                            stage=layout.stage)
     module = source.module
+    runs = {c: _compiled(Recomputed(part) if plan.recomputes(c) else part, plan, options, c)
+            for c, part in parts.items()}
+    row = layout.stage
     executor = PipelineExecutor(
-        _compiled(Recomputed(stage) if plan.recomputes(s) else stage, plan, options, s),
+        runs[held[0]] if len(held) == 1 else runs,
         layout,
         groups,
         num_microbatches=plan.num_microbatches,
         startup_slices=plan.startup_slices,
         drain_slices=plan.drain_slices,
-        train_schedule=lambda m, k, j: lower_communication(gen(num_stages, m, k, j))[s],
-        eval_schedule=lambda m: lower_communication(forward_only(num_stages, m))[s],
+        train_schedule=lambda m, k, j: lower_communication(_train(plan, m, k, j))[row],
+        eval_schedule=lambda m: lower_communication(_forward_only(plan, m))[row],
         inputs_fn=lambda batch: as_call_args(model_inputs(module, batch)),
         flatten_inputs=source.blocks.flatten_inputs,
         unflatten_outputs=source.blocks.unflatten_outputs,
@@ -275,9 +292,24 @@ def _allocate_released(
             t.data = new
 
 
+def _train(plan: Plan, m: int, k: int, j: int) -> Schedule:
+    """The compute-only training schedule of ``plan`` for ``m`` micro-batches, ``k`` startup
+    and ``j`` drain slices (a short batch may need fewer than the plan's), keyed by rank."""
+    return generate(plan.schedule, plan.num_ranks, m, k, j, plan.chunks_per_rank)
+
+
+def _forward_only(plan: Plan, m: int) -> Schedule:
+    """Forwards of ``m`` whole micro-batches, each through every chunk of a rank in model
+    order (the projection of one sequential pass, so no rank waits on a later one)."""
+    if plan.chunks_per_rank == 1:
+        return forward_only(plan.num_stages, m)
+    return {r: [Action(c, Kind.FORWARD, mb, 0) for mb in range(m) for c in plan.rank_stages(r)]
+            for r in range(plan.num_ranks)}
+
+
 def _compiled(stage: nn.Module, plan: Plan, options: AutoPipeOptions, index: int) -> nn.Module:
     """The stage as the executor runs it: compiled with ``options.compile``'s backend, if any
-    (``index``: its place in the pipeline; the first stage's backward is never split)."""
+    (``index``: its chunk; the first chunk's backward is never split)."""
     backend = options.compile_backend
     if backend is None:
         return stage

@@ -8,6 +8,12 @@ simulator replays too, and records them in :attr:`PipelineExecutor.trace` (and t
 (:func:`~lightning_autopipe.runtime.stage_runner.action_table`); how a backward is split into
 ``B`` and ``W`` is :mod:`~lightning_autopipe.runtime.backward`'s.
 
+A rank may hold several chunks of the model (interleaved or V placement): ``stage`` is then a
+mapping chunk -> module, each chunk runs in its own runner, an action goes to the runner of the
+chunk it names, and tensors between two chunks of this rank pass without a message. The
+data-parallel gradient sync covers every chunk's parameters; a parameter two local chunks
+share (a tied embedding and head in V placement) is one Parameter and one gradient.
+
 Numerics: each unit's loss on the last stage is weighted by ``unit_samples / B``, so the
 gradients summed over units are those of the replica's mean loss. Averaging over the
 data-parallel group then gives the gradients of the global-batch mean loss, and summing tied
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +37,7 @@ from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.schedule import Action, Kind
 from lightning_autopipe.runtime.backward import splits_backward_at
 from lightning_autopipe.runtime.checks import check_batch_sizes
+from lightning_autopipe.runtime.chunks import chunk_modules
 from lightning_autopipe.runtime.failure import FailureBoard, pipeline_failure
 from lightning_autopipe.runtime.gradsync import GradientSync
 from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout
@@ -60,7 +67,8 @@ class PipelineExecutor:
     """Executes this rank's schedule for one stage of one data-parallel replica.
 
     Args:
-        stage: the local stage module; ``stage(*tensors)`` returns a tuple of tensors.
+        stage: the local stage module; ``stage(*tensors)`` returns a tuple of tensors. With
+            several chunks per rank (``layout.chunks``): chunk index -> its module.
         layout: this rank's place in the grid.
         groups: process groups from :func:`build_groups` (None only for a 1-rank world).
         num_microbatches: micro-batches per replica and step (the plan's ``m``).
@@ -90,7 +98,7 @@ class PipelineExecutor:
 
     def __init__(
         self,
-        stage: nn.Module,
+        stage: nn.Module | Mapping[int, nn.Module],
         layout: RankLayout,
         groups: ProcessGroups | None,
         *,
@@ -113,7 +121,9 @@ class PipelineExecutor:
     ) -> None:
         if layout.world_size > 1 and groups is None:
             raise PipelineRuntimeError("a multi-rank pipeline needs its process groups")
-        self.stage = stage
+        self.chunks = chunk_modules(stage, layout)
+        self.stage = stage if isinstance(stage, nn.Module) else nn.ModuleDict(
+            {str(c): mod for c, mod in self.chunks.items()})
         self.layout = layout
         self.groups = groups
         self.num_microbatches = num_microbatches
@@ -135,10 +145,16 @@ class PipelineExecutor:
         self.trace: list[Action] = []
         self.timeline: list[tuple[Action, float, float]] = []
         self._schedules: dict[tuple[bool, int, int, int], list[Action]] = {}
-        self._params = [p for p in stage.parameters() if p.requires_grad]
+        self._params = [p for p in self.stage.parameters() if p.requires_grad]
         self.memory = memory
-        self._runner = StageRunner(stage, layout, self._params, loss_fn, unflatten_outputs,
-                                   device, memory)
+        self._runners = {
+            c: StageRunner(mod, layout.chunk(c), [p for p in mod.parameters() if p.requires_grad],
+                           loss_fn, unflatten_outputs, device, memory)
+            for c, mod in self.chunks.items()
+        }
+        for c, runner in self._runners.items():  # neighbour chunks on this rank
+            runner.local_prev = self._runners.get(c - 1) if runner.layout.prev_local else None
+            runner.local_next = self._runners.get(c + 1) if runner.layout.next_local else None
         self.loss_scale: Callable[[Tensor], Tensor] | None = None
         self._dp_sync: GradientSync | None = None
         if layout.num_replicas > 1 and self._params:
@@ -194,15 +210,17 @@ class PipelineExecutor:
         that saw it)``; the last stage when every stage's outputs were finite (the loss itself).
         """
         lay = self.layout
-        bad = not bool(torch.isfinite(self._runner.output_sum))
-        mine = torch.tensor([float(bad), float(lay.stage)], device=self.device)
+        mine = torch.zeros(lay.num_chunks, device=self.device)  # 1: that chunk's outputs were
+        for c, runner in self._runners.items():  # non-finite on this rank
+            mine[c] = float(not bool(torch.isfinite(runner.output_sum)))
         rows = [mine]
         if dist.is_available() and dist.is_initialized() and lay.world_size > 1:
             rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(rows, mine)
-        flags = [(int(r[1]), rank) for rank, r in enumerate(rows) if r[0] > 0]
+        flags = [(c, rank) for rank, r in enumerate(rows) for c in range(len(r)) if r[c] > 0]
+        last = lay.num_chunks - 1
         if not flags:
-            return lay.num_stages - 1, list(lay.grid[-1])
+            return last, list(lay.grid[lay.position(last)])
         first = min(s for s, _ in flags)
         return first, [rank for s, rank in flags if s == first]
 
@@ -236,11 +254,13 @@ class PipelineExecutor:
         key = (train, m, k, j)
         if key not in self._schedules:
             acts = self._train_schedule(m, k, j) if train else self._eval_schedule(m)
-            wrong = [a for a in acts if a.stage != self.layout.stage]
+            wrong = [a for a in acts if a.stage not in self._runners]
             if wrong:
+                held = list(self._runners)
+                what = f"stage {held[0]}" if len(held) == 1 else f"chunks {held}"
                 raise PipelineRuntimeError(
-                    f"rank {self.layout.rank} runs stage {self.layout.stage} but its schedule "
-                    f"holds actions of other stages: {[str(a) for a in wrong[:4]]}"
+                    f"rank {self.layout.rank} runs {what} but its schedule holds actions of "
+                    f"other stages: {[str(a) for a in wrong[:4]]}"
                 )
             self._schedules[key] = acts
         return self._schedules[key]
@@ -255,10 +275,12 @@ class PipelineExecutor:
         except Exception as exc:
             lay = self.layout
             kind = "training" if self._training else "validation"
+            held = lay.chunks
+            stage = f"stage {lay.stage}" if len(held) == 1 else f"chunks {list(held)}"
             raise pipeline_failure(
                 self.failures,
                 exc,
-                where=f"rank {lay.rank} (stage {lay.stage}, replica {lay.replica})",
+                where=f"rank {lay.rank} ({stage}, replica {lay.replica})",
                 what=what,
                 when=f"{kind} step {self.step}" if self.step is not None else f"a {kind} step",
                 peer=peer,
@@ -287,41 +309,58 @@ class PipelineExecutor:
         arm_at = self._arm_index(actions, split) if train else -1
         if train and self._dp_sync is not None:
             self._dp_sync.prepare()  # gradients accumulate straight into the all-reduce buffers
-        runner = self._runner
+        runners = self._runners
         order = {u: i for i, u in enumerate(bounds)}
-        runner.begin(batch, flat, size, bounds, train=train, loss_scale=self.loss_scale,
-                     outbox=Outbox.for_actions(actions, order))
+        for c, runner in runners.items():
+            runner.begin(batch, flat, size, bounds, train=train, loss_scale=self.loss_scale,
+                         outbox=Outbox.for_actions([a for a in actions if a.stage == c], order))
         trace: list[Action] = []
         timeline: list[tuple[Action, float, float]] = []
         for idx, a in enumerate(actions):
             t0 = time.perf_counter()
             check_action(a, table, bounds)
-            peer = layout.prev_rank if a.kind in (Kind.RECV_F, Kind.SEND_B) else layout.next_rank
+            runner = runners[a.stage]
+            peer = (runner.layout.prev_rank if a.kind in (Kind.RECV_F, Kind.SEND_B)
+                    else runner.layout.next_rank)
             with self._watch(_action_name(a), peer, a.kind not in _COMPUTE_KINDS):
                 if idx == arm_at:  # gradients become final during this action
-                    self._dp_sync.arm()  # type: ignore[union-attr]
+                    self._arm(a.stage)
                 table[a.kind](runner, a)
             trace.append(a)
             timeline.append((a, t0, time.perf_counter()))
         with self._watch("waiting for sends", None, communication=True):
-            runner.outbox.wait_all()
+            for runner in runners.values():
+                runner.outbox.wait_all()
         self.trace = trace
         self.timeline = timeline
+        loss_sum = runners[max(runners)].loss_sum  # the last chunk's (zero unless the model's)
         with self._watch("loss broadcast", layout.last_stage_rank, communication=True):
-            return self._global_loss(runner.loss_sum)
+            return self._global_loss(loss_sum)
+
+    def _arm(self, chunk: int) -> None:
+        """Arm the data-parallel sync for the backward of ``chunk`` that makes every gradient
+        of this rank final: the other chunks' gradients already are."""
+        assert self._dp_sync is not None
+        mine = {id(p) for p in self._runners[chunk].params}
+        self._dp_sync.arm(done=[p for p in self._params if id(p) not in mine])
 
     def _arm_index(self, actions: Sequence[Action], split: bool) -> int:
-        """The action during which this stage's gradients become final (-1: none to sync).
+        """The action during which this rank's gradients become final (-1: none to sync).
 
         The data-parallel buckets launch as the gradients fill them in a whole autograd
         backward: the last ``B`` of an unsplit schedule, or the last ``W`` of a stage whose
         ``W`` is a whole backward (the first stage under a split schedule). A split ``W``
-        accumulates its gradients outside the hooks; those are launched by ``finish``.
+        accumulates its gradients outside the hooks; those are launched by ``finish``. With
+        several chunks it is the rank's last gradient-accumulating action over all of them,
+        when that one is a whole backward.
         """
-        if self._dp_sync is None or splits_backward_at(self.layout.stage, split):
+        if self._dp_sync is None:
             return -1
         final = Kind.WEIGHT if split else Kind.BACKWARD
-        return max((i for i, a in enumerate(actions) if a.kind is final), default=-1)
+        last = max((i for i, a in enumerate(actions) if a.kind is final), default=-1)
+        if last < 0 or splits_backward_at(actions[last].stage, split):
+            return -1
+        return last
 
     def _global_loss(self, loss_sum: Tensor) -> Tensor:
         """Replica mean from the last stage to the whole replica, then averaged over replicas."""

@@ -14,6 +14,7 @@ gradients took as long as the all-reduce itself).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -85,12 +86,19 @@ class GradientSync:
                     view.copy_(g)
                 p.grad = view
 
-    def arm(self) -> None:
+    def arm(self, done: Sequence[nn.Parameter] = ()) -> None:
+        """Count the gradients accumulated from now on as final; those of ``done`` (another
+        chunk's, whose last backward has run) already are."""
         self._armed = True
         self._seen = set()
         self._left = [len(b) for b in self.buckets]
         self._next = 0
         self._works = []
+        for p in done:
+            if id(p) in self._bucket_of and id(p) not in self._seen:
+                self._seen.add(id(p))
+                self._left[self._bucket_of[id(p)]] -= 1
+        self._launch_ready()
 
     def finish(self) -> None:
         """Launch the remaining buckets (unused parameters count as zero), wait, average."""

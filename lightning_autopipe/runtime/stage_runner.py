@@ -1,10 +1,16 @@
-"""This rank's stage inside one step: the per-unit state and one method per action kind.
+"""One chunk of this rank inside one step: the per-unit state and one method per action kind.
 
 The executor walks the lowered action list and calls, for each action, the method that
 :func:`action_table` maps its kind to; every method takes the action alone and reads or writes
 only the state of the action's unit (what it received, saved for backward, must send on). So
 each action's meaning is one short method, and a new action kind is one more method and one
 more table entry, not another branch of a loop.
+
+A rank holding several chunks has one runner per chunk. Between two consecutive chunks on the
+same rank the schedule has no send or receive: the forward hands its outputs to the next
+chunk's runner as detached leaves (what a receive would have made of them) and the backward
+hands its input gradients to the previous chunk's runner, so each chunk's backward stays its
+own autograd graph, run when the schedule says, exactly as across ranks.
 
 Numerics: the replica's batch of ``B`` samples is cut into micro-batches (micro-batch 0 into
 startup slices); each unit's loss on the last stage is weighted by ``unit_samples / B``, so the
@@ -31,7 +37,7 @@ from lightning_autopipe.runtime.backward import (
     output_pairs,
     splits_backward_at,
 )
-from lightning_autopipe.runtime.groups import RankLayout
+from lightning_autopipe.runtime.groups import ChunkLayout
 from lightning_autopipe.runtime.outbox import Outbox
 from lightning_autopipe.runtime.units import Unit, slice_batch
 
@@ -41,13 +47,13 @@ _BACKWARD_KINDS = (Kind.SEND_B, Kind.RECV_B, Kind.BACKWARD)
 
 
 class StageRunner:
-    """One stage's forward, ``backward_input`` and ``backward_weight`` (and its receives and
+    """One chunk's forward, ``backward_input`` and ``backward_weight`` (and its receives and
     sends) over the units of a step.
 
     Args:
-        module: the local stage module; ``module(*tensors)`` returns a tuple of tensors.
-        layout: this rank's place in the grid (first / last stage, neighbours).
-        params: the stage's trainable parameters (what a split ``W`` accumulates into).
+        module: the chunk's module; ``module(*tensors)`` returns a tuple of tensors.
+        layout: the chunk's place (first / last of the model, neighbours, local ones).
+        params: the chunk's trainable parameters (what a split ``W`` accumulates into).
         loss_fn: ``(model outputs, batch slice) -> mean loss of that slice`` (last stage).
         unflatten_outputs: last stage outputs -> model-shaped output for ``loss_fn``.
         device: where received tensors are put.
@@ -58,7 +64,7 @@ class StageRunner:
     def __init__(
         self,
         module: nn.Module,
-        layout: RankLayout,
+        layout: ChunkLayout,
         params: Sequence[nn.Parameter],
         loss_fn: Callable[[Any, Any], Tensor],
         unflatten_outputs: Callable[[tuple[Tensor, ...]], Any],
@@ -76,6 +82,9 @@ class StageRunner:
         self._deferral = getattr(module, "deferral", None)
         # without an input gradient (the first stage) a split backward's W is the whole one
         self._splits = splits_backward_at(layout.stage, split=True)
+        # the runners of the neighbour chunks on this rank (set by the executor), if local
+        self.local_prev: StageRunner | None = None
+        self.local_next: StageRunner | None = None
         self.output_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         self.begin(None, (), 0, {}, train=False, outbox=Outbox(False, False))
@@ -147,7 +156,10 @@ class StageRunner:
                 wide = o.dtype == torch.float64
                 self.output_sum += o.detach().sum(dtype=torch.float64 if wide else torch.float32)
         if not self.layout.is_last:
-            self._outputs[unit] = outs
+            if self.local_next is not None:  # the next chunk is here: its "receive" at once
+                self.local_next.take_activations(unit, outs)
+            else:
+                self._outputs[unit] = outs
             if self._train:
                 self._saved[unit] = (inputs, outs)
             return
@@ -164,7 +176,7 @@ class StageRunner:
         inputs, result = self._saved.pop(a.unit)
         backward_whole(a, result, self._take_out_grads(a.unit))
         if not self.layout.is_first:
-            self._in_grads[a.unit] = input_grads(inputs)
+            self._hand_back(a.unit, input_grads(inputs))
 
     def backward_input(self, a: Action) -> None:
         """``B`` of a split backward: only the input gradients (sent on at once), keeping what
@@ -187,7 +199,7 @@ class StageRunner:
             else:
                 outs, out_grads = output_pairs(a, result, grads)
             dinputs, pending = backward_input(outs, out_grads, inputs, self.params)
-        self._in_grads[a.unit] = list(dinputs)
+        self._hand_back(a.unit, list(dinputs))
         self._weight_state[a.unit] = (None, None, pending)
 
     def backward_weight(self, a: Action) -> None:
@@ -214,10 +226,35 @@ class StageRunner:
         self.outbox.backward.append(
             comm.send_tensors(grads, self.layout.prev_rank, self._tag(a), self.device))
 
+    # ------------------------------------------------------------------ local hand-offs
+    def take_activations(self, unit: Unit, outs: Sequence[Tensor]) -> None:
+        """The previous chunk (on this rank) produced ``unit``'s inputs of this chunk: kept as
+        detached leaves that take a gradient where the output did, as a receive makes them."""
+        self._received[unit] = [
+            o.detach().requires_grad_(o.requires_grad) if o.is_floating_point() else o.detach()
+            for o in outs
+        ]
+
+    def take_gradients(self, unit: Unit, grads: list[Tensor | None]) -> None:
+        """The next chunk (on this rank) computed the gradients of ``unit``'s outputs."""
+        self._out_grads[unit] = grads
+
+    def _hand_back(self, unit: Unit, grads: list[Tensor | None]) -> None:
+        """The input gradients of ``unit``: to the previous chunk if it is here, else kept for
+        ``SEND_B``."""
+        if self.local_prev is not None:
+            self.local_prev.take_gradients(unit, grads)
+        else:
+            self._in_grads[unit] = grads
+
     # -------------------------------------------------------------------------- internals
     def _tag(self, a: Action) -> int:
-        """The message tag of a unit's transfer: two per unit, activations then gradients."""
-        return 2 * self._order[a.unit] + (a.kind in _BACKWARD_KINDS)
+        """The message tag of a unit's transfer: two per unit, activations then gradients,
+        per lane (boundaries between the same two ranks, several chunks per rank)."""
+        back = a.kind in _BACKWARD_KINDS
+        incoming = a.kind in (Kind.RECV_F, Kind.SEND_B)
+        lane = self.layout.lane_in if incoming else self.layout.lane_out
+        return 2 * (self._order[a.unit] + lane * len(self._order)) + back
 
     def _take_out_grads(self, unit: Unit) -> list[Tensor | None] | None:
         """The gradients the next stage sent for ``unit`` (None on the last stage: the loss)."""

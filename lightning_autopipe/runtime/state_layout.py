@@ -75,8 +75,8 @@ class StateLayout:
         ]
         ranks, replicas = [], []
         for rank in range(len(device_names)):
-            lay = layout_for_rank(plan, device_names, rank)
-            ranks.append(per_stage[lay.stage])
+            lay = layout_for_rank(plan, device_names, rank)  # its chunks' names together
+            ranks.append(tuple(dict.fromkeys(n for c in lay.chunks for n in per_stage[c])))
             replicas.append(lay.replica)
         return cls(tuple(ranks), tuple(replicas))
 

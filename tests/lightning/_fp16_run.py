@@ -8,6 +8,7 @@ strategy takes over, norm clipping on. Cases:
 
 * ``fp16``: :data:`~tests.lightning._fp16.STEPS` steps from the start; the checkpoint is
   written to ``OUT_DIR/fp16.ckpt``.
+* ``fp16-zbv``: the same under ZB-V, two chunks per rank (:func:`fixed_plan`).
 * ``resume``: ``fit(ckpt_path=...)`` from the 2-rank world's ``fp16`` checkpoint for
   :data:`~tests.lightning._fp16.RESUME_STEPS` more steps.
 
@@ -34,10 +35,18 @@ from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from tests.lightning import _fp16 as F16  # noqa: E402
 
 
-def fixed_plan(world: int) -> Plan:
+def fixed_plan(world: int, zbv: bool = False) -> Plan:
+    """Two stages, or (``zbv``) the four blocks as four chunks in V placement under ZB-V: rank 0
+    holds blocks 0 and 3, rank 1 blocks 1 and 2."""
     replicas = world // 2
-    stages = [StagePlan((0, F16.CUT), [f"local:{r}" for r in range(replicas)]),
-              StagePlan((F16.CUT, 4), [f"local:{replicas + r}" for r in range(replicas)])]
+    rows = [[f"local:{r}" for r in range(replicas)],
+            [f"local:{replicas + r}" for r in range(replicas)]]
+    if zbv:
+        stages = [StagePlan((c, c + 1), rows[0 if c in (0, 3) else 1]) for c in range(4)]
+        return Plan("fixed", F16.REPLICA_BATCH * replicas, F16.MICROBATCHES,
+                    F16.STARTUP_SLICES, stages, drain_slices=F16.DRAIN_SLICES, schedule="zbv",
+                    chunks_per_rank=2, placement="v")
+    stages = [StagePlan((0, F16.CUT), rows[0]), StagePlan((F16.CUT, 4), rows[1])]
     return Plan("fixed", F16.REPLICA_BATCH * replicas, F16.MICROBATCHES, F16.STARTUP_SLICES,
                 stages, drain_slices=F16.DRAIN_SLICES)
 
@@ -74,7 +83,8 @@ def run_case(case: str, world: int, out: Path) -> dict:
     record = Record()
     steps = F16.STEPS + (F16.RESUME_STEPS if case == "resume" else 0)
     trainer = pl.Trainer(
-        strategy=lightning_autopipe.AutoPipeStrategy(plan=fixed_plan(world), timeout=120),
+        strategy=lightning_autopipe.AutoPipeStrategy(plan=fixed_plan(world, case == "fp16-zbv"),
+                                                     timeout=120),
         accelerator="cpu", devices=world, plugins=[F16.plugin()], max_steps=steps,
         gradient_clip_val=F16.CLIP, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -22,7 +22,7 @@ from lightning_autopipe.runtime.units import fit_units, unit_bounds
 from tests.lightning import _compile_run as R
 
 RTOL, ATOL = 1e-5, 1e-6
-CASES = ("eager", "compiled", "compiled-zb")
+CASES = ("eager", "compiled", "compiled-zb", "eager-zbv", "compiled-zbv")
 
 pytestmark = pytest.mark.slow
 
@@ -91,3 +91,26 @@ def test_the_checkpoint_keeps_the_model_names_and_loads_into_the_plain_model(run
     trained = {k: v for rank in runs["compiled"] for k, v in rank["state"].items()}
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(value, trained[name], rtol=0, atol=0)
+
+
+def test_chunks_per_rank_compile_one_graph_each_and_train_like_eager(runs):
+    """ZB-V, two chunks per rank: every chunk compiles once for training and once for
+    evaluation; the chunks after the first split their compiled backward; losses, validation
+    and weights equal the eager ZB-V run, which equals the eager two-stage 1F1B run."""
+    for eager, zbv, compiled in zip(runs["eager"], runs["eager-zbv"], runs["compiled-zbv"]):
+        assert compiled["compiled_class"] == "CompiledStage"
+        assert set(compiled["compilations_after_fit"].values()) == {1}
+        assert set(compiled["compilations_after_validate"].values()) == {2}
+        for c, d in compiled["deferral"].items():
+            assert d == (None if c == 0 else (1, 0)), (c, d)
+        for other in (zbv, eager):
+            torch.testing.assert_close(torch.tensor(compiled["losses"]),
+                                       torch.tensor(other["losses"]), rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(compiled["val_loss"], other["val_loss"], rtol=RTOL,
+                                       atol=ATOL)
+    trained = {k: v for rank in runs["compiled-zbv"] for k, v in rank["state"].items()}
+    reference = {k: v for rank in runs["eager"] for k, v in rank["state"].items()}
+    assert set(trained) == set(reference)
+    for name, value in trained.items():
+        torch.testing.assert_close(value, reference[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda s, n=name: f"{n}: {s}")

@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 
 MODULE = "tests.lightning._fp16_run"
-WORLD_CASES = {2: [f"{MODULE}:fp16"], 4: [f"{MODULE}:fp16", f"{MODULE}:resume"]}
+WORLD_CASES = {2: [f"{MODULE}:fp16", f"{MODULE}:fp16-zbv"],
+               4: [f"{MODULE}:fp16", f"{MODULE}:resume"]}
 
 
 def _global_batches(ranks: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -63,7 +64,17 @@ def runs4(worlds, runs2):
     return run
 
 
-@pytest.fixture(params=["runs2", "runs4"], ids=["2x1", "2x2"])
+@pytest.fixture(scope="module")
+def runs2zbv(worlds):
+    """ZB-V, two chunks per rank: the overflow in ``side``'s chunk, the scale and the skipped
+    step as with one chunk per rank."""
+    torch.set_num_threads(1)
+    run = _run(worlds.results(2, MODULE, "fp16-zbv", weights_only=False), 2)
+    run.side_row = 0  # V placement: the last block is chunk 3, on rank 0 with chunk 0
+    return run
+
+
+@pytest.fixture(params=["runs2", "runs4", "runs2zbv"], ids=["2x1", "2x2", "zbv-2x1"])
 def runs(request):
     return request.getfixturevalue(request.param)
 
@@ -79,8 +90,11 @@ def test_an_overflow_in_one_stage_skips_that_step_on_every_rank(runs):
         rows = rank["rows"]
         assert rank["scaler_class"] == "PipelineGradScaler"
         assert [r["found_inf"] for r in rows] == want_skips, rank["stage"]
-        # only stage 1's own gradients overflowed: stage 0 skipped on the shared flag alone
-        assert [r["local_inf"] for r in rows] == [s and rank["stage"] == 1 for s in want_skips]
+        # only the rank holding ``side`` (the last block) saw its own gradients overflow; the
+        # other skipped on the shared flag alone
+        side = getattr(runs, "side_row", 1)
+        assert [r["local_inf"] for r in rows] == [s and rank["stage"] == side
+                                                  for s in want_skips]
         assert [r["scale"] for r in rows] == pytest.approx(runs.ref["scales"], rel=1e-6)
         step = F16.OVERFLOW_STEP
         assert rows[step]["scale"] == pytest.approx(

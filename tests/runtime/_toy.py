@@ -11,31 +11,35 @@ from torch import nn
 
 
 class ToyChain(nn.Module):
-    """``x -> z = x @ E -> relu(l1) -> relu(l2) + z -> (h @ E.T) * (x > 0)`` as 4 blocks."""
+    """``x -> z = x @ E -> relu(l1) -> relu(l2) + z -> (h @ E.T) * (x > 0)`` as 4 blocks
+    (``layers`` hidden layers: ``layers + 2`` blocks, the skip added after the last)."""
 
-    def __init__(self, d_in: int = 6, d: int = 5) -> None:
+    def __init__(self, d_in: int = 6, d: int = 5, layers: int = 2) -> None:
         super().__init__()
         self.E = nn.Parameter(torch.randn(d_in, d) * 0.5)
-        self.l1 = nn.Linear(d, d)
-        self.l2 = nn.Linear(d, d)
+        self.layers = layers
+        for i in range(1, layers + 1):
+            setattr(self, f"l{i}", nn.Linear(d, d))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layers + 2
 
     def block(self, i: int, vals: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if i == 0:
             (x,) = vals
             z = x @ self.E
             return z, z, x > 0
-        if i == 1:
+        if i <= self.layers:
             h, z, mask = vals
-            return torch.relu(self.l1(h)), z, mask
-        if i == 2:
-            h, z, mask = vals
-            return torch.relu(self.l2(h)) + z, mask
+            h = torch.relu(getattr(self, f"l{i}")(h))
+            return (h + z, mask) if i == self.layers else (h, z, mask)
         h, mask = vals
         return ((h @ self.E.T) * mask,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         vals: tuple[torch.Tensor, ...] = (x,)
-        for i in range(4):
+        for i in range(self.num_blocks):
             vals = self.block(i, vals)
         return vals[0]
 

@@ -1,0 +1,182 @@
+"""The fast model for several stage chunks per rank: the same replay over chunk-level lists.
+
+A chunked schedule (:mod:`~.generators`, ``v > 1``) is compiled into the fast model's flat
+dependency order (:class:`~.compiled.Compiled`) with one entry per chunk: an action's
+predecessor is the one before it *on its rank*, and its cross dependency (the neighbouring
+chunk's F or B of its unit) counts only when that chunk is on another rank -- a local
+hand-off costs nothing and its producer ran earlier on the same rank. The replay is the fast
+model's own (:func:`~.costmodel._replay`) on a chunk-level :class:`~.layout.Layout` (chunk
+``c`` priced on the devices of its rank; the cut after it is the link between the two
+ranks), so every price is the one formula of :mod:`~.pricing`. Per rank:
+
+* it finishes with its last action (the latest of its chunks');
+* it all-reduces the gradients of all its chunks in one ring (:func:`~.allreduce
+  .allreduce_finish` on the rank-level layout), as the simulator does;
+* its peak memory is the parameter state of its chunks plus the most activation memory its
+  chunks hold at once in list order (each chunk's bytes per micro-batch times its units in
+  flight, summed), :func:`~.pricing.peak_memory_bytes`.
+
+Not modelled, as in the one-chunk fast model: link contention (transfers of different chunk
+pairs over one link queue per cut, not shared) and long-step extrapolation (chunked steps are
+replayed whole).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import ScheduleError
+from lightning_autopipe.planner.allreduce import allreduce_finish
+from lightning_autopipe.planner.compiled import B, Compiled, F, W
+from lightning_autopipe.planner.costmodel import Estimate, _inputs, _replay
+from lightning_autopipe.planner.generators import GENERATORS, generate, splits_backward
+from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.placement import chunk_ranks
+from lightning_autopipe.planner.pricing import peak_memory_bytes
+from lightning_autopipe.planner.schedule import Kind, unit_sizes, units
+
+__all__ = ["ChunkLayout", "chunk_compiled", "evaluate_chunked"]
+
+_CODE = {Kind.FORWARD: F, Kind.BACKWARD: B, Kind.WEIGHT: W}
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where the chunks run: the rank-level layout (memory, all-reduce rings) and the
+    chunk-level one (speeds, overheads and the links between consecutive chunks)."""
+
+    ranks: Layout
+    chunks: Layout
+    chunks_per_rank: int
+    placement: str
+
+    @classmethod
+    def from_cluster(cls, cluster: Cluster, groups: Sequence[Sequence[str]],
+                     chunks_per_rank: int, placement: str, *,
+                     optimistic: bool = False) -> ChunkLayout:
+        """``groups``: the devices of each rank position, in rank order."""
+        owner = chunk_ranks(len(groups), chunks_per_rank, placement)
+        return cls(Layout.from_cluster(cluster, [list(g) for g in groups],
+                                       optimistic=optimistic),
+                   Layout.from_cluster(cluster, [list(groups[r]) for r in owner],
+                                       optimistic=optimistic),
+                   chunks_per_rank, placement)
+
+    @property
+    def owner(self) -> tuple[int, ...]:
+        return chunk_ranks(self.ranks.num_stages, self.chunks_per_rank, self.placement)
+
+
+@functools.lru_cache(maxsize=512)
+def _lists(schedule: str, p: int, v: int, m: int, k: int, j: int) -> tuple:
+    """The generator's schedule as per-rank (kind code, unit index, chunk) lists."""
+    acts = generate(schedule, p, m, k, j, v)
+    index = {u: i for i, u in enumerate(units(m, k, j))}
+    return tuple(tuple((_CODE[a.kind], index[a.unit], a.stage) for a in acts[r])
+                 for r in range(p))
+
+
+@functools.lru_cache(maxsize=512)
+def chunk_compiled(schedule: str, p: int, v: int, m: int, k: int, mb: int,
+                   j: int = 1) -> Compiled:
+    """The chunked schedule in dependency order (module docstring), cached per shape."""
+    lists = _lists(schedule, p, v, m, k, j)
+    owner = chunk_ranks(p, v, GENERATORS[schedule].placement)
+    nc, fracs = p * v, [sz / mb for sz in unit_sizes(mb, m, k, j)]
+    nu = len(fracs)
+    done = {F: [[-1] * nu for _ in range(nc)], B: [[-1] * nu for _ in range(nc)]}
+    pos, prev = [0] * p, [-1] * p
+    last = [-1] * nc
+    order: list[tuple[int, int, int, int, int]] = []
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            acts = lists[r]
+            while pos[r] < len(acts):
+                code, u, c = acts[pos[r]]
+                dep = c - 1 if code == F else c + 1
+                cross = -1
+                if code != W and 0 <= dep < nc:
+                    at = done[code][dep][u]
+                    if at < 0:
+                        break  # a local producer always ran before: only remote ones wait
+                    cross = at if owner[dep] != r else -1
+                n = len(order)
+                order.append((c, code, u, prev[r], cross))
+                prev[r] = last[c] = n
+                if code != W:
+                    done[code][c][u] = n
+                pos[r] += 1
+                moved = True
+    if any(pos[r] < len(lists[r]) for r in range(p)):
+        raise ScheduleError(f"schedule {schedule!r} deadlocks for p={p}, v={v}, m={m}")
+    split = any(code == W for acts in lists for code, _, _ in acts)
+    return Compiled(tuple(order), tuple(last), (), tuple(fracs), split)
+
+
+@functools.lru_cache(maxsize=512)
+def _held(schedule: str, p: int, v: int, m: int, k: int, mb: int, j: int) -> tuple:
+    """Per rank, its (chunk, +/- micro-batch fraction) steps of activations held, in order."""
+    comp = chunk_compiled(schedule, p, v, m, k, mb, j)
+    release = W if comp.split else B
+    return tuple(tuple((c, comp.fracs[u] if code == F else -comp.fracs[u])
+                       for code, u, c in acts if code in (F, release))
+                 for acts in _lists(schedule, p, v, m, k, j))
+
+
+def evaluate_chunked(
+    costs: BlockCosts,
+    layout: ChunkLayout,
+    cuts: Sequence[int],
+    batch: int,
+    num_microbatches: int,
+    startup_slices: int = 1,
+    *,
+    drain_slices: int = 1,
+    schedule: str = "interleaved-1f1b",
+    optimizer_factor: float = 2.0,
+    critical_path: bool = True,
+) -> Estimate:
+    """Replay ``schedule`` for chunk boundaries ``cuts`` (``[0, c1, ..., N]``, ``p v + 1``
+    entries) on ``layout``. ``stage_ms`` and ``critical_share`` are per chunk, ``peak_bytes``
+    per rank (what the rank's device holds)."""
+    lay, ranks = layout.chunks, layout.ranks
+    p, v = ranks.num_stages, layout.chunks_per_rank
+    if len(cuts) != p * v + 1:
+        raise ScheduleError(f"{p} ranks x {v} chunks need {p * v + 1} cuts, got {len(cuts)}")
+    m, k, j = num_microbatches, startup_slices, drain_slices
+    split = splits_backward(schedule)
+    x = _inputs(costs, lay, list(cuts), batch, m, split, ())
+    comp = chunk_compiled(schedule, p, v, m, k, x.mb, j)
+    finish, _, via = _replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
+                             [0.0] * (p * v), not lay.optimistic)
+    owner = layout.owner
+    rank_end = [max(finish[c] for c in range(p * v) if owner[c] == r) for r in range(p)]
+    grads = [float(sum(costs.params[cuts[c + 1]] - costs.params[cuts[c]]
+                       for c in range(p * v) if owner[c] == r)) for r in range(p)]
+    done = allreduce_finish(ranks, rank_end, grads)
+    peaks, fits = [], True
+    mem = [(costs.mem[cuts[c + 1]] - costs.mem[cuts[c]]) * x.scale[c] for c in range(p * v)]
+    for r, steps in enumerate(_held(schedule, p, v, m, k, x.mb, j)):
+        cur = top = 0.0
+        for c, d in steps:
+            cur += mem[c] * d
+            top = max(top, cur)
+        peak = peak_memory_bytes(grads[r], top, 1.0, optimizer_factor)
+        peaks.append(peak)
+        fits = fits and peak <= ranks.capacity[r]
+    share = [0.0] * (p * v)
+    if critical_path:
+        n = comp.last[max(range(p * v), key=finish.__getitem__)]
+        while n >= 0:
+            c, code, u, prev, cross = comp.order[n]
+            share[c] += x.var[code][c] * comp.fracs[u] + x.per_call[code][c]
+            n = cross if via[n] else prev
+    ovh = lay.overhead_ms
+    stage_ms = [sum(sum(q) for q in row) + len(row) * ovh[c] for c, row in enumerate(x.parts)]
+    crit = max(range(p * v), key=share.__getitem__)
+    return Estimate(max(done), crit, stage_ms, peaks, fits, share)

@@ -1,0 +1,198 @@
+"""The search's choice of several stage chunks per rank: chunk partitions and proposals.
+
+For the best few one-chunk proposals (their rank groups, micro-batches and startup slices),
+every chunked schedule the caller allows (``interleaved-1f1b`` with 2 or 3 chunks per rank in
+looped placement, ``zbv`` with 2 in V placement) is tried on the same ranks:
+
+1. the model is cut into ``p v`` contiguous chunks so that each rank gets work in proportion
+   to its speed, split evenly over its chunks (:func:`chunk_cuts`: the chunks of a slow rank
+   get less work, wherever the placement puts them);
+2. the fast model for chunks (:func:`~.vcost.evaluate_chunked`) walks those cuts to a local
+   optimum (:func:`~.polish.polish`'s moves) and picks the startup and drain slices;
+3. the result competes with the one-chunk proposals: those predicted faster go before the
+   one-chunk favourite, the others after it, and the simulator judges the finalists as usual
+   (:func:`~.search.make_plan`), memory per rank included.
+"""
+
+from __future__ import annotations
+
+import functools
+from bisect import bisect_left
+from collections.abc import Sequence
+
+from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.planner.costmodel import Estimate, evaluate
+from lightning_autopipe.planner.generators import GENERATORS, SCHEDULES
+from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.placement import chunk_ranks
+from lightning_autopipe.planner.plan import Proposal, StagePlan
+from lightning_autopipe.planner.polish import neighbours
+from lightning_autopipe.planner.vcost import ChunkLayout, evaluate_chunked
+
+__all__ = ["CHUNKED_SCHEDULES", "chunk_cuts", "chunked_proposals", "choice_note",
+           "optimistic_ms", "proposal_stages", "one_chunk"]
+
+#: the chunked (schedule, chunks per rank) pairs the search tries when the schedule is allowed
+CHUNKED_SCHEDULES = (("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zbv", 2))
+_BASES = 2  # one-chunk proposals (the best first) whose ranks also try chunks
+_BUDGET = 600_000  # replayed actions one chunked try may spend walking its cuts
+
+
+def one_chunk(schedules: Sequence[str]) -> tuple[str, ...]:
+    """The schedules of ``schedules`` that run one chunk per rank (the one-chunk search's;
+    1F1B when there are none: the chunked proposals start from its ranks and shapes)."""
+    return tuple(s for s in schedules if s in SCHEDULES) or ("1f1b",)
+
+
+def chunk_cuts(costs: BlockCosts, layout: ChunkLayout) -> list[int]:
+    """Contiguous cuts of the model into ``p v`` chunks giving rank ``r`` the share
+    ``speed_r / sum(speeds)`` of the compute, split evenly over its chunks (every chunk at
+    least one block)."""
+    owner, speeds = layout.owner, layout.ranks.speeds
+    p, v = layout.ranks.num_stages, layout.chunks_per_rank
+    work = costs.compute
+    n = costs.num_blocks
+    total = sum(speeds)
+    targets = [work[-1] * speeds[owner[c]] / (total * v) for c in range(p * v)]
+    cuts, acc = [0], 0.0
+    for c in range(p * v - 1):
+        acc += targets[c]
+        lo, hi = cuts[-1] + 1, n - (p * v - 1 - c)  # every chunk keeps at least one block
+        near = bisect_left(work, acc)
+        cands = [min(max(i, lo), hi) for i in (near - 1, near)]
+        cuts.append(min(cands, key=lambda i: abs(work[i] - acc)))
+    return [*cuts, n]
+
+
+def _price(costs, layout, batch, m, k, j, schedule, optimizer_factor, cuts_list):
+    return [(e.iteration_ms, e.fits) for e in (
+        evaluate_chunked(costs, layout, c, batch, m, k, drain_slices=j, schedule=schedule,
+                         optimizer_factor=optimizer_factor, critical_path=False)
+        for c in cuts_list)]
+
+
+def _chunked(costs: BlockCosts, cluster: Cluster, base: Proposal, batch: int,
+             optimizer_factor: float, schedule: str, v: int) -> tuple[Estimate, Proposal] | None:
+    """``base``'s ranks with ``v`` chunks each under ``schedule`` (module docstring)."""
+    p, m = len(base.groups), base.num_microbatches
+    if p * v > costs.num_blocks:
+        return None
+    placement = GENERATORS[schedule].placement
+    layout = ChunkLayout.from_cluster(cluster, base.groups, v, placement)
+    k = base.startup_slices
+    actions = 3 * p * v * (m + k + 1)
+    cuts = _walk(chunk_cuts(costs, layout), functools.partial(
+        _price, costs, layout, batch, m, k, 1, schedule, optimizer_factor), _BUDGET // actions)
+    size = batch // (m * len(base.groups[0]))
+    best = None
+    for kk in sorted({1, k, min(2, size)}):
+        for j in sorted({1, min(2, size)} if m > 1 else {1}):
+            est = evaluate_chunked(costs, layout, cuts, batch, m, kk, drain_slices=j,
+                                   schedule=schedule, optimizer_factor=optimizer_factor)
+            if best is None or (not est.fits, est.iteration_ms) < (not best[0].fits,
+                                                                  best[0].iteration_ms):
+                best = (est, Proposal([list(g) for g in base.groups], cuts, m, kk, j,
+                                      schedule, v, placement))
+    return best
+
+
+def _walk(cuts: list[int], price, evaluations: int) -> list[int]:
+    """:func:`~.polish.polish`'s walk (to the best neighbour while one is faster) within
+    ``evaluations`` priced candidates: chunked steps are replayed whole, so long ones get
+    few (a sweep that would overrun the budget is not started)."""
+    cur = list(cuts)
+    (best,) = price([cur])
+    left = evaluations
+    while True:
+        cands = neighbours(cur)
+        if not cands or len(cands) > left:
+            return cur
+        left -= len(cands)
+        scores = price(cands)
+        i = min(range(len(cands)), key=lambda x: (not scores[x][1], scores[x][0]))
+        if (scores[i][1], -scores[i][0]) <= (best[1], -best[0] * (1 - 1e-9)):
+            return cur
+        cur, best = cands[i], scores[i]
+
+
+def chunked_proposals(
+    props: list[Proposal], costs: BlockCosts, cluster: Cluster, batch: int,
+    optimizer_factor: float, schedules: Sequence[str],
+) -> list[Proposal]:
+    """``props`` (one chunk per rank, the favourite first) with the chunked proposals of the
+    module docstring merged in: those the fast model predicts faster than the favourite
+    first (fastest first), the rest right after the favourite."""
+    tries = [(s, v) for s, v in CHUNKED_SCHEDULES if s in schedules]
+    if not tries or not props:
+        return props
+    top = props[0]
+    ref = evaluate(costs, Layout.from_cluster(cluster, top.groups), top.cuts, batch,
+                   top.num_microbatches, top.startup_slices, drain_slices=top.drain_slices,
+                   schedule=top.schedule, optimizer_factor=optimizer_factor,
+                   critical_path=False)
+    found = []
+    seen = set()
+    for base in props[:_BASES]:
+        key = (tuple(map(tuple, base.groups)), base.num_microbatches, base.startup_slices)
+        if key in seen:
+            continue
+        seen.add(key)
+        for schedule, v in tries:
+            got = _chunked(costs, cluster, base, batch, optimizer_factor, schedule, v)
+            if got is not None:
+                found.append(got)
+    found.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
+    better = [p for e, p in found if (not e.fits, e.iteration_ms) < (not ref.fits,
+                                                                     ref.iteration_ms)]
+    worse = [p for e, p in found if p not in better]
+    out = better + props[:1] + worse + props[1:]
+    return [p for p in out if p.schedule in schedules] or out
+
+
+def proposal_stages(prop: Proposal) -> list[StagePlan]:
+    """The plan's stages of ``prop``: one per chunk, on the devices of the rank holding it."""
+    owner = chunk_ranks(len(prop.groups), prop.chunks_per_rank, prop.placement)
+    return [StagePlan((prop.cuts[c], prop.cuts[c + 1]), list(prop.groups[owner[c]]))
+            for c in range(len(prop.cuts) - 1)]
+
+
+def optimistic_ms(prop: Proposal, costs: BlockCosts, cluster: Cluster, batch: int,
+                  optimizer_factor: float) -> float:
+    """A lower bound of the simulator's step for ``prop`` (fastest replicas, free queues)."""
+    if prop.chunks_per_rank == 1:
+        return evaluate(
+            costs, Layout.from_cluster(cluster, prop.groups, optimistic=True), prop.cuts, batch,
+            prop.num_microbatches, prop.startup_slices, drain_slices=prop.drain_slices,
+            schedule=prop.schedule, optimizer_factor=optimizer_factor, critical_path=False,
+            exact=True).iteration_ms
+    layout = ChunkLayout.from_cluster(cluster, prop.groups, prop.chunks_per_rank,
+                                      prop.placement, optimistic=True)
+    return evaluate_chunked(costs, layout, prop.cuts, batch, prop.num_microbatches,
+                            prop.startup_slices, drain_slices=prop.drain_slices,
+                            schedule=prop.schedule, optimizer_factor=optimizer_factor,
+                            critical_path=False).iteration_ms
+
+
+
+def choice_note(best, plans: Sequence, props: Sequence[Proposal], finish) -> list[str]:
+    """Why the chosen plan has the chunks it has: its predicted step against the best
+    simulated plan of the other kind (one chunk per rank, or several); when the search did
+    not simulate one (its lower bound could not win), the first such proposal is simulated
+    (``finish``) for the note. Nothing when no proposal of the other kind exists."""
+    def other(p) -> bool:
+        return (p.chunks_per_rank > 1) != (best.chunks_per_rank > 1)
+
+    others = [p for p in plans if other(p)]
+    if not others:
+        rest = [p for p in props if other(p)]
+        if not rest:
+            return []
+        others = [finish(rest[0])]
+    alt = min(others, key=lambda p: p.iteration_ms)
+
+    def name(p) -> str:
+        return (f"{p.schedule} with {p.chunks_per_rank} chunks per rank" if p.chunks_per_rank
+                > 1 else f"{p.schedule} with one stage per rank")
+
+    return [f"chose {name(best)}: predicted {best.iteration_ms:.1f} ms against "
+            f"{alt.iteration_ms:.1f} ms for the best {name(alt)}"]

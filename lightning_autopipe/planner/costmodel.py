@@ -55,7 +55,8 @@ from lightning_autopipe.planner.pricing import (
     unit_prices,
 )
 
-__all__ = ["Estimate", "evaluate", "evaluate_batch", "stage_times"]
+__all__ = ["Estimate", "Inputs", "evaluate", "evaluate_batch", "grad_bytes", "inputs_of",
+           "memory_of", "stage_times"]
 
 #: candidates x mean actions per level from which a batch is replayed level by level: a
 #: level costs a dozen numpy calls and the batch's arrays must be built, so on the search's
@@ -139,7 +140,7 @@ def evaluate(
 
 
 @dataclass
-class _Inputs:
+class Inputs:
     """One candidate's replay inputs (see :func:`evaluate`)."""
 
     layout: Layout
@@ -152,10 +153,10 @@ class _Inputs:
     mb: int
 
 
-def _inputs(
+def inputs_of(
     costs: BlockCosts, layout: Layout, cuts: list[int], batch: int, m: int, split: bool,
     recompute: Sequence[bool],
-) -> _Inputs:
+) -> Inputs:
     num = layout.num_stages
     parts, scale = stage_times(costs, layout, cuts, batch, m, split, recompute)
     ovh = layout.overhead_ms
@@ -168,11 +169,11 @@ def _inputs(
         costs.act[cuts[s + 1] - 1] * scale[s] * layout.link_ms_per_byte[s] for s in range(num - 1)
     ]
     mb = max(1, batch // (m * max(layout.replicas)))
-    return _Inputs(layout, list(cuts), parts, scale, var, per_call, cut_ms, mb)
+    return Inputs(layout, list(cuts), parts, scale, var, per_call, cut_ms, mb)
 
 
 def _replay_group(
-    comp: Compiled, group: list[_Inputs], queue: bool, via: bool,
+    comp: Compiled, group: list[Inputs], queue: bool, via: bool,
     first: Compiled | None = None, tail: Tail | None = None,
 ) -> list[tuple[list[float], list[bool] | None, list[float] | None]]:
     """Per candidate of ``group`` (one shape): each stage's last end, with ``via`` each
@@ -239,7 +240,7 @@ def evaluate_batch(
     lays = [layouts] * len(cuts_list) if isinstance(layouts, Layout) else list(layouts)
     m, k, j = num_microbatches, startup_slices, drain_slices
     split = splits_backward(schedule)
-    inputs = [_inputs(costs, lay, list(c), batch, m, split, recompute)
+    inputs = [inputs_of(costs, lay, list(c), batch, m, split, recompute)
               for lay, c in zip(lays, cuts_list)]
     m0 = extrapolation_point(num)
     win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
@@ -256,8 +257,7 @@ def evaluate_batch(
         ends = _replay_group(comp, group, queue, critical_path, first, tail)
         held = inflight(schedule, num, m, k, mb, j)
         for i, x, (finish, via, head) in zip(idx, group, ends):
-            grads = [float(costs.params[x.cuts[s + 1]] - costs.params[x.cuts[s]])
-                     for s in range(num)]
+            grads = grad_bytes(costs, x.cuts)
             if head is not None:
                 period = max(0.0, max(finish) - max(head)) / win
                 shift = (m - m0 - win) * period
@@ -267,15 +267,20 @@ def evaluate_batch(
     return out  # type: ignore[return-value]
 
 
-def _estimate(
-    costs: BlockCosts, x: _Inputs, comp: Compiled, finish: list[float], via: list[bool] | None,
-    held: tuple[float, ...], optimizer_factor: float, recompute: Sequence[bool],
-) -> Estimate:
-    """The estimate of one replayed candidate: step, memory, critical path, stage times."""
-    layout, cuts, num = x.layout, x.cuts, x.layout.num_stages
-    total = max(finish)
+def grad_bytes(costs: BlockCosts, cuts: list[int]) -> list[float]:
+    """Each stage's gradient bytes (what its all-reduce moves)."""
+    return [float(costs.params[cuts[s + 1]] - costs.params[cuts[s]])
+            for s in range(len(cuts) - 1)]
+
+
+def memory_of(
+    costs: BlockCosts, x: Inputs, held: tuple[float, ...], optimizer_factor: float,
+    recompute: Sequence[bool],
+) -> tuple[list[float], bool]:
+    """Each stage's peak memory and whether every one fits its devices."""
+    layout, cuts = x.layout, x.cuts
     peaks, fits = [], True
-    for s in range(num):
+    for s in range(layout.num_stages):
         i, j = cuts[s], cuts[s + 1]
         mem, once = (costs.mem[j] - costs.mem[i]) * x.scale[s], 0.0
         if recompute and recompute[s]:
@@ -285,6 +290,17 @@ def _estimate(
                                  optimizer_factor, once)
         peaks.append(peak)
         fits = fits and peak <= layout.capacity[s]
+    return peaks, fits
+
+
+def _estimate(
+    costs: BlockCosts, x: Inputs, comp: Compiled, finish: list[float], via: list[bool] | None,
+    held: tuple[float, ...], optimizer_factor: float, recompute: Sequence[bool],
+) -> Estimate:
+    """The estimate of one replayed candidate: step, memory, critical path, stage times."""
+    layout, num = x.layout, x.layout.num_stages
+    total = max(finish)
+    peaks, fits = memory_of(costs, x, held, optimizer_factor, recompute)
     share = [0.0] * num
     crit = 0
     if via is not None:

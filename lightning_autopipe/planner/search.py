@@ -36,7 +36,7 @@ from lightning_autopipe.planner.costmodel import evaluate
 from lightning_autopipe.planner.generators import schedule_generator, splits_backward
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
-from lightning_autopipe.planner.polish import evaluate_many, polish
+from lightning_autopipe.planner.polish import bound_many, evaluate_many, polish
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import Profile
 
@@ -192,10 +192,11 @@ def _polish_favourite(
     on the plan (that the walk stopped at its sweep budget)."""
     top = props[0]
     layout = Layout.from_cluster(cluster, top.groups)
-    walk = polish(top.cuts, functools.partial(
-        evaluate_many, costs, layout, batch=batch, num_microbatches=top.num_microbatches,
-        startup_slices=top.startup_slices, drain_slices=top.drain_slices,
-        schedule=top.schedule, optimizer_factor=optimizer_factor))
+    shape = dict(batch=batch, num_microbatches=top.num_microbatches,
+                 startup_slices=top.startup_slices, drain_slices=top.drain_slices,
+                 schedule=top.schedule, optimizer_factor=optimizer_factor)
+    walk = polish(top.cuts, functools.partial(evaluate_many, costs, layout, **shape),
+                  functools.partial(bound_many, costs, layout, **shape))
     props[0] = replace(top, cuts=walk.cuts)
     if walk.at_budget:
         return [f"the final local search over the cuts stopped at its budget of {walk.sweeps} "

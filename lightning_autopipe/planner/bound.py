@@ -1,6 +1,6 @@
 """A lower bound of the fast model's replay from two units per stage, for pruning candidates.
 
-The replay (:func:`~.costmodel._replay`) is a longest path over every action of a step. Keep
+The replay (:func:`~.scalar.replay`) is a longest path over every action of a step. Keep
 only the actions on two *anchor* units, the first (the fill: its forwards cross every stage
 first, its backwards come back first) and the last (the drain), and let every other action
 of a stage only add its duration to the gap between the stage's anchors: that drops edges of
@@ -143,7 +143,7 @@ def bound_ends(
     lat: tuple[float, ...],
 ) -> list[float]:
     """A lower bound of each stage's last end in the replay of the whole step (same inputs as
-    :func:`~.costmodel._replay`, no all-reduce)."""
+    :func:`~.scalar.replay`, no all-reduce)."""
     kinds = len(var)
     codes = range(kinds)
     end = [0.0] * (len(con.stage) + 1)  # the last slot: 0.0 for "no previous anchor"

@@ -38,7 +38,6 @@ import numpy as np
 
 from lightning_autopipe.planner.allreduce import allreduce_finish
 from lightning_autopipe.planner.compiled import (
-    B,
     Compiled,
     compiled,
     extrapolation_point,
@@ -54,6 +53,7 @@ from lightning_autopipe.planner.pricing import (
     unit_parts,
     unit_prices,
 )
+from lightning_autopipe.planner.scalar import replay
 
 __all__ = ["Estimate", "Inputs", "evaluate", "evaluate_batch", "grad_bytes", "inputs_of",
            "memory_of", "stage_times"]
@@ -151,6 +151,7 @@ class Inputs:
     per_call: list[list[float]]
     cut_ms: list[float]
     mb: int
+    m: int
 
 
 def inputs_of(
@@ -169,7 +170,7 @@ def inputs_of(
         costs.act[cuts[s + 1] - 1] * scale[s] * layout.link_ms_per_byte[s] for s in range(num - 1)
     ]
     mb = max(1, batch // (m * max(layout.replicas)))
-    return Inputs(layout, list(cuts), parts, scale, var, per_call, cut_ms, mb)
+    return Inputs(layout, list(cuts), parts, scale, var, per_call, cut_ms, mb, m)
 
 
 def _replay_group(
@@ -185,12 +186,12 @@ def _replay_group(
         for x in group:
             lay = x.layout
             sent = [0.0] * len(comp.order) if tail is not None and queue else None
-            finish, end, started = _replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
+            finish, end, started = replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
                                            [0.0] * lay.num_stages, queue, record=sent)
             head = None
             if first is not None:  # the whole shorter step, or its part after the shared one
                 resume = tail.resume(end, sent, len(x.cut_ms)) if tail is not None else None
-                head = _replay(first, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
+                head = replay(first, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
                                [0.0] * lay.num_stages, queue, resume=resume)[0]
             out.append((finish, started if via else None, head))
         return out
@@ -282,10 +283,12 @@ def memory_of(
     peaks, fits = [], True
     for s in range(layout.num_stages):
         i, j = cuts[s], cuts[s + 1]
-        mem, once = (costs.mem[j] - costs.mem[i]) * x.scale[s], 0.0
+        per_mb, once = costs.memory(i, j, x.m)  # as the simulator counts (shared inputs)
+        mem, once = per_mb * x.scale[s], once * x.scale[s]
         if recompute and recompute[s]:
             inputs = costs.act[i - 1] * x.scale[s] if i > 0 else 0.0
-            mem, once = recompute_memory(mem, inputs)
+            mem, again = recompute_memory(mem, inputs)
+            once = once + again
         peak = peak_memory_bytes(costs.params[j] - costs.params[i], mem, held[s],
                                  optimizer_factor, once)
         peaks.append(peak)
@@ -314,61 +317,3 @@ def _estimate(
     ovh = layout.overhead_ms
     stage_ms = [sum(sum(p) for p in row) + len(row) * ovh[s] for s, row in enumerate(x.parts)]
     return Estimate(total, crit, stage_ms, peaks, fits, share)
-
-
-def _replay(
-    comp: Compiled,
-    var: list[list[float]],
-    per_call: list[list[float]],
-    cut_ms: list[float],
-    lat: tuple[float, ...],
-    ar: list[float],
-    queue: bool = True,
-    *,
-    record: list[float] | None = None,
-    resume: tuple | None = None,
-) -> tuple[list[float], list[float], list[bool]]:
-    """Finish time per stage (all-reduce included), end time and start cause per action.
-
-    ``record`` (one slot per action) receives when each queued transfer leaves its link;
-    ``resume`` = (ends, actions still to run, each cut's link free time per direction) starts
-    from a state where the other actions have run (:class:`~.extrapolate.Tail`).
-
-    With ``queue`` each cut's link carries one transfer per direction at a time, in the
-    sender's order (startup slices leave back to back and would otherwise overtake each
-    other's bandwidth); without it transfers are independent delays (a lower bound). Not
-    modelled (the simulator has them): a stage's activations and gradients sharing one NIC,
-    and fair sharing instead of first come first served.
-    """
-    fracs = comp.fracs
-    order = comp.order
-    via = [False] * len(order)  # True: started by the cross-stage message
-    if resume is None:
-        end = [0.0] * len(order)
-        todo: Sequence[int] = range(len(order))
-        free_f = [0.0] * len(cut_ms)  # when each cut's link is next free, per direction
-        free_b = [0.0] * len(cut_ms)
-    else:
-        end, todo, free_f, free_b = resume
-    for n in todo:
-        s, code, u, prev, cross = order[n]
-        t = end[prev] if prev >= 0 else 0.0
-        if cross >= 0:
-            is_b = code == B
-            c = s if is_b else s - 1
-            dur = cut_ms[c] * fracs[u]
-            sent = end[cross]
-            if queue:
-                free = free_b if is_b else free_f
-                if free[c] > sent:
-                    sent = free[c]
-                free[c] = sent + dur
-                if record is not None:
-                    record[n] = free[c]
-            tc = sent + dur + lat[c]
-            if tc > t:
-                t = tc
-                via[n] = True
-        end[n] = t + var[code][s] * fracs[u] + per_call[code][s]
-    finish = [end[comp.last[s]] + ar[s] for s in range(len(ar))]
-    return finish, end, via

@@ -67,11 +67,11 @@ def stage_limits(
     num = layout.num_stages
     mb = max(1, batch // (num_microbatches * max(layout.replicas)))
     held = inflight(schedule, num, num_microbatches, startup_slices, mb)
-    act = [
-        held[s] * batch / (num_microbatches * layout.replicas[s] * costs.micro_batch_size)
-        for s in range(num)
-    ]
-    return StageLimits(costs.params, costs.mem, optimizer_factor, act, layout.capacity)
+    scale = [batch / (num_microbatches * layout.replicas[s] * costs.micro_batch_size)
+             for s in range(num)]
+    act = [held[s] * scale[s] for s in range(num)]
+    return StageLimits(costs.params, costs.mem, optimizer_factor, act, layout.capacity,
+                       costs.shared, scale, num_microbatches)
 
 
 @dataclass

@@ -20,12 +20,13 @@ import pytest
 from lightning_autopipe.planner import partition, slicer
 from lightning_autopipe.planner.bound import _contract, bound_batch, bound_ends, contracted
 from lightning_autopipe.planner.compiled import compiled, extrapolation_point
-from lightning_autopipe.planner.costmodel import _replay, evaluate
+from lightning_autopipe.planner.costmodel import evaluate
 from lightning_autopipe.planner.generators import SCHEDULES
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.mapping import candidate_groupings
 from lightning_autopipe.planner.partition import autopipe_partition
 from lightning_autopipe.planner.polish import bound_many, evaluate_many, polish
+from lightning_autopipe.planner.scalar import replay as _replay
 from lightning_autopipe.planner.slicer import choose_drain_slices, choose_startup_slices
 
 from .test_search_ends import _random_cluster, _random_profile

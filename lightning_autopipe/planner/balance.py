@@ -43,6 +43,23 @@ class StageLimits:
     def ok(self, s: int, i: int, j: int) -> bool:
         return self.need(s, i, j) <= self.capacity[s]
 
+    def reach(self, s: int, i: int) -> int:
+        """The furthest ``j`` (``>= i``) that stage ``s`` starting at block ``i`` can hold
+        (memory grows with ``j``): found once per (stage, start) and kept, since the
+        bottleneck search asks again at every trial value."""
+        memo = self.__dict__.setdefault("_reach", {})
+        got = memo.get((s, i))
+        if got is None:
+            lo_ok, hi_bad = i, len(self.params)  # need(i, i) is the parameter-free minimum
+            while hi_bad - lo_ok > 1:
+                mid = (lo_ok + hi_bad) // 2
+                if self.ok(s, i, mid):
+                    lo_ok = mid
+                else:
+                    hi_bad = mid
+            got = memo[(s, i)] = lo_ok
+        return got
+
 
 def balanced_cuts(
     work: Sequence[float],
@@ -144,16 +161,7 @@ def _reach(
     j = bisect_right(work, work[i] + cap * speed + 1e-12, i + 1, hi + 1) - 1
     if limits is None or j <= i:
         return j
-    if not limits.ok(stage, i, j):
-        lo_ok, hi_bad = i, j  # memory is monotone in j: binary search the last fit
-        while hi_bad - lo_ok > 1:
-            mid = (lo_ok + hi_bad) // 2
-            if limits.ok(stage, i, mid):
-                lo_ok = mid
-            else:
-                hi_bad = mid
-        j = lo_ok
-    return j
+    return min(j, limits.reach(stage, i))  # memory is monotone in j: the last fit
 
 
 def _greedy(

@@ -29,6 +29,7 @@ from lightning_autopipe.planner.polish import bound_many, evaluate_many, polish
 from lightning_autopipe.planner.scalar import replay as _replay
 from lightning_autopipe.planner.slicer import choose_drain_slices, choose_startup_slices
 
+from .search_cases import CASES
 from .test_search_ends import _random_cluster, _random_profile
 
 
@@ -121,3 +122,28 @@ def test_searches_with_the_bound_end_where_they_end_replaying_everything(seed, m
     assert got.replays < got.evaluations <= ref.replays
     assert walked == ref_walk
     assert (k, j) == (ref_k, ref_j)
+
+
+def test_the_whole_search_plans_the_same_with_and_without_the_bound(monkeypatch):
+    """On the seeded cases of the search-quality reference (``search_cases.py``): the same
+    plan, cut for cut, and the same predicted step."""
+    from lightning_autopipe.planner import make_plan, search
+
+    from .search_cases import case
+
+    def plans():
+        out = []
+        for seed in range(0, CASES, 5):
+            profile, cluster, batch = case(seed)
+            p = make_plan(profile, cluster, batch, memory_check=False)
+            out.append((p.cuts, [list(s.devices) for s in p.stages], p.num_microbatches,
+                        p.startup_slices, p.drain_slices, p.schedule, p.iteration_ms))
+        return out
+
+    got = plans()
+    with monkeypatch.context() as patch:
+        patch.setattr(partition, "bound_batch", lambda *a, **k: _unbounded(a[2]))
+        patch.setattr(slicer, "bound_batch", lambda *a, **k: _unbounded(a[2]))
+        patch.setattr(search, "bound_many", lambda *a, **k: _unbounded(a[2]))
+        want = plans()
+    assert got == want

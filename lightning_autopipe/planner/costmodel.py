@@ -47,6 +47,7 @@ from lightning_autopipe.planner.compiled import (
 from lightning_autopipe.planner.extrapolate import Tail, tail_of
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.levels import replay_levels
+from lightning_autopipe.planner.memo import kept
 from lightning_autopipe.planner.pricing import (
     peak_memory_bytes,
     recompute_memory,
@@ -235,11 +236,24 @@ def evaluate_batch(
     """:func:`evaluate` of every cut list (on ``layouts``: one for all, or one per cut list),
     the replays of candidates of one shape done together (:func:`~.levels.replay_levels`).
 
-    Equal to the bit to evaluating them one by one with the scalar replay.
+    Equal to the bit to evaluating them one by one with the scalar replay; a candidate the
+    search priced before is not replayed again (:mod:`~.memo`).
     """
-    num = (layouts if isinstance(layouts, Layout) else layouts[0]).num_stages
     lays = [layouts] * len(cuts_list) if isinstance(layouts, Layout) else list(layouts)
-    m, k, j = num_microbatches, startup_slices, drain_slices
+    shape = (batch, num_microbatches, startup_slices, drain_slices, schedule, optimizer_factor,
+             exact, tuple(recompute))
+    return kept(costs, lays, cuts_list, shape, critical_path, lambda idx: _evaluate_batch(
+        costs, [lays[i] for i in idx], [cuts_list[i] for i in idx], batch, num_microbatches,
+        startup_slices, drain_slices, schedule, optimizer_factor, critical_path, exact,
+        recompute))
+
+
+def _evaluate_batch(
+    costs: BlockCosts, lays: list[Layout], cuts_list: list[Sequence[int]], batch: int, m: int,
+    k: int, j: int, schedule: str, optimizer_factor: float, critical_path: bool, exact: bool,
+    recompute: Sequence[bool],
+) -> list[Estimate]:
+    num = lays[0].num_stages
     split = splits_backward(schedule)
     inputs = [inputs_of(costs, lay, list(c), batch, m, split, recompute)
               for lay, c in zip(lays, cuts_list)]

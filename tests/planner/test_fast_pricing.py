@@ -92,9 +92,31 @@ def test_evaluate_batch_equals_evaluate_one_by_one(seed, monkeypatch):
             many = evaluate_batch(costs, layouts[0], cands, batch, m, 2, **kw)
             per_layout = evaluate_batch(costs, layouts, [base] * len(layouts), batch, m, 1,
                                         critical_path=False, **kw)
-        assert many == [evaluate(costs, layouts[0], c, batch, m, 2, **kw) for c in cands]
-        assert per_layout == [evaluate(costs, lay, base, batch, m, 1, critical_path=False, **kw)
+        fresh = BlockCosts.from_profile(profile)  # nothing kept from the batches (memo.py)
+        assert many == [evaluate(fresh, layouts[0], c, batch, m, 2, **kw) for c in cands]
+        fresh = BlockCosts.from_profile(profile)
+        assert per_layout == [evaluate(fresh, lay, base, batch, m, 1, critical_path=False, **kw)
                               for lay in layouts]
+
+
+def test_a_kept_estimate_is_the_estimate_and_keeps_its_critical_path():
+    """A cut list priced again within one search comes from ``memo.py``: equal to pricing it
+    anew, also on an equal layout built again; one priced without its critical path does not
+    answer a request for it."""
+    rng = random.Random(77)
+    profile = _random_profile(rng, 40)
+    cluster = _random_cluster(rng)
+    devs = [d.name for d in cluster.devices]
+    groups = next(iter(candidate_groupings(cluster, devs, 2, 1).values()))
+    layout = Layout.from_cluster(cluster, groups)
+    costs = BlockCosts.from_profile(profile)
+    cuts = [0, 17, 40]
+    plain = evaluate(costs, layout, cuts, 64, 8, critical_path=False)
+    full = evaluate(costs, Layout.from_cluster(cluster, groups), cuts, 64, 8)
+    assert full is not plain and any(full.critical_share)
+    assert evaluate(costs, layout, cuts, 64, 8, critical_path=False) is full  # kept
+    assert full == evaluate(BlockCosts.from_profile(profile), layout, cuts, 64, 8)
+    assert evaluate(costs, layout, cuts, 64, 4) != full  # another shape: priced anew
 
 
 def _reference_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor,

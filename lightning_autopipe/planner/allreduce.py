@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_autopipe.planner.pricing import ring_volume
 
-__all__ = ["allreduce_finish"]
+__all__ = ["allreduce_finish", "allreduce_lower"]
 
 
 def _reduce_of(layout: Any, s: int) -> float:
@@ -116,4 +116,22 @@ def allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) -
                 out[s] = t + layout.ar_lat_ms[s] + jobs[s][2]
             else:
                 active[s] = max(active[s] - rate[s] * first, 0.0)
+    return out
+
+
+def allreduce_lower(layout: Any, stage_end: list[float], nbytes: list[float]) -> list[float]:
+    """A lower bound of :func:`allreduce_finish` for rings starting no earlier than
+    ``stage_end``: each ring alone, at its slowest resource's whole capacity (a shared
+    resource only lowers its rate), which for the optimistic layout is its own formula."""
+    out = list(stage_end)
+    use = _ring_use(layout) if layout.ar_rings and not layout.optimistic else ()
+    for s in range(len(stage_end)):
+        edges = layout.ar_rings[s] if layout.ar_rings else ()
+        if len(edges) > 1 and nbytes[s] > 0:
+            if layout.optimistic:
+                per_byte = layout.ar_ms_per_byte[s] + _reduce_of(layout, s)
+                out[s] = stage_end[s] + layout.ar_lat_ms[s] + nbytes[s] * per_byte
+            else:
+                out[s] = (stage_end[s] + ring_volume(len(edges), nbytes[s]) / use[s][0]
+                          + layout.ar_lat_ms[s] + nbytes[s] * _reduce_of(layout, s))
     return out

@@ -11,7 +11,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_autopipe.planner.pricing import param_state_factor, peak_memory_bytes
+from lightning_autopipe.planner.pricing import peak_memory_bytes, stage_memory
 
 __all__ = ["StageLimits", "balanced_cuts"]
 
@@ -20,18 +20,45 @@ _TOL = 1e-7  # relative precision of the bottleneck search (cut positions are di
 
 @dataclass(frozen=True)
 class StageLimits:
-    """Memory limits of each stage: its :func:`~.pricing.peak_memory_bytes` within capacity."""
+    """Memory limits of each stage: its :func:`~.pricing.peak_memory_bytes` within capacity,
+    its activation memory :func:`~.pricing.stage_memory` as the fast model and the simulator
+    count it."""
 
     params: Sequence[int]  # prefix sums
     mem: Sequence[int]  # prefix sums
     optimizer_factor: float
     act_factor: Sequence[float]  # per stage: in-flight micro-batches x samples scale
     capacity: Sequence[float]
+    shared: Sequence[int] = ()  # prefix sums of shared_input_bytes (empty: none)
+    once_factor: Sequence[float] = ()  # per stage: samples scale of what it holds once
+    num_microbatches: int = 1
+
+    def need(self, s: int, i: int, j: int) -> float:
+        """Peak bytes of blocks ``[i, j)`` as stage ``s``."""
+        held, once = stage_memory(self.mem, self.shared, i, j, self.num_microbatches)
+        return peak_memory_bytes(self.params[j] - self.params[i], held, self.act_factor[s],
+                                 self.optimizer_factor,
+                                 once * self.once_factor[s] if self.once_factor else 0.0)
 
     def ok(self, s: int, i: int, j: int) -> bool:
-        need = peak_memory_bytes(self.params[j] - self.params[i], self.mem[j] - self.mem[i],
-                                 self.act_factor[s], self.optimizer_factor)
-        return need <= self.capacity[s]
+        return self.need(s, i, j) <= self.capacity[s]
+
+    def reach(self, s: int, i: int) -> int:
+        """The furthest ``j`` (``>= i``) that stage ``s`` starting at block ``i`` can hold
+        (memory grows with ``j``): found once per (stage, start) and kept, since the
+        bottleneck search asks again at every trial value."""
+        memo = self.__dict__.setdefault("_reach", {})
+        got = memo.get((s, i))
+        if got is None:
+            lo_ok, hi_bad = i, len(self.params)  # need(i, i) is the parameter-free minimum
+            while hi_bad - lo_ok > 1:
+                mid = (lo_ok + hi_bad) // 2
+                if self.ok(s, i, mid):
+                    lo_ok = mid
+                else:
+                    hi_bad = mid
+            got = memo[(s, i)] = lo_ok
+        return got
 
 
 def balanced_cuts(
@@ -134,20 +161,7 @@ def _reach(
     j = bisect_right(work, work[i] + cap * speed + 1e-12, i + 1, hi + 1) - 1
     if limits is None or j <= i:
         return j
-    # StageLimits.ok written out on locals (the partitioner's innermost loop): same arithmetic
-    params, mem, room = limits.params, limits.mem, limits.capacity[stage]
-    act, factor = limits.act_factor[stage], param_state_factor(limits.optimizer_factor)
-    p0, m0 = params[i], mem[i]
-    if not (params[j] - p0) * factor + (mem[j] - m0) * act + 0.0 <= room:
-        lo_ok, hi_bad = i, j  # memory is monotone in j: binary search the last fit
-        while hi_bad - lo_ok > 1:
-            mid = (lo_ok + hi_bad) // 2
-            if (params[mid] - p0) * factor + (mem[mid] - m0) * act + 0.0 <= room:
-                lo_ok = mid
-            else:
-                hi_bad = mid
-        j = lo_ok
-    return j
+    return min(j, limits.reach(stage, i))  # memory is monotone in j: the last fit
 
 
 def _greedy(

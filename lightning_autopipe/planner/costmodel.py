@@ -38,7 +38,6 @@ import numpy as np
 
 from lightning_autopipe.planner.allreduce import allreduce_finish
 from lightning_autopipe.planner.compiled import (
-    B,
     Compiled,
     compiled,
     extrapolation_point,
@@ -48,14 +47,17 @@ from lightning_autopipe.planner.compiled import (
 from lightning_autopipe.planner.extrapolate import Tail, tail_of
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.levels import replay_levels
+from lightning_autopipe.planner.memo import kept
 from lightning_autopipe.planner.pricing import (
     peak_memory_bytes,
     recompute_memory,
     unit_parts,
     unit_prices,
 )
+from lightning_autopipe.planner.scalar import replay
 
-__all__ = ["Estimate", "evaluate", "evaluate_batch", "stage_times"]
+__all__ = ["Estimate", "Inputs", "evaluate", "evaluate_batch", "grad_bytes", "inputs_of",
+           "memory_of", "stage_times"]
 
 #: candidates x mean actions per level from which a batch is replayed level by level: a
 #: level costs a dozen numpy calls and the batch's arrays must be built, so on the search's
@@ -139,7 +141,7 @@ def evaluate(
 
 
 @dataclass
-class _Inputs:
+class Inputs:
     """One candidate's replay inputs (see :func:`evaluate`)."""
 
     layout: Layout
@@ -150,12 +152,13 @@ class _Inputs:
     per_call: list[list[float]]
     cut_ms: list[float]
     mb: int
+    m: int
 
 
-def _inputs(
+def inputs_of(
     costs: BlockCosts, layout: Layout, cuts: list[int], batch: int, m: int, split: bool,
     recompute: Sequence[bool],
-) -> _Inputs:
+) -> Inputs:
     num = layout.num_stages
     parts, scale = stage_times(costs, layout, cuts, batch, m, split, recompute)
     ovh = layout.overhead_ms
@@ -168,11 +171,11 @@ def _inputs(
         costs.act[cuts[s + 1] - 1] * scale[s] * layout.link_ms_per_byte[s] for s in range(num - 1)
     ]
     mb = max(1, batch // (m * max(layout.replicas)))
-    return _Inputs(layout, list(cuts), parts, scale, var, per_call, cut_ms, mb)
+    return Inputs(layout, list(cuts), parts, scale, var, per_call, cut_ms, mb, m)
 
 
 def _replay_group(
-    comp: Compiled, group: list[_Inputs], queue: bool, via: bool,
+    comp: Compiled, group: list[Inputs], queue: bool, via: bool,
     first: Compiled | None = None, tail: Tail | None = None,
 ) -> list[tuple[list[float], list[bool] | None, list[float] | None]]:
     """Per candidate of ``group`` (one shape): each stage's last end, with ``via`` each
@@ -184,12 +187,12 @@ def _replay_group(
         for x in group:
             lay = x.layout
             sent = [0.0] * len(comp.order) if tail is not None and queue else None
-            finish, end, started = _replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
+            finish, end, started = replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
                                            [0.0] * lay.num_stages, queue, record=sent)
             head = None
             if first is not None:  # the whole shorter step, or its part after the shared one
                 resume = tail.resume(end, sent, len(x.cut_ms)) if tail is not None else None
-                head = _replay(first, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
+                head = replay(first, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
                                [0.0] * lay.num_stages, queue, resume=resume)[0]
             out.append((finish, started if via else None, head))
         return out
@@ -233,13 +236,26 @@ def evaluate_batch(
     """:func:`evaluate` of every cut list (on ``layouts``: one for all, or one per cut list),
     the replays of candidates of one shape done together (:func:`~.levels.replay_levels`).
 
-    Equal to the bit to evaluating them one by one with the scalar replay.
+    Equal to the bit to evaluating them one by one with the scalar replay; a candidate the
+    search priced before is not replayed again (:mod:`~.memo`).
     """
-    num = (layouts if isinstance(layouts, Layout) else layouts[0]).num_stages
     lays = [layouts] * len(cuts_list) if isinstance(layouts, Layout) else list(layouts)
-    m, k, j = num_microbatches, startup_slices, drain_slices
+    shape = (batch, num_microbatches, startup_slices, drain_slices, schedule, optimizer_factor,
+             exact, tuple(recompute))
+    return kept(costs, lays, cuts_list, shape, critical_path, lambda idx: _evaluate_batch(
+        costs, [lays[i] for i in idx], [cuts_list[i] for i in idx], batch, num_microbatches,
+        startup_slices, drain_slices, schedule, optimizer_factor, critical_path, exact,
+        recompute))
+
+
+def _evaluate_batch(
+    costs: BlockCosts, lays: list[Layout], cuts_list: list[Sequence[int]], batch: int, m: int,
+    k: int, j: int, schedule: str, optimizer_factor: float, critical_path: bool, exact: bool,
+    recompute: Sequence[bool],
+) -> list[Estimate]:
+    num = lays[0].num_stages
     split = splits_backward(schedule)
-    inputs = [_inputs(costs, lay, list(c), batch, m, split, recompute)
+    inputs = [inputs_of(costs, lay, list(c), batch, m, split, recompute)
               for lay, c in zip(lays, cuts_list)]
     m0 = extrapolation_point(num)
     win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
@@ -256,8 +272,7 @@ def evaluate_batch(
         ends = _replay_group(comp, group, queue, critical_path, first, tail)
         held = inflight(schedule, num, m, k, mb, j)
         for i, x, (finish, via, head) in zip(idx, group, ends):
-            grads = [float(costs.params[x.cuts[s + 1]] - costs.params[x.cuts[s]])
-                     for s in range(num)]
+            grads = grad_bytes(costs, x.cuts)
             if head is not None:
                 period = max(0.0, max(finish) - max(head)) / win
                 shift = (m - m0 - win) * period
@@ -267,24 +282,42 @@ def evaluate_batch(
     return out  # type: ignore[return-value]
 
 
-def _estimate(
-    costs: BlockCosts, x: _Inputs, comp: Compiled, finish: list[float], via: list[bool] | None,
-    held: tuple[float, ...], optimizer_factor: float, recompute: Sequence[bool],
-) -> Estimate:
-    """The estimate of one replayed candidate: step, memory, critical path, stage times."""
-    layout, cuts, num = x.layout, x.cuts, x.layout.num_stages
-    total = max(finish)
+def grad_bytes(costs: BlockCosts, cuts: list[int]) -> list[float]:
+    """Each stage's gradient bytes (what its all-reduce moves)."""
+    return [float(costs.params[cuts[s + 1]] - costs.params[cuts[s]])
+            for s in range(len(cuts) - 1)]
+
+
+def memory_of(
+    costs: BlockCosts, x: Inputs, held: tuple[float, ...], optimizer_factor: float,
+    recompute: Sequence[bool],
+) -> tuple[list[float], bool]:
+    """Each stage's peak memory and whether every one fits its devices."""
+    layout, cuts = x.layout, x.cuts
     peaks, fits = [], True
-    for s in range(num):
+    for s in range(layout.num_stages):
         i, j = cuts[s], cuts[s + 1]
-        mem, once = (costs.mem[j] - costs.mem[i]) * x.scale[s], 0.0
+        per_mb, once = costs.memory(i, j, x.m)  # as the simulator counts (shared inputs)
+        mem, once = per_mb * x.scale[s], once * x.scale[s]
         if recompute and recompute[s]:
             inputs = costs.act[i - 1] * x.scale[s] if i > 0 else 0.0
-            mem, once = recompute_memory(mem, inputs)
+            mem, again = recompute_memory(mem, inputs)
+            once = once + again
         peak = peak_memory_bytes(costs.params[j] - costs.params[i], mem, held[s],
                                  optimizer_factor, once)
         peaks.append(peak)
         fits = fits and peak <= layout.capacity[s]
+    return peaks, fits
+
+
+def _estimate(
+    costs: BlockCosts, x: Inputs, comp: Compiled, finish: list[float], via: list[bool] | None,
+    held: tuple[float, ...], optimizer_factor: float, recompute: Sequence[bool],
+) -> Estimate:
+    """The estimate of one replayed candidate: step, memory, critical path, stage times."""
+    layout, num = x.layout, x.layout.num_stages
+    total = max(finish)
+    peaks, fits = memory_of(costs, x, held, optimizer_factor, recompute)
     share = [0.0] * num
     crit = 0
     if via is not None:
@@ -298,61 +331,3 @@ def _estimate(
     ovh = layout.overhead_ms
     stage_ms = [sum(sum(p) for p in row) + len(row) * ovh[s] for s, row in enumerate(x.parts)]
     return Estimate(total, crit, stage_ms, peaks, fits, share)
-
-
-def _replay(
-    comp: Compiled,
-    var: list[list[float]],
-    per_call: list[list[float]],
-    cut_ms: list[float],
-    lat: tuple[float, ...],
-    ar: list[float],
-    queue: bool = True,
-    *,
-    record: list[float] | None = None,
-    resume: tuple | None = None,
-) -> tuple[list[float], list[float], list[bool]]:
-    """Finish time per stage (all-reduce included), end time and start cause per action.
-
-    ``record`` (one slot per action) receives when each queued transfer leaves its link;
-    ``resume`` = (ends, actions still to run, each cut's link free time per direction) starts
-    from a state where the other actions have run (:class:`~.extrapolate.Tail`).
-
-    With ``queue`` each cut's link carries one transfer per direction at a time, in the
-    sender's order (startup slices leave back to back and would otherwise overtake each
-    other's bandwidth); without it transfers are independent delays (a lower bound). Not
-    modelled (the simulator has them): a stage's activations and gradients sharing one NIC,
-    and fair sharing instead of first come first served.
-    """
-    fracs = comp.fracs
-    order = comp.order
-    via = [False] * len(order)  # True: started by the cross-stage message
-    if resume is None:
-        end = [0.0] * len(order)
-        todo: Sequence[int] = range(len(order))
-        free_f = [0.0] * len(cut_ms)  # when each cut's link is next free, per direction
-        free_b = [0.0] * len(cut_ms)
-    else:
-        end, todo, free_f, free_b = resume
-    for n in todo:
-        s, code, u, prev, cross = order[n]
-        t = end[prev] if prev >= 0 else 0.0
-        if cross >= 0:
-            is_b = code == B
-            c = s if is_b else s - 1
-            dur = cut_ms[c] * fracs[u]
-            sent = end[cross]
-            if queue:
-                free = free_b if is_b else free_f
-                if free[c] > sent:
-                    sent = free[c]
-                free[c] = sent + dur
-                if record is not None:
-                    record[n] = free[c]
-            tc = sent + dur + lat[c]
-            if tc > t:
-                t = tc
-                via[n] = True
-        end[n] = t + var[code][s] * fracs[u] + per_call[code][s]
-    finish = [end[comp.last[s]] + ar[s] for s in range(len(ar))]
-    return finish, end, via

@@ -6,7 +6,7 @@ micro-batches (:func:`~.costmodel.evaluate`). Both start alike: each stage's lis
 begins with the same actions on the same units, and an action whose stage's earlier actions
 and whose sender are the same in both ends at the same time in both (same inputs, same float
 operations). Typically 75-95% of the shorter replay is such a prefix, so it is copied from
-the longer replay and only the rest is replayed (:func:`~.costmodel._replay` with
+the longer replay and only the rest is replayed (:func:`~.scalar.replay` with
 ``resume``): the estimates are equal to the bit to two whole replays.
 """
 

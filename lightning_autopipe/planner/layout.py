@@ -19,6 +19,7 @@ from lightning_autopipe.planner.pricing import (
     replica_pairs,
     ring_costs,
     ring_resources,
+    stage_memory,
     type_profiles,
 )
 from lightning_autopipe.profile import Profile
@@ -42,6 +43,7 @@ class BlockCosts:
     mem: tuple[int, ...]
     act: tuple[int, ...]  # activation_bytes of each block (what crosses a cut after it)
     micro_batch_size: int
+    shared: tuple[int, ...] = ()  # prefix sums of shared_input_bytes (see stage_memory)
     ffix: tuple[float, ...] = ()  # prefix sums of forward_fixed_ms (empty: all zero)
     bfix: tuple[float, ...] = ()  # prefix sums of backward_fixed_ms
     # a split backward (zero-bubble): prefix sums of its input and weight parts and their fixed
@@ -73,6 +75,7 @@ class BlockCosts:
             mem=tuple(accumulate((x.memory_bytes for x in b), initial=0)),
             act=tuple(x.activation_bytes for x in b),
             micro_batch_size=profile.micro_batch_size,
+            shared=tuple(accumulate((x.shared_input_bytes for x in b), initial=0)),
             ffix=tuple(accumulate((x.forward_fixed_ms for x in b), initial=0.0)),
             bfix=tuple(accumulate((x.backward_fixed_ms for x in b), initial=0.0)),
             **{name: tuple(accumulate((x.split_backward()[i] for x in b), initial=0.0))
@@ -84,6 +87,11 @@ class BlockCosts:
         if not self.ffix:
             return 0.0, 0.0
         return self.ffix[j] - self.ffix[i], self.bfix[j] - self.bfix[i]
+
+    def memory(self, i: int, j: int, num_microbatches: int) -> tuple[int, int]:
+        """Blocks ``[i, j)``'s activation memory per micro-batch in flight and held once, at
+        the profile's micro-batch (:func:`~.pricing.stage_memory`)."""
+        return stage_memory(self.mem, self.shared, i, j, num_microbatches)
 
     def split(self, i: int, j: int) -> tuple[float, float, float, float]:
         """Blocks ``[i, j)``'s split backward: (input ms, weight ms, their fixed parts)."""

@@ -1,6 +1,6 @@
 """The fast model's replay run level by level on numpy arrays, many candidates at once.
 
-The scalar replay (:func:`~.costmodel._replay`) walks a compiled schedule one action at a
+The scalar replay (:func:`~.scalar.replay`) walks a compiled schedule one action at a
 time. Its recurrence only ever reads actions that come earlier in the dependency order (the
 stage's previous action, the neighbour action that sends it its input, the previous transfer
 over the same link), so the actions fall into *levels*: an action's level is one more than

@@ -27,14 +27,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.balance import StageLimits, balanced_cuts
+from lightning_autopipe.planner.bound import bound_batch
 from lightning_autopipe.planner.compiled import inflight
 from lightning_autopipe.planner.costmodel import Estimate, evaluate, evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.scorer import Scorer
 from lightning_autopipe.planner.slicer import better, choose_drain_slices, choose_startup_slices
 
 __all__ = [
@@ -66,11 +67,11 @@ def stage_limits(
     num = layout.num_stages
     mb = max(1, batch // (num_microbatches * max(layout.replicas)))
     held = inflight(schedule, num, num_microbatches, startup_slices, mb)
-    act = [
-        held[s] * batch / (num_microbatches * layout.replicas[s] * costs.micro_batch_size)
-        for s in range(num)
-    ]
-    return StageLimits(costs.params, costs.mem, optimizer_factor, act, layout.capacity)
+    scale = [batch / (num_microbatches * layout.replicas[s] * costs.micro_batch_size)
+             for s in range(num)]
+    act = [held[s] * scale[s] for s in range(num)]
+    return StageLimits(costs.params, costs.mem, optimizer_factor, act, layout.capacity,
+                       costs.shared, scale, num_microbatches)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class PartitionResult:
     evaluations: int
     alternatives: list[tuple[list[int], Estimate]]  # the next best distinct cuts seen
     steps: int = 0  # descent passes and nudge sweeps taken (see :func:`step_budget`)
+    replays: int = 0  # evaluations replayed; the others were bounded (:mod:`~.bound`)
 
 
 def step_budget(max_evaluations: int) -> int:
@@ -97,53 +99,6 @@ def step_budget(max_evaluations: int) -> int:
     partitioner ends after a number of steps fixed by its budget whatever the inputs.
     """
     return 2 * (max_evaluations + 4) + 6
-
-
-class _Scorer:
-    """Memoised fast-model evaluation of cut lists for one (layout, batch, m, k).
-
-    ``cache`` holds the cut lists the search has looked at (its size is the search's
-    evaluation count); :meth:`prefetch` prices candidates the search is about to look at in
-    one batch and keeps them aside until it does, so batching changes no step of the search.
-    """
-
-    def __init__(
-        self, fn: Callable[[list[int]], Estimate], max_steps: int,
-        many: Callable[[list[list[int]]], list[Estimate]] | None = None,
-    ) -> None:
-        self._fn = fn
-        self._many = many
-        self.cache: dict[tuple[int, ...], Estimate] = {}
-        self._ahead: dict[tuple[int, ...], Estimate] = {}
-        self.steps = 0
-        self.max_steps = max_steps
-
-    def prefetch(self, cands: Sequence[Sequence[int]], room: int) -> None:
-        """Price together the first ``room`` of ``cands`` not looked at yet."""
-        todo: dict[tuple[int, ...], None] = {}
-        for c in cands:
-            if len(todo) >= room:
-                break
-            key = tuple(c)
-            if key not in self.cache and key not in self._ahead:
-                todo[key] = None
-        if self._many is not None and len(todo) > 1:
-            self._ahead.update(zip(todo, self._many([list(k) for k in todo])))
-
-    def step(self) -> bool:
-        """Count one descent pass; False once the step budget is spent."""
-        self.steps += 1
-        return self.steps <= self.max_steps
-
-    def __call__(self, cuts: Sequence[int]) -> Estimate:
-        key = tuple(cuts)
-        hit = self.cache.get(key)
-        if hit is None:
-            hit = self._ahead.pop(key, None)
-            if hit is None:
-                hit = self._fn(list(key))
-            self.cache[key] = hit
-        return hit
 
 
 def autopipe_partition(
@@ -180,13 +135,17 @@ def autopipe_partition(
         base = balanced_cuts(work, speeds, stage_work=typed)
     assert base is not None
 
-    score = _Scorer(
+    score = Scorer(
         lambda c: evaluate(
             costs, layout, c, batch, num_microbatches, startup_slices,
             optimizer_factor=optimizer_factor, schedule=schedule,
         ),
         step_budget(max_evaluations),
         lambda cs: evaluate_batch(
+            costs, layout, cs, batch, num_microbatches, startup_slices,
+            optimizer_factor=optimizer_factor, schedule=schedule,
+        ),
+        lambda cs: bound_batch(
             costs, layout, cs, batch, num_microbatches, startup_slices,
             optimizer_factor=optimizer_factor, schedule=schedule,
         ),
@@ -214,8 +173,8 @@ def autopipe_partition(
                     if suf is not None:
                         cands.append(cur[: c + 1] + suf)
                 for cand in cands:
-                    e = score(cand)  # memoised: a visited cut list costs nothing to compare
-                    if better(e, best):
+                    e = score.unless_worse(cand, best)  # memoised; None: bounded, not better
+                    if e is not None and better(e, best):
                         cur, best, moved = cand, e, True
                 if moved:
                     break
@@ -238,13 +197,13 @@ def autopipe_partition(
             c2, b2 = descend(list(alt), min(limit, max_evaluations))
             if better(b2, best):
                 cur, best = c2, b2
-    seen = sorted(score.cache.items(), key=lambda kv: (not kv[1].fits, kv[1].iteration_ms))
-    alts = [(list(c), e) for c, e in seen if list(c) != cur][:_ALTERNATIVES]
-    return PartitionResult(cur, best, list(base), base_ms, len(score.cache), alts, score.steps)
+    alts = score.runners_up(cur, _ALTERNATIVES)
+    return PartitionResult(cur, best, list(base), base_ms, len(score.cache), alts, score.steps,
+                           score.replays)
 
 
 def _nudge(
-    cur: list[int], best: Estimate, score: _Scorer, n: int, budget: int
+    cur: list[int], best: Estimate, score: Scorer, n: int, budget: int
 ) -> tuple[list[int], Estimate]:
     """Move single cuts within their neighbours' range while the step gets shorter.
 
@@ -264,10 +223,10 @@ def _nudge(
             cands = [cur[:p] + [c] + cur[p + 1 :]
                      for c in sorted(range(lo, hi + 1), key=lambda x: abs(x - cur[p]))
                      if c != cur[p]]
-            score.prefetch(cands, budget - len(score.cache))
+            score.prefetch(cands, budget - len(score.cache), best)
             for cand in cands:
-                e = score(cand)
-                if better(e, best):
+                e = score.unless_worse(cand, best)
+                if e is not None and better(e, best):
                     cur, best, improved = cand, e, True
                 if len(score.cache) >= budget:
                     return cur, best
@@ -276,9 +235,9 @@ def _nudge(
         shifts = _chain_shifts(cur)
         for q, cand in enumerate(shifts):
             if q % _SHIFT_BATCH == 0:  # the walk stops at the first improvement: a few at once
-                score.prefetch(shifts[q : q + _SHIFT_BATCH], budget - len(score.cache))
-            e = score(cand)
-            if better(e, best):
+                score.prefetch(shifts[q : q + _SHIFT_BATCH], budget - len(score.cache), best)
+            e = score.unless_worse(cand, best)
+            if e is not None and better(e, best):
                 cur, best, improved = cand, e, True
                 break
             if len(score.cache) >= budget:

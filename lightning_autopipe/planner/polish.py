@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_autopipe.planner.bound import bound_batch
 from lightning_autopipe.planner.costmodel import evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 
-__all__ = ["MOVES", "Polished", "evaluate_many", "neighbours", "polish", "sweep_budget"]
+__all__ = ["MOVES", "Polished", "bound_many", "evaluate_many", "neighbours", "polish",
+           "sweep_budget"]
 
 #: One boundary by ±1..3 blocks, or two adjacent boundaries by ±1 each.
 MOVES = ("single ±1..3", "adjacent pair ±1")
@@ -75,6 +77,18 @@ def evaluate_many(
         critical_path=False)]
 
 
+def bound_many(
+    costs: BlockCosts, layout: Layout, cuts_list: Sequence[Sequence[int]], batch: int,
+    num_microbatches: int, startup_slices: int = 1, *, drain_slices: int = 1,
+    schedule: str = "1f1b", optimizer_factor: float = 2.0,
+) -> list[tuple[float, bool]]:
+    """``(lower bound of iteration_ms, fits)`` for every cut list, without replays
+    (:func:`~.costmodel.bound_batch`), the same arguments as :func:`evaluate_many`."""
+    return bound_batch(costs, layout, cuts_list, batch, num_microbatches, startup_slices,
+                       drain_slices=drain_slices, schedule=schedule,
+                       optimizer_factor=optimizer_factor)
+
+
 @dataclass
 class Polished:
     """Where :func:`polish` walked to: the cuts, the sweeps taken and, when the walk stopped
@@ -90,14 +104,18 @@ class Polished:
 
 
 def polish(
-    cuts: Sequence[int], price: Callable[[list[list[int]]], list[tuple[float, bool]]]
+    cuts: Sequence[int], price: Callable[[list[list[int]]], list[tuple[float, bool]]],
+    bound: Callable[[list[list[int]]], list[tuple[float, bool]]] | None = None,
 ) -> Polished:
     """The best cuts a walk over :func:`neighbours` reaches from ``cuts``, and the sweeps taken.
 
     ``price`` gives ``(iteration_ms, fits)`` of each cut list (:func:`evaluate_many` with the
     plan's layout and shape bound). Each sweep moves to the fastest neighbour (plans that fit
     memory first) while it beats the current cuts by more than rounding; it stops at a local
-    optimum of these moves or after :func:`sweep_budget` sweeps.
+    optimum of these moves or after :func:`sweep_budget` sweeps. ``bound`` (a lower bound of
+    the step and the exact ``fits``, :func:`~.costmodel.bound_batch`) spares the replay of
+    the neighbours that cannot beat the current cuts: the fastest neighbour, when it beats
+    them, is among the others, so the walk is the same.
     """
     cur = list(cuts)
     (best_ms, best_fit), = price([cur])
@@ -107,6 +125,12 @@ def polish(
         if not cands:
             break
         sweeps += 1
+        if bound is not None:
+            low = bound(cands)
+            cands = [c for c, (ms, fit) in zip(cands, low)
+                     if fit > best_fit or (fit == best_fit and ms < best_ms * (1 - 1e-9))]
+            if not cands:
+                return Polished(cur, sweeps)
         scores = price(cands)
         i = min(range(len(cands)), key=lambda x: (not scores[x][1], scores[x][0]))
         ms, fit = scores[i]

@@ -18,7 +18,8 @@ through these functions, so a change to how something costs is a change in one p
   volume, the latency and the reduction term still come from here.
 * **Peak memory of a stage**: parameter bytes x (weights + gradients + ``optimizer_factor``)
   plus the activation memory of the micro-batches it holds in flight
-  (:func:`peak_memory_bytes`).
+  (:func:`peak_memory_bytes`), a stage's activation memory being :func:`stage_memory` of its
+  blocks (a storage two blocks save counted once), for the simulator and every fast model.
 * **A stage's unit prices** (forward, backward, or input and weight backward when split; the
   first stage's W is its whole backward; a recomputing stage's backward pays the forward again):
   :func:`unit_prices`, the one place the fast model and the simulator take them from.
@@ -45,6 +46,7 @@ __all__ = [
     "peak_memory_bytes",
     "recompute_memory",
     "reduce_ms_per_byte",
+    "stage_memory",
     "replica_pairs",
     "ring_costs",
     "ring_latency_ms",
@@ -182,6 +184,25 @@ def peak_memory_bytes(
     """
     return (param_bytes * param_state_factor(optimizer_factor) + activation_bytes * inflight
             + once_bytes)
+
+
+def stage_memory(mem: Any, shared: Any, i: Any, j: Any, num_microbatches: int) -> tuple[Any, Any]:
+    """Activation memory of the stage of blocks ``[i, j)`` at the profile's micro-batch:
+    (what one micro-batch in flight holds, what the stage holds once).
+
+    ``mem`` and ``shared`` are prefix sums of the blocks' ``memory_bytes`` and
+    ``shared_input_bytes`` (``shared`` may be empty: nothing shared). A storage that two
+    consecutive blocks both save is one storage: a block after the stage's first counts
+    without its shared inputs. The first stage's saved inputs are slices of the replica's
+    batch (the data loader's tensor): they are held once, ``num_microbatches`` micro-batches'
+    worth, not per unit in flight. What the profiler measures per block and the memory meter
+    checks (``docs/telemetry.md``). Works on block indices and on numpy arrays of them alike.
+    """
+    if len(shared) == 0:
+        return mem[j] - mem[i], 0 * (mem[j] - mem[i])
+    held = mem[j] - mem[i] - (shared[j] - shared[i + 1])
+    first = (i == 0) * shared[1]  # block 0's own shared inputs: the batch, held once
+    return held - first, first * num_microbatches
 
 
 def recompute_memory(memory_bytes: Any, input_bytes: Any) -> tuple[Any, Any]:

@@ -8,8 +8,7 @@ with proposals of their own. Level 4: when cheap enough, the simulator
 (:func:`~.simulate.simulate`, link contention included) picks among the best proposals;
 otherwise the fast model's favourite stands.
 
-``search_ms`` is the time to choose the plan; simulating the chosen plan to fill its predicted
-figures is not part of it (unless the simulator took part in choosing).
+``search_ms`` is the time to choose the plan (filling the chosen plan's figures is not part).
 
 Activation recomputation is the last resort: only when no finalist fits device memory are
 its stages that do not fit made to recompute their activations (under a schedule that does
@@ -35,7 +34,7 @@ from lightning_autopipe.planner.baselines import propose
 from lightning_autopipe.planner.generators import schedule_generator, splits_backward
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, Proposal
-from lightning_autopipe.planner.polish import evaluate_many, polish
+from lightning_autopipe.planner.polish import bound_many, evaluate_many, polish
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.planner.vsearch import (
     choice_note,
@@ -196,10 +195,11 @@ def _polish_favourite(
     on the plan (that the walk stopped at its sweep budget)."""
     top = props[0]
     layout = Layout.from_cluster(cluster, top.groups)
-    walk = polish(top.cuts, functools.partial(
-        evaluate_many, costs, layout, batch=batch, num_microbatches=top.num_microbatches,
-        startup_slices=top.startup_slices, drain_slices=top.drain_slices,
-        schedule=top.schedule, optimizer_factor=optimizer_factor))
+    shape = dict(batch=batch, num_microbatches=top.num_microbatches,
+                 startup_slices=top.startup_slices, drain_slices=top.drain_slices,
+                 schedule=top.schedule, optimizer_factor=optimizer_factor)
+    walk = polish(top.cuts, functools.partial(evaluate_many, costs, layout, **shape),
+                  functools.partial(bound_many, costs, layout, **shape))
     props[0] = replace(top, cuts=walk.cuts)
     if walk.at_budget:
         return [f"the final local search over the cuts stopped at its budget of {walk.sweeps} "

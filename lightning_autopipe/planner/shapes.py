@@ -98,7 +98,8 @@ def score_shapes(
     nd, n = len(order), costs.num_blocks
     work = costs.compute[-1]
     big = max(costs.compute[i + 1] - costs.compute[i] for i in range(n))
-    params, mem = costs.params[-1], costs.mem[-1]
+    params = costs.params[-1]
+    mem = costs.memory(0, n, 1)[0]  # the model's activation memory, shared inputs once
     act = sum(costs.act[:-1]) / max(1, n - 1)
     mbs = costs.micro_batch_size
     fixed_all = sum(costs.fixed(0, n))

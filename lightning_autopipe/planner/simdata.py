@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from itertools import accumulate
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.plan import Plan
-from lightning_autopipe.planner.pricing import peak_memory_bytes, recompute_memory, unit_prices
+from lightning_autopipe.planner.pricing import (
+    peak_memory_bytes,
+    recompute_memory,
+    stage_memory,
+    unit_prices,
+)
 from lightning_autopipe.planner.schedule import (
     Kind,
     Schedule,
@@ -135,21 +141,21 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
             f"plan covers blocks [0, {plan.num_blocks}) but the profile of {profile.model!r} has "
             f"{len(profile.blocks)} blocks; re-plan with this profile"
         )
+    mem = list(accumulate((b.memory_bytes for b in profile.blocks), initial=0))
+    shared = list(accumulate((b.shared_input_bytes for b in profile.blocks), initial=0))
     out = []
     for st in plan.stages:
         bl = profile.blocks[st.blocks[0] : st.blocks[1]]
+        # a storage two blocks save counted once; the first stage's saved inputs are slices
+        # of the replica's batch, held once (m micro-batches' worth): one formula for all
+        held, once = stage_memory(mem, shared, st.blocks[0], st.blocks[1], plan.num_microbatches)
         out.append(
             StageCost(
                 forward_ms=sum(b.forward_ms for b in bl),
                 backward_ms=sum(b.backward_ms for b in bl),
                 param_bytes=sum(b.param_bytes for b in bl),
-                # a storage two blocks save counted once; the first stage's saved inputs are
-                # slices of the replica's batch, held once (m micro-batches' worth)
-                memory_bytes=sum(b.memory_bytes for b in bl)
-                - sum(b.shared_input_bytes for b in bl[1:])
-                - (bl[0].shared_input_bytes if st.blocks[0] == 0 else 0),
-                once_bytes=bl[0].shared_input_bytes * plan.num_microbatches
-                if st.blocks[0] == 0 else 0.0,
+                memory_bytes=held,
+                once_bytes=once,
                 activation_bytes=bl[-1].activation_bytes,
                 forward_fixed_ms=sum(b.forward_fixed_ms for b in bl),
                 backward_fixed_ms=sum(b.backward_fixed_ms for b in bl),

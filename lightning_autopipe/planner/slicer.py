@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lightning_autopipe.planner.bound import bound_batch
 from lightning_autopipe.planner.costmodel import Estimate, evaluate
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 
-__all__ = ["better", "choose_drain_slices", "choose_startup_slices"]
+__all__ = ["better", "cannot_beat", "choose_drain_slices", "choose_startup_slices"]
 
 
 def better(a: Estimate, b: Estimate | None, rel: float = 1e-9) -> bool:
@@ -23,6 +24,16 @@ def better(a: Estimate, b: Estimate | None, rel: float = 1e-9) -> bool:
     if a.fits != b.fits:
         return a.fits
     return a.iteration_ms < b.iteration_ms * (1 - rel)
+
+
+def cannot_beat(low: float, fits: bool, b: Estimate | None, rel: float = 1e-9) -> bool:
+    """Whether no estimate with this lower bound of its step and this ``fits`` can be
+    :func:`better` than ``b`` (then it need not be replayed, :func:`~.costmodel.bound_batch`)."""
+    if b is None:
+        return False
+    if fits != b.fits:
+        return not fits
+    return low >= b.iteration_ms * (1 - rel)
 
 
 def choose_startup_slices(
@@ -46,6 +57,8 @@ def choose_startup_slices(
         lambda k: evaluate(costs, layout, cuts, batch, num_microbatches, k,
                            optimizer_factor=optimizer_factor, schedule=schedule,
                            critical_path=False),
+        lambda k: bound_batch(costs, layout, [cuts], batch, num_microbatches, k,
+                              optimizer_factor=optimizer_factor, schedule=schedule)[0],
     )
 
 
@@ -72,13 +85,22 @@ def choose_drain_slices(
         lambda j: evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
                            drain_slices=j, optimizer_factor=optimizer_factor, schedule=schedule,
                            critical_path=False),
+        lambda j: bound_batch(costs, layout, [cuts], batch, num_microbatches, startup_slices,
+                              drain_slices=j, optimizer_factor=optimizer_factor,
+                              schedule=schedule)[0],
     )
 
 
-def _fewest_best(top: int, estimate: Callable[[int], Estimate]) -> tuple[int, Estimate]:
-    """The smallest slice count in ``1..top`` whose estimate no larger count clearly beats."""
+def _fewest_best(
+    top: int, estimate: Callable[[int], Estimate],
+    bound: Callable[[int], tuple[float, bool]] | None = None,
+) -> tuple[int, Estimate]:
+    """The smallest slice count in ``1..top`` whose estimate no larger count clearly beats
+    (a count whose ``bound`` cannot beat the best so far is not replayed)."""
     best_n, best = 1, estimate(1)
     for n in range(2, top + 1):
+        if bound is not None and cannot_beat(*bound(n), best, 1e-6):
+            continue
         e = estimate(n)
         if better(e, best, 1e-6):
             best_n, best = n, e

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +27,15 @@ import pytest
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS
 from lightning_autopipe.planner import costmodel, make_plan
-from lightning_autopipe.planner.compiled import compiled
-from lightning_autopipe.planner.costmodel import _replay, evaluate, evaluate_batch
+from lightning_autopipe.planner.compiled import B, Compiled, compiled, extrapolation_point
+from lightning_autopipe.planner.costmodel import evaluate, evaluate_batch
+from lightning_autopipe.planner.extrapolate import _tail
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.levels import replay_levels
 from lightning_autopipe.planner.mapping import candidate_groupings, speed_order
 from lightning_autopipe.planner.polish import neighbours
 from lightning_autopipe.planner.pricing import allreduce_ms, peak_memory_bytes, unit_ms
+from lightning_autopipe.planner.scalar import replay as _replay
 from lightning_autopipe.planner.shapes import microbatch_choices, score_shapes
 
 from .search_cases import CASES, case
@@ -89,9 +92,31 @@ def test_evaluate_batch_equals_evaluate_one_by_one(seed, monkeypatch):
             many = evaluate_batch(costs, layouts[0], cands, batch, m, 2, **kw)
             per_layout = evaluate_batch(costs, layouts, [base] * len(layouts), batch, m, 1,
                                         critical_path=False, **kw)
-        assert many == [evaluate(costs, layouts[0], c, batch, m, 2, **kw) for c in cands]
-        assert per_layout == [evaluate(costs, lay, base, batch, m, 1, critical_path=False, **kw)
+        fresh = BlockCosts.from_profile(profile)  # nothing kept from the batches (memo.py)
+        assert many == [evaluate(fresh, layouts[0], c, batch, m, 2, **kw) for c in cands]
+        fresh = BlockCosts.from_profile(profile)
+        assert per_layout == [evaluate(fresh, lay, base, batch, m, 1, critical_path=False, **kw)
                               for lay in layouts]
+
+
+def test_a_kept_estimate_is_the_estimate_and_keeps_its_critical_path():
+    """A cut list priced again within one search comes from ``memo.py``: equal to pricing it
+    anew, also on an equal layout built again; one priced without its critical path does not
+    answer a request for it."""
+    rng = random.Random(77)
+    profile = _random_profile(rng, 40)
+    cluster = _random_cluster(rng)
+    devs = [d.name for d in cluster.devices]
+    groups = next(iter(candidate_groupings(cluster, devs, 2, 1).values()))
+    layout = Layout.from_cluster(cluster, groups)
+    costs = BlockCosts.from_profile(profile)
+    cuts = [0, 17, 40]
+    plain = evaluate(costs, layout, cuts, 64, 8, critical_path=False)
+    full = evaluate(costs, Layout.from_cluster(cluster, groups), cuts, 64, 8)
+    assert full is not plain and any(full.critical_share)
+    assert evaluate(costs, layout, cuts, 64, 8, critical_path=False) is full  # kept
+    assert full == evaluate(BlockCosts.from_profile(profile), layout, cuts, 64, 8)
+    assert evaluate(costs, layout, cuts, 64, 4) != full  # another shape: priced anew
 
 
 def _reference_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor,
@@ -102,7 +127,8 @@ def _reference_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_fact
     nd, n = len(order), costs.num_blocks
     work = costs.compute[-1]
     big = max(costs.compute[i + 1] - costs.compute[i] for i in range(n))
-    params, mem = costs.params[-1], costs.mem[-1]
+    params = costs.params[-1]
+    mem = costs.memory(0, n, 1)[0]
     act = sum(costs.act[:-1]) / max(1, n - 1)
     mbs = costs.micro_batch_size
     out = []
@@ -188,3 +214,95 @@ def test_the_search_is_never_worse_than_the_planner_before_it():
         if got > reference[seed] * (1 + 1e-9):
             worse.append((seed, got, reference[seed]))
     assert not worse, worse
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+def test_the_scalar_replay_equals_its_reference_to_the_bit(schedule):
+    """Whole replays with and without link queues, the transfer record, and a shorter step
+    resumed from a longer one's shared prefix (``planner/extrapolate.py``)."""
+    rng = random.Random("scalar" + schedule)
+    for stages in (1, 2, 4, 7):
+        m0 = extrapolation_point(stages)
+        win = stages + 1
+        for k, j in ((1, 1), (3, 1), (2, 2)):
+            comp = compiled(schedule, stages, m0 + win, k, 4, j)
+            short = compiled(schedule, stages, m0, k, 4, j)
+            kinds = 3 if comp.split else 2
+            var = [[rng.random() for _ in range(stages)] for _ in range(kinds)]
+            call = [[rng.random() * 0.1 for _ in range(stages)] for _ in range(kinds)]
+            cut = [rng.random() * 0.5 for _ in range(stages - 1)]
+            lat = tuple(rng.random() * 0.1 for _ in range(stages - 1))
+            ar = [rng.random() for _ in range(stages)]
+            for queue in (True, False):
+                rec, ref_rec = [0.0] * len(comp.order), [0.0] * len(comp.order)
+                got = _replay(comp, var, call, cut, lat, ar, queue, record=rec)
+                assert got == _reference_replay(comp, var, call, cut, lat, ar, queue,
+                                                record=ref_rec)
+                assert rec == ref_rec
+                tail = _tail(schedule, stages, m0, win, k, 4, j)
+                state = tail.resume(got[1], rec if queue else None, stages - 1)
+                again = tail.resume(got[1], rec if queue else None, stages - 1)
+                assert _replay(short, var, call, cut, lat, ar, queue, resume=state) == (
+                    _reference_replay(short, var, call, cut, lat, ar, queue, resume=again))
+                # the resumed step's ends (its start causes are the whole step's business)
+                assert _replay(short, var, call, cut, lat, ar, queue, resume=state)[:2] == (
+                    _replay(short, var, call, cut, lat, ar, queue)[:2])
+
+
+def _reference_replay(
+    comp: Compiled,
+    var: list[list[float]],
+    per_call: list[list[float]],
+    cut_ms: list[float],
+    lat: tuple[float, ...],
+    ar: list[float],
+    queue: bool = True,
+    *,
+    record: list[float] | None = None,
+    resume: tuple | None = None,
+) -> tuple[list[float], list[float], list[bool]]:
+    """The scalar replay as it was before its per-action lookups were flattened (the
+    reference ``planner/scalar.py`` equals to the bit).
+
+    ``record`` (one slot per action) receives when each queued transfer leaves its link;
+    ``resume`` = (ends, actions still to run, each cut's link free time per direction) starts
+    from a state where the other actions have run (:class:`~.extrapolate.Tail`).
+
+    With ``queue`` each cut's link carries one transfer per direction at a time, in the
+    sender's order (startup slices leave back to back and would otherwise overtake each
+    other's bandwidth); without it transfers are independent delays (a lower bound). Not
+    modelled (the simulator has them): a stage's activations and gradients sharing one NIC,
+    and fair sharing instead of first come first served.
+    """
+    fracs = comp.fracs
+    order = comp.order
+    via = [False] * len(order)  # True: started by the cross-stage message
+    if resume is None:
+        end = [0.0] * len(order)
+        todo: Sequence[int] = range(len(order))
+        free_f = [0.0] * len(cut_ms)  # when each cut's link is next free, per direction
+        free_b = [0.0] * len(cut_ms)
+    else:
+        end, todo, free_f, free_b = resume
+    for n in todo:
+        s, code, u, prev, cross = order[n]
+        t = end[prev] if prev >= 0 else 0.0
+        if cross >= 0:
+            is_b = code == B
+            c = s if is_b else s - 1
+            dur = cut_ms[c] * fracs[u]
+            sent = end[cross]
+            if queue:
+                free = free_b if is_b else free_f
+                if free[c] > sent:
+                    sent = free[c]
+                free[c] = sent + dur
+                if record is not None:
+                    record[n] = free[c]
+            tc = sent + dur + lat[c]
+            if tc > t:
+                t = tc
+                via[n] = True
+        end[n] = t + var[code][s] * fracs[u] + per_call[code][s]
+    finish = [end[comp.last[s]] + ar[s] for s in range(len(ar))]
+    return finish, end, via

@@ -305,9 +305,10 @@ class _LinkCache:
 def _fits(costs, stages, batch, m, mbs, opt, cap) -> bool:
     n = len(stages)
     for s, (a, b, g) in enumerate(stages):
-        need = peak_memory_bytes(costs.params[b] - costs.params[a],
-                                 (costs.mem[b] - costs.mem[a]) * batch / (m * len(g) * mbs),
-                                 min(n - s, m), opt)
+        scale = batch / (m * len(g) * mbs)
+        held, once = costs.memory(a, b, m)
+        need = peak_memory_bytes(costs.params[b] - costs.params[a], held * scale,
+                                 min(n - s, m), opt, once * scale)
         if need > min(cap[d] for d in g):
             return False
     return True

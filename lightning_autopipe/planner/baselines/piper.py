@@ -29,7 +29,12 @@ from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.balance import balanced_cuts
 from lightning_autopipe.planner.layout import BlockCosts
 from lightning_autopipe.planner.plan import Proposal
-from lightning_autopipe.planner.pricing import peak_memory_bytes, ring_latency_ms, ring_volume
+from lightning_autopipe.planner.pricing import (
+    peak_memory_bytes,
+    ring_latency_ms,
+    ring_volume,
+    stage_memory,
+)
 
 __all__ = ["piper_proposals", "coarse_boundaries"]
 
@@ -80,14 +85,17 @@ def piper_proposals(
         W = np.median(np.array(per_dev), axis=0) * mbs
         speed = 1.0
     P = np.array([float(costs.params[b]) for b in bnd])
-    M = np.array([float(costs.mem[b]) for b in bnd])
     cut_act = np.array([float(costs.act[b - 1]) if 0 < b < costs.num_blocks else 0.0
                         for b in bnd])
     i_idx, j_idx = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
     valid = j_idx > i_idx
     dW = W[None, :] - W[:, None]
     dP = P[None, :] - P[:, None]
-    dM = M[None, :] - M[:, None]
+    # activation memory of super-blocks [i, j) as the simulator counts it (shared inputs)
+    blk = np.array(bnd)
+    held, once = stage_memory(np.array(costs.mem, dtype=float),
+                              np.array(costs.shared, dtype=float), blk[np.minimum(i_idx, L - 1)],
+                              blk[j_idx], m)
     io = cut_act[:, None] + cut_act[None, :]
 
     if replicas:
@@ -106,7 +114,7 @@ def piper_proposals(
         ar = ring_volume(d, dP) * per_byte + ring_latency_ms(d, lat) if d > 1 else 0.0 * dP
         loads[d] = np.where(valid, dW * batch / (mbs * d * speed) + ar
                             + io * 2 * batch / (mbs * d) * per_byte, inf)
-        mems[d] = (dP, dM * batch / (m * d * mbs))
+        mems[d] = (dP, held * batch / (m * d * mbs), once * batch / (m * d * mbs))
     s_range = [num_stages] if num_stages else range(1, s_max + 1)
     k_range = [nd] if use_all else range(1, nd + 1)
     runs = [[d] for d in d_opts] if uniform and not replicas else [d_opts]
@@ -159,8 +167,8 @@ def _dp(loads, mems, d_opts, L, K, s_max, m, cap, check_memory, opt):
                 continue
             load = loads[d]
             if check_memory:
-                params, act = mems[d]
-                need = peak_memory_bytes(params, act, min(s, m), opt)
+                params, act, once = mems[d]
+                need = peak_memory_bytes(params, act, min(s, m), opt, once)
                 load = np.where(need <= cap, load, inf)  # (i, j)
             shifted = np.full((L + 1, K), inf)
             shifted[:, d:] = prev[:, : K - d]  # shifted[j, k] = prev[j, k - d]

@@ -5,7 +5,7 @@ dependency order (:class:`~.compiled.Compiled`) with one entry per chunk: an act
 predecessor is the one before it *on its rank*, and its cross dependency (the neighbouring
 chunk's F or B of its unit) counts only when that chunk is on another rank -- a local
 hand-off costs nothing and its producer ran earlier on the same rank. The replay is the fast
-model's own (:func:`~.costmodel._replay`) on a chunk-level :class:`~.layout.Layout` (chunk
+model's own (:func:`~.scalar.replay`) on a chunk-level :class:`~.layout.Layout` (chunk
 ``c`` priced on the devices of its rank; the cut after it is the link between the two
 ranks), so every price is the one formula of :mod:`~.pricing`. Per rank:
 
@@ -31,11 +31,12 @@ from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ScheduleError
 from lightning_autopipe.planner.allreduce import allreduce_finish
 from lightning_autopipe.planner.compiled import B, Compiled, F, W
-from lightning_autopipe.planner.costmodel import Estimate, _inputs, _replay
+from lightning_autopipe.planner.costmodel import Estimate, inputs_of
 from lightning_autopipe.planner.generators import GENERATORS, generate, splits_backward
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.placement import chunk_ranks
 from lightning_autopipe.planner.pricing import peak_memory_bytes
+from lightning_autopipe.planner.scalar import replay
 from lightning_autopipe.planner.schedule import Kind, unit_sizes, units
 
 __all__ = ["ChunkLayout", "chunk_compiled", "evaluate_chunked"]
@@ -150,9 +151,9 @@ def evaluate_chunked(
         raise ScheduleError(f"{p} ranks x {v} chunks need {p * v + 1} cuts, got {len(cuts)}")
     m, k, j = num_microbatches, startup_slices, drain_slices
     split = splits_backward(schedule)
-    x = _inputs(costs, lay, list(cuts), batch, m, split, ())
+    x = inputs_of(costs, lay, list(cuts), batch, m, split, ())
     comp = chunk_compiled(schedule, p, v, m, k, x.mb, j)
-    finish, _, via = _replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
+    finish, _, via = replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
                              [0.0] * (p * v), not lay.optimistic)
     owner = layout.owner
     rank_end = [max(finish[c] for c in range(p * v) if owner[c] == r) for r in range(p)]
@@ -160,13 +161,16 @@ def evaluate_chunked(
                        for c in range(p * v) if owner[c] == r)) for r in range(p)]
     done = allreduce_finish(ranks, rank_end, grads)
     peaks, fits = [], True
-    mem = [(costs.mem[cuts[c + 1]] - costs.mem[cuts[c]]) * x.scale[c] for c in range(p * v)]
+    # each chunk's activations as the simulator counts them (pricing.stage_memory)
+    held = [costs.memory(cuts[c], cuts[c + 1], m) for c in range(p * v)]
+    mem = [per_mb * x.scale[c] for c, (per_mb, _) in enumerate(held)]
     for r, steps in enumerate(_held(schedule, p, v, m, k, x.mb, j)):
         cur = top = 0.0
         for c, d in steps:
             cur += mem[c] * d
             top = max(top, cur)
-        peak = peak_memory_bytes(grads[r], top, 1.0, optimizer_factor)
+        once = sum(held[c][1] * x.scale[c] for c in range(p * v) if owner[c] == r)
+        peak = peak_memory_bytes(grads[r], top, 1.0, optimizer_factor, once)
         peaks.append(peak)
         fits = fits and peak <= ranks.capacity[r]
     share = [0.0] * (p * v)

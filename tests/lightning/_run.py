@@ -1,9 +1,8 @@
-"""Launched by tests/lightning/test_ordinary_module.py: ordinary LightningModules on real ranks.
+"""The cases of tests/lightning/test_ordinary_module.py: ordinary LightningModules on real ranks.
 
-    python tests/lightning/_run.py OUT_DIR WORLD CASE [CASE ...]
+    run by tests/_world.py: run_case(CASE, WORLD, OUT_DIR)
 
-Lightning's popen launcher re-runs this script in every rank, so every rank runs every case in
-order and writes ``OUT_DIR/<case>.rank<r>.pt``. Cases:
+Every rank runs every case in order and writes ``OUT_DIR/<case>.rank<r>.pt``. Cases:
 
 * ``ordinary``: :func:`tests.lightning._module.run_sequence` on 2 stages (x WORLD/2 replicas,
   :func:`fixed_plan`);
@@ -192,14 +191,3 @@ def prepare(world: int, out: Path) -> None:
     if world == 2:
         crafted_checkpoint(out / "crafted.ckpt", out / "code_ran")
 
-
-def main() -> None:
-    out, world = Path(sys.argv[1]), int(sys.argv[2])
-    out.mkdir(parents=True, exist_ok=True)
-    for case in sys.argv[3:]:
-        record = run_case(case, world, out)
-        torch.save(record, out / f"{case}.rank{record['rank']}.pt")
-
-
-if __name__ == "__main__":
-    main()

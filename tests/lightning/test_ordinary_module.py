@@ -27,8 +27,6 @@ from tests.lightning._run import (
     readme_inputs,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "lightning" / "_run.py"
 CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "crafted", "readme", "telemetry"],
          4: ["ordinary", "twice-replica1"]}
 RTOL, ATOL = 1e-5, 1e-6

@@ -16,16 +16,9 @@ from lightning_autopipe.planner.layout import BlockCosts
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import BlockProfile, Profile
+from tests.planner.clusters import two_speeds
 
-HETERO3 = Cluster.from_dict({
-    "name": "hetero-3", "network_gbps": 10,
-    "servers": [
-        {"name": "fast", "gpus": 2, "device": {"name": "A", "speed": 1.0, "memory_gb": 16},
-         "levels": [{"size": 2, "gbps": 200}]},
-        {"name": "slow", "gpus": 1, "device": {"name": "B", "speed": 0.5, "memory_gb": 16},
-         "levels": [{"size": 1, "gbps": 50}]},
-    ],
-})
+HETERO3 = two_speeds("hetero-3", slow_gpus=1)
 
 
 def _profile(seed: int, n: int, mbs: int = 4) -> Profile:

@@ -24,18 +24,11 @@ from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.pricing import allreduce_ms
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import BlockProfile, Profile
+from tests.planner.clusters import two_speeds
 
 YARDSTICKS = ("time", "parameters", "uniform", "dapple", "piper")
 
-HETERO = Cluster.from_dict({
-    "name": "hetero-4", "network_gbps": 10,
-    "servers": [
-        {"name": "fast", "gpus": 2, "device": {"name": "A", "speed": 1.0, "memory_gb": 16},
-         "levels": [{"size": 2, "gbps": 200}]},
-        {"name": "slow", "gpus": 2, "device": {"name": "B", "speed": 0.5, "memory_gb": 16},
-         "levels": [{"size": 2, "gbps": 50}]},
-    ],
-})
+HETERO = two_speeds("hetero-4")
 HETERO8 = Cluster.from_dict({
     "name": "hetero-8", "network_gbps": 10,
     "servers": [

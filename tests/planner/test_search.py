@@ -12,6 +12,7 @@ from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner import Plan, analytic_profile, make_plan
 from lightning_autopipe.planner.analytic import transformer_step_flops
 from lightning_autopipe.profile import BlockProfile, Profile
+from tests.planner.clusters import two_speeds
 
 GIB = 2**30
 
@@ -82,15 +83,7 @@ def test_pins_devices_and_runtime_constraints_are_respected():
 
 def test_joint_search_is_at_least_as_good_as_every_pinned_shape():
     prof = _profile(10)
-    cl = Cluster.from_dict({
-        "name": "two-speeds", "network_gbps": 25,
-        "servers": [
-            {"name": "f", "gpus": 2, "device": {"name": "A", "speed": 1.0, "memory_gb": 16},
-             "levels": [{"size": 2, "gbps": 200}]},
-            {"name": "s", "gpus": 2, "device": {"name": "B", "speed": 0.5, "memory_gb": 16},
-             "levels": [{"size": 2, "gbps": 50}]},
-        ],
-    })
+    cl = two_speeds("two-speeds", network_gbps=25, fast="f", slow="s")
     best = make_plan(prof, cl, 32)
     for s in range(1, 5):
         for r in (r for r in range(1, 4 // s + 1) if 32 % r == 0):

@@ -76,6 +76,21 @@ def loss_fn(outputs: torch.Tensor, batch) -> torch.Tensor:
     return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
 
 
+class PipelineNet(nn.Module):
+    """``build_net(model)`` with :func:`loss_fn` as its ``pipeline_loss``: what the runtime
+    builds a pipeline of, without Lightning."""
+
+    def __init__(self, model: str = "gpt") -> None:
+        super().__init__()
+        self.net = build_net(model)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def pipeline_loss(self, outputs, batch):
+        return loss_fn(outputs, batch)
+
+
 def replica_indices(num: int, replicas: int, replica: int, shuffle: bool) -> list[int]:
     """What Lightning's DistributedSampler gives ``replica`` in epoch 0.
 

@@ -18,17 +18,7 @@ from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from tests.runtime import _cases as C
 
-
-class Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = C.build_net("gpt")
-
-    def forward(self, x):
-        return self.net(x)
-
-    def pipeline_loss(self, outputs, batch):
-        return C.loss_fn(outputs, batch)
+Model = C.PipelineNet
 
 
 def _bcast(obj, src):

@@ -157,13 +157,3 @@ def run_case(case: str, world: int, out: Path) -> None:
     )
     torch.save(record, out / f"{case}.rank{trainer.global_rank}.pt")
 
-
-def main() -> None:
-    out, world = Path(sys.argv[1]), int(sys.argv[2])
-    out.mkdir(parents=True, exist_ok=True)
-    for case in sys.argv[3:]:
-        run_case(case, world, out)
-
-
-if __name__ == "__main__":
-    main()

@@ -30,16 +30,7 @@ def _no_executor(monkeypatch):
     monkeypatch.setattr(build_mod, "PipelineExecutor", lambda *args, **kwargs: None)
 
 
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = C.build_net("gpt")
-
-    def forward(self, x):
-        return self.net(x)
-
-    def pipeline_loss(self, outputs, batch):
-        return C.loss_fn(outputs, batch)
+Model = C.PipelineNet
 
 
 def _batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

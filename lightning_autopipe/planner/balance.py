@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from lightning_autopipe.planner.pricing import peak_memory_bytes, stage_memory
+import numpy as np
+
+from lightning_autopipe.planner.pricing import param_state_factor, peak_memory_bytes, stage_memory
 
 __all__ = ["StageLimits", "balanced_cuts"]
 
@@ -32,6 +34,7 @@ class StageLimits:
     shared: Sequence[int] = ()  # prefix sums of shared_input_bytes (empty: none)
     once_factor: Sequence[float] = ()  # per stage: samples scale of what it holds once
     num_microbatches: int = 1
+    _kept: dict = field(default_factory=dict, compare=False, repr=False)  # tables, reaches
 
     def need(self, s: int, i: int, j: int) -> float:
         """Peak bytes of blocks ``[i, j)`` as stage ``s``."""
@@ -43,21 +46,49 @@ class StageLimits:
     def ok(self, s: int, i: int, j: int) -> bool:
         return self.need(s, i, j) <= self.capacity[s]
 
-    def reach(self, s: int, i: int) -> int:
-        """The furthest ``j`` (``>= i``) that stage ``s`` starting at block ``i`` can hold
-        (memory grows with ``j``): found once per (stage, start) and kept, since the
-        bottleneck search asks again at every trial value."""
-        memo = self.__dict__.setdefault("_reach", {})
-        got = memo.get((s, i))
+    def reach(self, s: int, i: int, j: int) -> int:
+        """The furthest end ``<= j`` that stage ``s`` starting at block ``i`` can hold (memory
+        grows with the end): :meth:`ok` on tables made once (:meth:`_tables`), written out on
+        locals for the partitioner's innermost loop. What each (stage, start) is known to
+        hold and not to hold is kept: the bottleneck search asks again at every trial value."""
+        row = self._kept.get(s)
+        if row is None:
+            row = self._kept[s] = {}
+        lo, hi = row.get(i, (i, len(self.params)))  # lo fits (need(i, i) is the least)
+        if j <= lo:
+            return j
+        end, start, once, factor = self._tables()
+        params, act, room = self.params, self.act_factor[s], self.capacity[s]
+        extra = once * self.once_factor[s] if self.once_factor and i == 0 else 0.0
+        p0, h0 = params[i], start[i]
+        if j < hi:
+            if (params[j] - p0) * factor + (end[j] - h0) * act + extra <= room:
+                row[i] = (j, hi)
+                return j
+            hi = j
+        while hi - lo > 1:  # the last fit lies in [lo, hi)
+            mid = (lo + hi) // 2
+            if (params[mid] - p0) * factor + (end[mid] - h0) * act + extra <= room:
+                lo = mid
+            else:
+                hi = mid
+        row[i] = (lo, hi)
+        return lo
+
+    def _tables(self) -> tuple[list[int], list[int], int, float]:
+        """The held bytes of ``[i, j)`` as ``end[j] - start[i]``, the first stage's once-held
+        bytes and the parameter factor, all from :func:`~.pricing.stage_memory` itself."""
+        got = self._kept.get("tables")
         if got is None:
-            lo_ok, hi_bad = i, len(self.params)  # need(i, i) is the parameter-free minimum
-            while hi_bad - lo_ok > 1:
-                mid = (lo_ok + hi_bad) // 2
-                if self.ok(s, i, mid):
-                    lo_ok = mid
-                else:
-                    hi_bad = mid
-            got = memo[(s, i)] = lo_ok
+            n = len(self.mem) - 1
+            mem, shared = np.asarray(self.mem), np.asarray(self.shared, dtype=np.int64)
+            idx = np.arange(n + 1)
+            end = stage_memory(mem, shared, np.zeros_like(idx), idx, 1)[0]  # [0, j)
+            head = idx[:-1]  # a stage starts before the last block
+            start = end[n] - stage_memory(mem, shared, head, np.full_like(head, n), 1)[0]
+            once = int(stage_memory(mem, shared, 0, 1, self.num_microbatches)[1]) if n else 0
+            got = self._kept["tables"] = (end.tolist(), [*start.tolist(), 0], once,
+                                          param_state_factor(self.optimizer_factor))
         return got
 
 
@@ -161,7 +192,7 @@ def _reach(
     j = bisect_right(work, work[i] + cap * speed + 1e-12, i + 1, hi + 1) - 1
     if limits is None or j <= i:
         return j
-    return min(j, limits.reach(stage, i))  # memory is monotone in j: the last fit
+    return limits.reach(stage, i, j)  # memory is monotone in j: the last fit
 
 
 def _greedy(

@@ -18,6 +18,11 @@ from lightning_autopipe.planner.slicer import cannot_beat
 
 __all__ = ["Scorer"]
 
+#: a bound costs about a third of a replay: after this many, bounding goes on only while at
+#: least this share of them spared a replay (where the bound is loose, as on steps whose
+#: extrapolation has not settled, every candidate is replayed as before)
+_TRIAL, _PAYS = 12, 0.4
+
 
 @dataclass(frozen=True)
 class _Bounded:
@@ -53,6 +58,7 @@ class Scorer:
         self.steps = 0
         self.max_steps = max_steps
         self.replays = 0  # cut lists replayed (the rest of the cache was bounded)
+        self._tried = self._spared = 0  # bounds computed, and those that spared a replay
 
     def prefetch(
         self, cands: Sequence[Sequence[int]], room: int, best: Estimate | None = None
@@ -66,11 +72,14 @@ class Scorer:
             key = tuple(c)
             if key not in self.cache and key not in self._ahead:
                 todo[key] = None
-        if best is not None and self._bound is not None and todo:
+        if best is not None and self._bounding() and todo:
             fresh = [k for k in todo if k not in self._low]
             if fresh:
                 self._low.update(zip(fresh, self._bound([list(k) for k in fresh])))
-            todo = {k: None for k in todo if not cannot_beat(*self._low[k], best)}
+            kept = {k: None for k in todo if not cannot_beat(*self._low[k], best)}
+            self._tried += len(fresh)
+            self._spared += sum(k not in kept for k in fresh)
+            todo = kept
         if self._many is not None and len(todo) > 1:
             self._ahead.update(zip(todo, self._many([list(k) for k in todo])))
             self.replays += len(todo)
@@ -96,15 +105,23 @@ class Scorer:
         :func:`~.slicer.better` than ``best`` (it then counts as looked at, unreplayed)."""
         key = tuple(cuts)
         hit = self.cache.get(key)
-        if isinstance(hit, Estimate) or key in self._ahead or self._bound is None:
+        if isinstance(hit, Estimate) or key in self._ahead or not self._bounding():
             return self(key)
         low = (hit.low, hit.fits) if hit is not None else self._low.pop(key, None)
-        if low is None:
-            low = self._bound([list(key)])[0]
+        fresh = low is None
+        if fresh:
+            low = self._bound([list(key)])[0]  # type: ignore[misc]
+            self._tried += 1
         if cannot_beat(*low, best):
+            self._spared += fresh
             self.cache[key] = _Bounded(*low)
             return None
         return self(key)
+
+    def _bounding(self) -> bool:
+        """Whether bounds are still worth computing (see :data:`_TRIAL`)."""
+        return self._bound is not None and (
+            self._tried < _TRIAL or self._spared >= _PAYS * self._tried)
 
     def runners_up(self, cur: list[int], count: int) -> list[tuple[list[int], Estimate]]:
         """The ``count`` best cut lists looked at other than ``cur`` (those that fit memory

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -105,3 +106,25 @@ def test_fast_models_count_each_stage_as_the_simulator_does(seed):
                 low = max(peak, key=peak.get)
                 assert not _fits(costs, st, batch, m, profile.micro_batch_size, 2.0,
                                  {**peak, low: peak[low] - 2})
+
+
+def test_the_partitioners_fast_check_is_its_memory_formula():
+    """``StageLimits.ok`` (tables made once) agrees with ``need <= capacity`` (the formula) on
+    every block range, and its reach is the last end that fits."""
+    rng = random.Random(61)
+    profile = _profile(rng, 25)
+    costs = BlockCosts.from_profile(profile)
+    cluster = _cluster(1, 3)
+    layout = Layout.from_cluster(cluster, [[d.name] for d in cluster.devices])
+    limits = stage_limits(costs, layout, 48, 6, 1, 2.0, "1f1b")
+    n = costs.num_blocks
+    needs = sorted(limits.need(s, i, j) for s in range(3) for i in range(n)
+                   for j in range(i + 1, n + 1))
+    for cap in (needs[len(needs) // 4], needs[len(needs) // 2]):
+        lim = replace(limits, capacity=[cap] * 3, _kept={})
+        for s in range(3):
+            for i in range(n):
+                fit = [j for j in range(i + 1, n + 1) if lim.need(s, i, j) <= cap]
+                assert [j for j in range(i + 1, n + 1) if lim.ok(s, i, j)] == fit
+                for j in range(i + 1, n + 1):
+                    assert lim.reach(s, i, j) == max([i, *(x for x in fit if x <= j)])

@@ -177,12 +177,23 @@ def _single_main(rank: int, cores: list[int], steps: int, out: str) -> None:
                                                        "load": os.getloadavg()[0]}))
 
 
+def _single_run(cores: list[int], steps: int, work: Path) -> dict:
+    mp.spawn(_single_main, args=(cores, steps, str(work)), nprocs=1, join=True)
+    return json.loads((work / "single.json").read_text())
+
+
 def _launch(run: dict, cores: list[int], work: Path) -> list[dict]:
     """One run's two ranks, launched afresh; every rank's record, in rank order."""
     print(f"run {run['name']} (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
     mp.spawn(_rank_main, args=(free_port(), cores, run, str(work)), nprocs=WORLD, join=True)
     return [json.loads((work / f"{run['name']}.rank{r}.json").read_text())
             for r in range(WORLD)]
+
+
+def _command(args: Any) -> str:
+    return (f"{COMMAND} --steps {args.steps} --drift {' '.join(map(str, args.drift))} "
+            f"--single-steps {args.single_steps} --window {args.window} "
+            f"--threshold {args.threshold}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--threshold", type=float, default=0.1)
     p.add_argument("--out", help="also write the table here (markdown)")
+    p.add_argument("--report", help="only print the tables of a saved adaptive.json")
     args = p.parse_args(argv)
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text()), _command(args), args.drift))
+        return 0
     cores = sorted(os.sched_getaffinity(0))[:2]
     if len(cores) < 2:
         print("needs two cores: one per rank", file=sys.stderr)
@@ -204,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     common = {"window": args.window, "threshold": args.threshold}
     runs: dict[str, Any] = {}
     with neighbour_on(cores[1], NEIGHBOUR_S):
-        mp.spawn(_single_main, args=(cores, args.single_steps, str(work)), nprocs=1, join=True)
-        runs["single"] = json.loads((work / "single.json").read_text())
+        runs["single"] = _single_run(cores, args.single_steps, work)
         for replan in ("auto", "off"):
             runs[f"slowed-{replan}"] = _launch(
                 {"name": f"slowed-{replan}", "replan": replan, "steps": args.steps, **common},
@@ -214,11 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         runs[f"drift-{replan}"] = _launch(
             {"name": f"drift-{replan}", "replan": replan, "steps": args.drift[2],
              "drift": args.drift[:2], **common}, cores, work)
+    with neighbour_on(cores[1], NEIGHBOUR_S):  # once more at the end: the load moves
+        again = _single_run(cores, args.single_steps, work)
+    runs["single"] = {"rows": runs["single"]["rows"] + again["rows"],
+                      "load": (runs["single"]["load"] + again["load"]) / 2}
     (work / "adaptive.json").write_text(json.dumps(runs))
-    command = (f"{COMMAND} --steps {args.steps} --drift {' '.join(map(str, args.drift))} "
-               f"--single-steps {args.single_steps} --window {args.window} "
-               f"--threshold {args.threshold}")
-    table = report(runs, command, args.drift)
+    print(f"records: {work / 'adaptive.json'}", file=sys.stderr)
+    table = report(runs, _command(args), args.drift)
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")

@@ -119,10 +119,10 @@ def report(runs: dict[str, Any], command: str, drift: Sequence[int]) -> str:
         f"{runs['single']['load']:.2f})", "",
         "## Slowed from the start", "",
         "| run | steps | samples/s | x one process | step ms | predicted ms | measured / "
-        "predicted | plan | load |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "predicted | plan | load | rank: compute / wait / tail ms |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---|",
         f"| one process, fast core | {len(runs['single']['rows'])} | {BATCH / single * 1e3:.2f}"
-        f" | 1.000 | {single:.0f} | - | - | 1 process | {runs['single']['load']:.2f} |",
+        f" | 1.000 | {single:.0f} | - | - | 1 process | {runs['single']['load']:.2f} | - |",
     ]
     for seg in segs["slowed-auto"] + segs["slowed-off"]:
         lines.append(_seg_row(seg, runs[seg["run"]], single))
@@ -134,8 +134,11 @@ def report(runs: dict[str, Any], command: str, drift: Sequence[int]) -> str:
               f"{_mark(x >= TARGET_X)}; off: {off_x:.3f}x); measured / predicted {ratio:.3f} "
               f"(within {TARGET_PRED:.0%}: {_mark(abs(ratio - 1) <= TARGET_PRED)})", ""]
     lines += _switch_table({"slowed-auto": sa, "drift-auto": da}, segs, None, None)
-    fresh_alone = next(s["ms"] for s in segs["drift-auto"] if s["phase"] == 0)
-    fresh_neighbour = segs["slowed-off"][-1]["ms"]
+    # a plan made fresh for a condition: the faster of the two runs' first plans, each
+    # discovered and planned under it
+    fresh_alone = min(next(s["ms"] for s in segs[k] if s["phase"] == 0)
+                      for k in ("drift-auto", "drift-off"))
+    fresh_neighbour = min(segs[k][0]["ms"] for k in ("slowed-auto", "slowed-off"))
     lines += [
         "", f"## Drift: the neighbour from step {drift[0]} to step {drift[1]} of {drift[2]}", "",
         "| run | condition | steps | step ms | predicted ms | plan | rank: compute / wait / "
@@ -143,14 +146,13 @@ def report(runs: dict[str, Any], command: str, drift: Sequence[int]) -> str:
     ]
     for seg in segs["drift-auto"] + segs["drift-off"]:
         run = runs[seg["run"]]
-        ranks = "; ".join(f"{r}: {d['compute']:.0f} / {d['wait']:.0f} / {d['tail']:.0f}"
-                          for r, d in enumerate(seg["ranks"]))
+        ranks = _ranks(seg)
         lines.append(f"| {seg['run']} | {CONDITIONS[seg['phase']]} | {_span(seg)} | "
                      f"{seg['ms']:.0f} | {_predicted(run, seg['plan']):.0f} | "
                      f"{_layout(run, seg['plan'])} | {ranks} |")
-    lines += ["", "Each drift switch against a plan made fresh for its conditions (neighbour: "
-              f"slowed-off's discovered plan, {fresh_neighbour:.0f} ms; alone: drift-auto's "
-              f"first plan, {fresh_alone:.0f} ms):", ""]
+    lines += ["", "Each drift switch against a plan made fresh for its conditions, the faster "
+              f"first plan of the two runs discovered under them (neighbour: the slowed runs', "
+              f"{fresh_neighbour:.0f} ms; alone: the drift runs', {fresh_alone:.0f} ms):", ""]
     lines += _switch_table({"drift-auto": da}, segs, fresh_alone, fresh_neighbour)
     lost = steps_lost(do, da, fresh_alone, drift)
     lines += ["", f"steps lost with replan='off' (its extra wall time over the auto run's, in "
@@ -167,6 +169,11 @@ def report(runs: dict[str, Any], command: str, drift: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
+def _ranks(seg: Segment) -> str:
+    return "; ".join(f"{r}: {d['compute']:.0f} / {d['wait']:.0f} / {d['tail']:.0f}"
+                     for r, d in enumerate(seg["ranks"]))
+
+
 def _span(seg: Segment) -> str:
     return f"{seg['steps'][0]}-{seg['steps'][-1]} ({len(seg['steps'])})"
 
@@ -176,7 +183,8 @@ def _seg_row(seg: Segment, run: Sequence[dict], single: float) -> str:
     load = statistics.mean(run[0]["rows"][i]["load"] for i in seg["steps"])
     return (f"| {seg['run']}, plan {seg['plan']} | {_span(seg)} | {BATCH / seg['ms'] * 1e3:.2f}"
             f" | {single / seg['ms']:.3f} | {seg['ms']:.0f} | {pred:.0f} | "
-            f"{seg['ms'] / pred:.3f} | {_layout(run, seg['plan'])} | {load:.2f} |")
+            f"{seg['ms'] / pred:.3f} | {_layout(run, seg['plan'])} | {load:.2f} | "
+            f"{_ranks(seg)} |")
 
 
 def _switch_table(runs: dict[str, Any], segs: dict[str, list[Segment]], fresh_alone: Any,

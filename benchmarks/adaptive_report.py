@@ -133,7 +133,7 @@ def report(runs: dict[str, Any], command: str, drift: Sequence[int]) -> str:
     lines += ["", f"targets: auto after its last switch {x:.3f}x one process (>= {TARGET_X}: "
               f"{_mark(x >= TARGET_X)}; off: {off_x:.3f}x); measured / predicted {ratio:.3f} "
               f"(within {TARGET_PRED:.0%}: {_mark(abs(ratio - 1) <= TARGET_PRED)})", ""]
-    lines += _switch_table({"slowed-auto": sa, "drift-auto": da}, segs, None, None)
+    lines += _switch_table({"slowed-auto": sa}, segs, None, None)
     # a plan made fresh for a condition: the faster of the two runs' first plans, each
     # discovered and planned under it
     fresh_alone = min(next(s["ms"] for s in segs[k] if s["phase"] == 0)

@@ -36,6 +36,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,38 @@ CORRECTED = "diagnostic: speeds corrected from measured steps, 2 stages"
 CORRECTION_STEPS = 6  # of the discovered plan, the mean of the last three corrects the speeds
 COMMAND = ".venv/bin/python benchmarks/hetero.py"
 NEIGHBOUR_S = 1800  # the neighbour's own deadline, should the benchmark die without killing it
+
+
+def start_neighbour(core: int, seconds: float = NEIGHBOUR_S) -> subprocess.Popen:
+    """A CPU-bound process pinned to ``core``: the rank pinned there computes at about half
+    speed and nothing declares it. Its own deadline (``seconds``) ends it should the caller
+    die without :func:`stop_neighbour`."""
+    busy = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
+    return subprocess.Popen([sys.executable, "-c", busy],
+                            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+
+
+def stop_neighbour(proc: subprocess.Popen) -> None:
+    """Kill a :func:`start_neighbour` process and reap it."""
+    proc.kill()
+    proc.wait()
+
+
+@contextmanager
+def neighbour_on(core: int, seconds: float = NEIGHBOUR_S) -> Iterator[subprocess.Popen]:
+    """A :func:`start_neighbour` process for the ``with`` block, killed at its end."""
+    proc = start_neighbour(core, seconds)
+    try:
+        yield proc
+    finally:
+        stop_neighbour(proc)
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now (the ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _bcast(obj: Any, src: int) -> Any:
@@ -280,19 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"autopipe-hetero-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
-    busy = f"import time\nend = time.time() + {NEIGHBOUR_S}\nwhile time.time() < end: pass\n"
-    core = cores[1]
-    neighbour = subprocess.Popen([sys.executable, "-c", busy],
-                                 preexec_fn=lambda: os.sched_setaffinity(0, {core}))
-    try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_worker, args=(port, str(work), args.steps, args.rounds, cores[:2]),
+    with neighbour_on(cores[1]):
+        mp.spawn(_worker, args=(free_port(), str(work), args.steps, args.rounds, cores[:2]),
                  nprocs=WORLD, join=True)
-    finally:
-        neighbour.kill()
-        neighbour.wait()
     table = _table(json.loads((work / "hetero.json").read_text()), args.steps, args.rounds)
     print(table)
     if args.out:

@@ -9,6 +9,7 @@ every boundary they cross. A stage ``[i, j)`` maps boundary ``i`` to boundary ``
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -219,6 +220,17 @@ class BlockGraph:
                 self._original_names,
             )
         return self._stages[(i, j)]
+
+    def keep_stages(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Forget the cached stage modules of every range but ``ranges`` (the running plan's).
+
+        A live re-plan reads the stages of candidate plans at its checks; without this the
+        cache would keep one module per range ever considered. A forgotten range is built
+        again when asked for (a new module object).
+        """
+        keep = {(int(i), int(j)) for i, j in ranges}
+        for key in [k for k in self._stages if k not in keep]:
+            del self._stages[key]
 
     def stage_io(self, i: int, j: int) -> StageIO:
         """Names, shapes (at the traced batch), dtypes and gradient flags of a range's I/O."""

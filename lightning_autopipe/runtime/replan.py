@@ -39,6 +39,7 @@ from torch import nn
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.search import search_plan
+from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.runtime.build import LocalPipeline, rebuild_pipeline
 from lightning_autopipe.runtime.failure import FailureBoard, describe
 from lightning_autopipe.runtime.groups import layout_for_rank
@@ -208,8 +209,11 @@ def propose(
                                     **pins))
         return made[0]
 
+    def predict(p: Plan, cluster: Any) -> float:
+        return simulate(p, pipe.profile, cluster).iteration_ms
+
     kw = dict(options=options, remaining_steps=remaining_steps,
-              steps_since_switch=steps_since_switch)
+              steps_since_switch=steps_since_switch, predict=predict)
     try:
         first = decide_replan(summaries, plan, pipe.cluster, planner, switch_cost_ms=0.0, **kw)
         if first.candidate is None or not first.switch:
@@ -224,6 +228,8 @@ def propose(
     except Exception as exc:  # a failed re-plan keeps the running plan
         return SwitchMessage(step, False, f"re-planning failed ({describe(exc)}); the running "
                              "plan is kept")
+    finally:  # pricing read the candidate's stages: the cache keeps the running plan's only
+        source.blocks.keep_stages(s.blocks for s in plan.stages)
     if decision.switch and not same_data_layout(plan, decision.candidate, source.names):
         decision = replace(decision, switch=False, reason="the plan for the measured speeds "
                            "changes the data-parallel layout, which the data loaders fix")
@@ -309,6 +315,7 @@ def switch_pipeline(
             scaler.load_state_dict(got.scaler)
 
     local("loading its new stage", load)
+    blocks.keep_stages(s.blocks for s in plan.stages)  # the old plan's stages are gone
     return new, got
 
 

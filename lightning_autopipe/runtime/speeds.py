@@ -122,6 +122,9 @@ class ReplanDecision:
 
     Times are ms per step; ``measured_ms_per_sample`` / ``candidate_ms_per_sample`` compare
     plans whose global batches differ (more replicas train more samples per step).
+    ``candidate_step_ms`` and ``running_predicted_ms`` are both plans' steps predicted on the
+    measured cluster; ``expected_step_ms`` the candidate's step expected in training (the
+    measured step times their ratio).
     """
 
     switch: bool
@@ -129,6 +132,8 @@ class ReplanDecision:
     measured_step_ms: float
     candidate: Any = None
     candidate_step_ms: float = math.nan
+    running_predicted_ms: float = math.nan
+    expected_step_ms: float = math.nan
     measured_ms_per_sample: float = math.nan
     candidate_ms_per_sample: float = math.nan
     switch_cost_ms: float = 0.0
@@ -142,6 +147,7 @@ def decide_replan(
     cluster: Cluster,
     planner: Callable[[Cluster], Any],
     *,
+    predict: Callable[[Any, Cluster], float],
     options: Any,
     switch_cost_ms: float,
     remaining_steps: int,
@@ -152,15 +158,23 @@ def decide_replan(
     Yes when, with ``options.replan == "auto"``, at least ``options.replan_min_steps`` steps
     since the last switch (or the start) and a full window of ``options.replan_window`` steps
     measured on every rank, the plan ``planner(measured_cluster(...))`` returns differs from
-    ``plan`` and, per sample, its predicted step plus ``switch_cost_ms`` spread over the
+    ``plan`` and, per sample, its expected step plus ``switch_cost_ms`` spread over the
     ``remaining_steps`` is below the measured step by more than ``options.replan_threshold``
     (a fraction). The measured step is the slowest rank's median (the pipeline's step).
+
+    The expected step is the measured one times the candidate's predicted step over the
+    running plan's, both predicted on the measured cluster (``predict``): what the measured
+    speeds do not explain (a neighbour that also slows the messages, a core shared by two
+    ranks, per-step overheads) then slows both plans alike, instead of making any other plan
+    look faster than the running one merely because its step is a prediction and the running
+    one's a measurement.
 
     Args:
         summaries: every rank's :class:`~lightning_autopipe.runtime.monitor.RankSummary`.
         plan, cluster: the running plan and the cluster it was made for.
         planner: measured cluster -> plan (e.g. ``search_plan`` with the run's pins); only
             called when the other conditions hold.
+        predict: (plan, cluster) -> predicted step ms (the simulator on the run's profile).
         options: an :class:`~lightning_autopipe.options.AutoPipeOptions` (its ``replan*``).
         switch_cost_ms: what a switch costs (migration and rebuild), ms.
         remaining_steps: training steps left after the switch.
@@ -181,12 +195,15 @@ def decide_replan(
     if remaining_steps <= 0:
         return ReplanDecision(False, "no steps remain to pay for a switch", **base)
     speeds = measured_speeds(summaries, plan)
-    candidate = planner(measured_cluster(cluster, speeds))
+    now = measured_cluster(cluster, speeds)
+    candidate = planner(now)
+    running_ms, candidate_ms = float(predict(plan, now)), float(predict(candidate, now))
+    expected = measured * candidate_ms / running_ms if running_ms > 0 else math.inf
     per_now = measured / plan.global_batch_size
-    per_new = candidate.iteration_ms / candidate.global_batch_size
-    amortised = (candidate.iteration_ms + switch_cost_ms / remaining_steps
-                 ) / candidate.global_batch_size
-    full = {**base, "candidate": candidate, "candidate_step_ms": float(candidate.iteration_ms),
+    per_new = expected / candidate.global_batch_size
+    amortised = (expected + switch_cost_ms / remaining_steps) / candidate.global_batch_size
+    full = {**base, "candidate": candidate, "candidate_step_ms": candidate_ms,
+            "running_predicted_ms": running_ms, "expected_step_ms": float(expected),
             "measured_ms_per_sample": per_now, "candidate_ms_per_sample": per_new,
             "speeds": speeds}
     if same_layout(candidate, plan):
@@ -194,10 +211,13 @@ def decide_replan(
                               **full)
     limit = per_now * (1.0 - options.replan_threshold)
     gain = 1.0 - amortised / per_now
+    figures = (f"(predicted on the measured speeds: {candidate_ms:.0f} ms against "
+               f"the running plan's {running_ms:.0f} ms, which measures {measured:.0f} ms)")
     if amortised < limit:
-        return ReplanDecision(True, f"a plan for the measured speeds is predicted {gain:.1%} "
+        return ReplanDecision(True, f"a plan for the measured speeds is expected {gain:.1%} "
                               f"faster per sample than the measured step, switch cost "
-                              f"included (threshold {options.replan_threshold:.1%})", **full)
+                              f"included (threshold {options.replan_threshold:.1%}) {figures}",
+                              **full)
     return ReplanDecision(False, f"a plan for the measured speeds gains {gain:.1%} per sample "
                           f"with the switch cost, not more than replan_threshold="
-                          f"{options.replan_threshold:.1%}", **full)
+                          f"{options.replan_threshold:.1%} {figures}", **full)

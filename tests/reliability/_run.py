@@ -157,6 +157,8 @@ def _fit(out: Path, case: str, *, stages: int, epochs: int, ckpt_path=None, call
         logged=logger.rows if logger is not None else [],
         rss=rss.samples,
         plan=trainer.strategy.plan.to_json() if trainer.strategy.plan is not None else None,
+        replan_checks=trainer.strategy._replanner.checks,
+        switch_steps=[s.step for s in trainer.strategy.switches],
     )
     return record
 
@@ -190,10 +192,10 @@ def run_case(case: str, world: int, out: Path) -> dict:
         return _fit(out, case, stages=4, epochs=2, task_kw={"poison_loss_at": 1},
                     strategy_kw={"nonfinite_loss": "skip"})
     if case == "soak":  # 200 steps, 2 stages x 2 replicas, sliced micro-batch 0
-        # the executor's own per-step memory: no re-plan checks (a gather and a broadcast of
-        # the verdict every replan_window steps) between the steps it measures
+        # re-planning as by default: a check every replan_window steps from step 50 on (an
+        # all-gather, rank 0 plans, a broadcast), a switch when one pays
         return _fit(out, case, stages=2, epochs=int(os.environ.get("SOAK_EPOCHS", 10)),
-                    task_kw=SOAK, log=False, strategy_kw={"replan": "off"})
+                    task_kw=SOAK, log=False)
     if case in ("det_a", "det_b"):  # same seed and plan, dropout on: identical losses
         pl.seed_everything(1234, verbose=False)
         return _fit(out, case, stages=4, epochs=1,

@@ -195,10 +195,15 @@ def _slowed_run(slow: float = 0.4):
     return fast, plan, summ, gain
 
 
+def _predict(plan, cluster) -> float:
+    return simulate(plan, _profile(), cluster).iteration_ms
+
+
 def _decide(summ, plan, cluster, planner, cost_ms=0.0, remaining=1000, since=100, **opts):
     options = AutoPipeOptions(replan_window=10, replan_min_steps=20, **opts)
-    return decide_replan(summ, plan, cluster, planner, options=options, switch_cost_ms=cost_ms,
-                         remaining_steps=remaining, steps_since_switch=since)
+    return decide_replan(summ, plan, cluster, planner, predict=_predict, options=options,
+                         switch_cost_ms=cost_ms, remaining_steps=remaining,
+                         steps_since_switch=since)
 
 
 def test_replan_off_never_switches_nor_plans():
@@ -256,3 +261,18 @@ def test_too_few_steps_or_a_short_window_or_no_gain_does_not_switch():
     assert not same.switch
     assert "running one" in same.reason
     assert math.isfinite(same.candidate_step_ms)
+
+
+def test_a_slowdown_the_speeds_do_not_explain_slows_both_plans_alike():
+    """Every rank's step twice what the simulator makes of the measured speeds (a core shared
+    by two ranks slows messages and overheads too): a candidate predicted only a little faster
+    than the running plan on those speeds is no 50% gain over the measured step."""
+    cluster, plan, summ, gain = _slowed_run()
+    step = summ[0].step_ms
+    doubled = [RankSummary(**{**s.__dict__, "step_ms": 2 * step}) for s in summ]
+    got = _decide(doubled, plan, cluster, _Planner(), replan_threshold=gain + 0.02)
+    assert not got.switch, got.reason
+    assert got.running_predicted_ms == pytest.approx(step)
+    assert got.expected_step_ms == pytest.approx(2 * step * (1 - gain))
+    # the gain is the predicted ratio's, whatever the measured step
+    assert _decide(doubled, plan, cluster, _Planner(), replan_threshold=gain - 0.02).switch

@@ -59,3 +59,24 @@ def test_every_rank_gets_rank0_s_verdict_and_a_stale_one_is_refused():
     assert agree_switch(None, rank=1, step=4, broadcast=lambda obj, src: verdict) is verdict
     with pytest.raises(PipelineRuntimeError, match="for step 6 but received"):
         agree_switch(None, rank=1, step=6, broadcast=lambda obj, src: verdict)
+
+
+def test_the_stage_cache_keeps_only_the_ranges_it_is_told_to():
+    """A check prices candidate plans by reading their stages; the graph then forgets every
+    stage but the running plan's, and a forgotten range is built again, computing alike."""
+    from lightning_autopipe.graph import split_model
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    blocks = split_model(net, (torch.zeros(2, 4),))
+    x = torch.randn(3, 4)
+    running = [blocks.stage(0, 2), blocks.stage(2, len(blocks))]
+    candidate = blocks.stage(0, 3)
+    before = candidate(x)
+    blocks.keep_stages([(0, 2), (2, len(blocks))])
+    assert blocks.stage(0, 2) is running[0]
+    assert blocks.stage(2, len(blocks)) is running[1]
+    rebuilt = blocks.stage(0, 3)
+    assert rebuilt is not candidate
+    torch.testing.assert_close(rebuilt(x), before)
+    assert sorted(blocks._stages) == [(0, 2), (0, 3), (2, len(blocks))]

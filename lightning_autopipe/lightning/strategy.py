@@ -12,9 +12,11 @@ the strategy's ``timeout`` so a failing rank ends the job with its error.
 Options are :class:`~lightning_autopipe.options.AutoPipeOptions`; what can be checked before
 processes start is checked in the launching process
 (:mod:`~lightning_autopipe.lightning.prelaunch`).
-This module runs past the house's ~400 lines because Lightning's strategy interface is wide
-(some thirty-five hooks and properties, each marked ``@override``): every hook stays a few
-lines that delegate to ``runtime/``, ``checkpoint/`` and this package's small modules.
+Three base classes hold the rest of Lightning's wide strategy interface: the process world
+(ranks, launcher, process group, collectives: :mod:`~lightning_autopipe.lightning.process_world`),
+the step hooks (:mod:`~lightning_autopipe.lightning.step_hooks`) and the checkpoint hooks
+(:mod:`~lightning_autopipe.lightning.checkpoint_hooks`); this module keeps the pipeline's
+setup (trace, measure, plan, build), live re-planning, failures and teardown.
 """
 
 from __future__ import annotations
@@ -25,26 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_autopipe import checkpoint as ckpt
-from lightning_autopipe.errors import PipelineRuntimeError, PlanError
-from lightning_autopipe.lightning import elastic, summary, telemetry
+from lightning_autopipe.errors import PlanError
+from lightning_autopipe.lightning import elastic, summary
+from lightning_autopipe.lightning.checkpoint_hooks import CheckpointHooks
 from lightning_autopipe.lightning.example import _example
 from lightning_autopipe.lightning.held_pipeline import (
     HeldPipeline,
@@ -53,30 +46,29 @@ from lightning_autopipe.lightning.held_pipeline import (
 )
 from lightning_autopipe.lightning.precision import install_loss_scaling
 from lightning_autopipe.lightning.prelaunch import (
-    CheckedMultiProcessingLauncher,
-    CheckedScriptLauncher,
-    check_before_launch,
     check_trainer,
 )
+from lightning_autopipe.lightning.process_world import ProcessWorld
 from lightning_autopipe.lightning.replan import Replanner, SwitchRecord, write_plan
-from lightning_autopipe.lightning.report_once import install_excepthook, shown_by_rank_zero
+from lightning_autopipe.lightning.report_once import shown_by_rank_zero
 from lightning_autopipe.lightning.reproducible import BatchNormSteps, reproducible_options
 from lightning_autopipe.lightning.reproducible import note as reproducible_note
 from lightning_autopipe.lightning.sampler import elastic_replica_batch, stripe_for_layout
-from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
+from lightning_autopipe.lightning.step_hooks import StepHooks
+from lightning_autopipe.lightning.steps import StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.batchnorm import has_batch_norm
 from lightning_autopipe.runtime.checks import check_microbatches
-from lightning_autopipe.runtime.failure import describe, watch_launcher
-from lightning_autopipe.runtime.materialize import deferred_init, is_deferred
+from lightning_autopipe.runtime.failure import describe
+from lightning_autopipe.runtime.materialize import deferred_init
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline
 from lightning_autopipe.runtime.replan import switch_pipeline
 
 __all__ = ["AutoPipeStrategy"]
 
 
-class AutoPipeStrategy(ParallelStrategy):
+class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
     """Data-parallel 1F1B pipeline with split startup micro-batches (AutoPipe-H).
 
     Registered as ``"autopipe"`` when ``lightning_autopipe`` is imported. See the module
@@ -143,43 +135,6 @@ class AutoPipeStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ Lightning plumbing
     @property
     @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Lightning's torch checkpoint IO with atomic (temp file + fsync + replace) writes."""
-        self._checkpoint_io = ckpt.with_atomic_writes(self._checkpoint_io)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        """The Trainer's ``num_nodes``; under torchrun, the nodes of this (elastic) attempt."""
-        return elastic.launched_nodes(self._num_nodes)
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    @override
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def is_distributed(self) -> bool:
-        return True
-
-    @property
-    @override
     def handles_gradient_accumulation(self) -> bool:
         return True
 
@@ -197,14 +152,6 @@ class AutoPipeStrategy(ParallelStrategy):
         """This rank's stage, layout, groups and executor (after setup; kept after a run)."""
         return self._held.pipe
 
-    @property
-    def _pipe(self) -> LocalPipeline | None:
-        return self._held.pipe
-
-    @property
-    def _runner(self) -> StepRunner | None:
-        return self._held.runner
-
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
@@ -217,56 +164,6 @@ class AutoPipeStrategy(ParallelStrategy):
             return
         with deferred_init(), self.precision_plugin.tensor_init_context():
             yield
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        start_method = self.options.start_method
-        if start_method == "popen":
-            self._launcher = CheckedScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes,
-                check=self._check_before_launch,
-            )
-        else:
-            self._launcher = CheckedMultiProcessingLauncher(
-                self, start_method=start_method, check=self._check_before_launch
-            )
-
-    def _check_before_launch(self, trainer: Any) -> None:
-        """Judge the configuration in the launching process, once, before any rank starts
-        (:mod:`~lightning_autopipe.lightning.prelaunch`)."""
-        check_before_launch(
-            self.options, self.num_nodes * self.num_processes, self.num_nodes, trainer,
-            self.precision_plugin, self.lightning_module,
-        )
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        self._backend = self._backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        _init_dist_connection(
-            self.cluster_environment, self._backend, timeout=self.options.timeout_delta
-        )
-        if self.global_rank > 0:
-            install_excepthook()  # an error every rank raises alike: rank 0's traceback only
-        # Launched by rank 0 of this node, or by torchrun's agent: do not outlive its failure.
-        if self.local_rank > 0 or elastic.ElasticAttempt.from_env() is not None:
-            self._watch = watch_launcher(self.global_rank)
-            if self._watch is not None:
-                self._watch.arm()
 
     # ----------------------------------------------------------------------------- setup
     @override
@@ -479,240 +376,6 @@ class AutoPipeStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module.to(self.root_device)
 
-    # ---------------------------------------------------------------------- step hooks
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        """Run the whole schedule (every forward and backward) and sync the gradients.
-
-        Lightning zeroes gradients *between* ``training_step`` and ``backward``, so the
-        gradients are put aside here and handed back in :meth:`backward`.
-        """
-        assert self._pipe is not None
-        assert self._runner is not None
-        batch, rest, extra = _step_args(args, kwargs)
-        runner = self._runner
-        own = not runner.uses_pipeline_loss
-        runner.begin("training_step" if own else "pipeline_loss", rest, extra)
-        params = self._pipe.executor.parameters
-        for p in params:
-            p.grad = None
-        step = self.lightning_module.trainer.global_step if self.lightning_module else None
-        with self.precision_plugin.train_step_context(), telemetry.training_step(self, step):
-            loss = self._pipe.executor.train_step(batch, step=step)
-        if self._bn is not None:  # whole-batch BatchNorm statistics; replica 0's buffers
-            self._bn.after_step()
-        self._grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        if own:
-            self._finish()
-        if not bool(torch.isfinite(loss)):
-            self._on_nonfinite(loss, step)
-        return loss
-
-    def _on_nonfinite(self, loss: Tensor, step: int | None) -> None:
-        """Every rank holds the same global loss, so every rank takes the same branch."""
-        assert self._pipe is not None
-        where = self._pipe.nonfinite_origin()
-        if self.options.nonfinite_loss == "skip":
-            rank_zero_warn(
-                f"non-finite training loss {float(loss)} at step {step} ({where}); skipping the "
-                "step: its gradients are dropped on every rank"
-            )
-            self._grads = [None] * len(self._grads or [])
-            return
-        raise PipelineRuntimeError(
-            f"non-finite training loss {float(loss)} at step {step}: {where}. Lower the learning "
-            "rate, clip gradients, check the data, or pass nonfinite_loss='skip' to "
-            "AutoPipeStrategy to skip such steps"
-        )
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Install the gradients the schedule computed; the before/after-backward hooks run."""
-        assert self._pipe is not None
-        module = self.lightning_module
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if self._grads is not None:
-            for p, g in zip(self._pipe.executor.parameters, self._grads):
-                p.grad = g
-            self._grads = None
-        return self.precision_plugin.post_backward(closure_loss, module)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(
-            "validation_step", args, kwargs, self.options.val_loss_name,
-            self.precision_plugin.val_step_context,
-        )
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(
-            "test_step", args, kwargs, self.options.test_loss_name,
-            self.precision_plugin.test_step_context,
-        )
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """``predict_step`` per slice on the last stage; every rank returns its replica's."""
-        assert self._pipe is not None
-        assert self._runner is not None
-        batch, rest, extra = _step_args(args, kwargs)
-        self._runner.begin("predict_step", rest, extra)
-        with self.precision_plugin.predict_step_context():
-            self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra))
-        return self._finish().predictions
-
-    def _eval_step(
-        self, hook: str, args: Any, kwargs: Any, name: str, context: Callable
-    ) -> Any:
-        """Forward-only pipeline: the module's own step per slice, else ``pipeline_loss``."""
-        assert self._pipe is not None
-        assert self._runner is not None
-        assert self.lightning_module is not None
-        batch, rest, extra = _step_args(args, kwargs)
-        runner = self._runner
-        own = not runner.uses_pipeline_loss
-        runner.begin(hook if own else "pipeline_loss", rest, extra)
-        with context():
-            loss = self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra))
-        if own:
-            returned = self._finish().returned
-            return None if returned is None else torch.tensor(returned, device=self.root_device)
-        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def _finish(self) -> StepOutcome:
-        """Share the step's slice results over the pipeline and log them on this rank."""
-        assert self._pipe is not None
-        assert self._runner is not None
-        outcome = self._runner.finish(self._pipe.layout, self._pipe.groups, self.root_device)
-        outcome.log_to(self.lightning_module, self.root_device)
-        return outcome
-
-    # ------------------------------------------------------------------- collectives
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    # ------------------------------------------------- checkpoints (lightning_autopipe.checkpoint)
-    def _gathering(self) -> ckpt.PipelineCheckpoint | None:
-        """The checkpoint side of a pipeline whose parts live on several ranks, else None."""
-        pipe = self._checkpoint
-        return pipe if pipe is not None and pipe.pipelined else None
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's ``state_dict`` under the original names (collective)."""
-        pipe = self._gathering()
-        if pipe is None:
-            return super().lightning_module_state_dict()
-        assert self.lightning_module is not None
-        return pipe.model_state(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's state keyed by original names, every stage merged (collective)."""
-        pipe = self._gathering()
-        if pipe is None:
-            return super().optimizer_state(optimizer)
-        assert self.lightning_module is not None
-        return pipe.optimizer_state(optimizer, self.lightning_module)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        """Rank 0 writes the consolidated file atomically; sharded: every rank writes its part."""
-        checkpoint[elastic.RECORD_KEY] = elastic.checkpoint_record(
-            self.world_size, self.num_nodes, self._pipe.layout if self._pipe else None,
-            checkpoint.get("global_step", 0),
-        )
-        pipe = self._gathering()
-        if pipe is not None and pipe.sharded:
-            pipe.save_sharded(checkpoint, filepath, barrier=self.barrier)
-            return
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        """Read the checkpoint (:meth:`_read_checkpoint`); a fit logs what its resume lost."""
-        checkpoint = self._read_checkpoint(checkpoint_path, weights_only)
-        if isinstance(checkpoint, dict) and self.global_rank == 0:
-            note = elastic.ProgressNote(Path(str(checkpoint_path)).parent).read()
-            self._resumed = (checkpoint_path, elastic.resume_facts(checkpoint), note)
-        return checkpoint
-
-    def _read_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> Any:
-        """Either format, tensors and plain containers only unless ``weights_only=False``.
-
-        Runs before ``setup``: the module is whole, or (after ``fit``) still split by this
-        strategy, and then only this rank's stage is read from a sharded directory.
-        """
-        weights_only = True if weights_only is None else weights_only
-        if self._deferred():  # built on the meta device: each rank reads its stage later
-            return ckpt.load_for_stage(checkpoint_path, weights_only=weights_only,
-                                       no_dist=not _distributed_is_initialized())
-        with ckpt.refusing_unsafe(checkpoint_path):
-            if not ckpt.is_sharded(checkpoint_path):
-                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            module = self.lightning_module
-            assert module is not None
-            return ckpt.load_sharded(
-                checkpoint_path, module.state_dict(), no_dist=not _distributed_is_initialized(),
-                partial=self._held.is_split(module), weights_only=weights_only,
-            )
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """A whole-model ``state_dict`` into a module this strategy split: its stage's part."""
-        module = self.lightning_module
-        if self._deferred():  # read by name when the local stage is materialised
-            self._initial_state = checkpoint["state_dict"]
-            return
-        if module is None or not self._held.is_split(module):
-            super().load_model_state_dict(checkpoint, strict=strict)
-            return
-        if not self._held.serves(module):
-            self._held.check_splittable(module)  # raises: another pipeline split it
-        local = module.state_dict()
-        module.load_state_dict(
-            ckpt.stage_model_state(checkpoint["state_dict"], local, strict=strict), strict=strict
-        )
-
-    def _deferred(self) -> bool:
-        """The module is whole but on the meta device (built in ``configure_model``)."""
-        module = self.lightning_module
-        return module is not None and not self._held.is_split(module) and is_deferred(module)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Re-shard the saved (whole-model, name-keyed) optimizer state onto the local stage."""
-        if self._checkpoint is None:  # not set up: nothing was split
-            super().load_optimizer_state_dict(checkpoint)
-            return
-        assert self.lightning_module is not None
-        self._checkpoint.load_optimizer_states(
-            checkpoint["optimizer_states"], self.optimizers, self.lightning_module,
-            self.root_device,
-        )
-
     # ------------------------------------------------------------------------ failures
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -750,18 +413,6 @@ class AutoPipeStrategy(ParallelStrategy):
             self._lightning_module = held
             return
         super().teardown()
-
-
-def _step_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple, dict]:
-    """(batch, the step's other positional arguments, its other keyword arguments)."""
-    if args:
-        return args[0], tuple(args[1:]), dict(kwargs)
-    extra = dict(kwargs)
-    return extra.pop("batch"), (), extra
-
-
-def _batch_idx(rest: tuple[Any, ...], extra: dict[str, Any]) -> Any:
-    return rest[0] if rest else extra.get("batch_idx")
 
 
 def _run_dir(trainer: Any) -> Path:

@@ -1,0 +1,175 @@
+"""The strategy's step hooks: one Lightning step runs the whole pipeline schedule.
+
+Lightning calls ``training_step`` inside the optimizer closure and ``backward`` after it; a
+pipeline runs every forward and backward of the step in ``training_step``, so the gradients are
+put aside there and handed back in ``backward`` (Lightning zeroes them in between). The
+evaluation and prediction steps run the forward-only schedule; the module's own steps run per
+slice on the last stage (:mod:`~lightning_autopipe.lightning.steps`). Kept apart from
+:mod:`~lightning_autopipe.lightning.strategy` (setup, collectives, teardown) as a base class of
+it: these hooks read only the held pipeline, its step runner and the precision plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_autopipe.errors import PipelineRuntimeError
+from lightning_autopipe.lightning import telemetry
+from lightning_autopipe.lightning.held_pipeline import HeldPipeline
+from lightning_autopipe.lightning.reproducible import BatchNormSteps
+from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
+from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.runtime.pipeline import LocalPipeline
+
+__all__ = ["StepHooks"]
+
+
+class StepHooks(ParallelStrategy):
+    """Training, validation, test and predict steps over this rank's held pipeline.
+
+    The concrete strategy (:class:`~lightning_autopipe.lightning.strategy.AutoPipeStrategy`)
+    sets the attributes below in its ``__init__`` and ``setup``.
+    """
+
+    options: AutoPipeOptions
+    _held: HeldPipeline
+    _bn: BatchNormSteps | None
+    _grads: list[Tensor | None] | None
+
+    @property
+    def _pipe(self) -> LocalPipeline | None:
+        return self._held.pipe
+
+    @property
+    def _runner(self) -> StepRunner | None:
+        return self._held.runner
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the whole schedule (every forward and backward) and sync the gradients.
+
+        Lightning zeroes gradients *between* ``training_step`` and ``backward``, so the
+        gradients are put aside here and handed back in :meth:`backward`.
+        """
+        assert self._pipe is not None
+        assert self._runner is not None
+        batch, rest, extra = _step_args(args, kwargs)
+        runner = self._runner
+        own = not runner.uses_pipeline_loss
+        runner.begin("training_step" if own else "pipeline_loss", rest, extra)
+        params = self._pipe.executor.parameters
+        for p in params:
+            p.grad = None
+        step = self.lightning_module.trainer.global_step if self.lightning_module else None
+        with self.precision_plugin.train_step_context(), telemetry.training_step(self, step):
+            loss = self._pipe.executor.train_step(batch, step=step)
+        if self._bn is not None:  # whole-batch BatchNorm statistics; replica 0's buffers
+            self._bn.after_step()
+        self._grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        if own:
+            self._finish()
+        if not bool(torch.isfinite(loss)):
+            self._on_nonfinite(loss, step)
+        return loss
+
+    def _on_nonfinite(self, loss: Tensor, step: int | None) -> None:
+        """Every rank holds the same global loss, so every rank takes the same branch."""
+        assert self._pipe is not None
+        where = self._pipe.nonfinite_origin()
+        if self.options.nonfinite_loss == "skip":
+            rank_zero_warn(
+                f"non-finite training loss {float(loss)} at step {step} ({where}); skipping the "
+                "step: its gradients are dropped on every rank"
+            )
+            self._grads = [None] * len(self._grads or [])
+            return
+        raise PipelineRuntimeError(
+            f"non-finite training loss {float(loss)} at step {step}: {where}. Lower the learning "
+            "rate, clip gradients, check the data, or pass nonfinite_loss='skip' to "
+            "AutoPipeStrategy to skip such steps"
+        )
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Install the gradients the schedule computed; the before/after-backward hooks run."""
+        assert self._pipe is not None
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._grads is not None:
+            for p, g in zip(self._pipe.executor.parameters, self._grads):
+                p.grad = g
+            self._grads = None
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(
+            "validation_step", args, kwargs, self.options.val_loss_name,
+            self.precision_plugin.val_step_context,
+        )
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(
+            "test_step", args, kwargs, self.options.test_loss_name,
+            self.precision_plugin.test_step_context,
+        )
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``predict_step`` per slice on the last stage; every rank returns its replica's."""
+        assert self._pipe is not None
+        assert self._runner is not None
+        batch, rest, extra = _step_args(args, kwargs)
+        self._runner.begin("predict_step", rest, extra)
+        with self.precision_plugin.predict_step_context():
+            self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra))
+        return self._finish().predictions
+
+    def _eval_step(
+        self, hook: str, args: Any, kwargs: Any, name: str, context: Callable
+    ) -> Any:
+        """Forward-only pipeline: the module's own step per slice, else ``pipeline_loss``."""
+        assert self._pipe is not None
+        assert self._runner is not None
+        assert self.lightning_module is not None
+        batch, rest, extra = _step_args(args, kwargs)
+        runner = self._runner
+        own = not runner.uses_pipeline_loss
+        runner.begin(hook if own else "pipeline_loss", rest, extra)
+        with context():
+            loss = self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra))
+        if own:
+            returned = self._finish().returned
+            return None if returned is None else torch.tensor(returned, device=self.root_device)
+        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def _finish(self) -> StepOutcome:
+        """Share the step's slice results over the pipeline and log them on this rank."""
+        assert self._pipe is not None
+        assert self._runner is not None
+        outcome = self._runner.finish(self._pipe.layout, self._pipe.groups, self.root_device)
+        outcome.log_to(self.lightning_module, self.root_device)
+        return outcome
+
+
+def _step_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple, dict]:
+    """(batch, the step's other positional arguments, its other keyword arguments)."""
+    if args:
+        return args[0], tuple(args[1:]), dict(kwargs)
+    extra = dict(kwargs)
+    return extra.pop("batch"), (), extra
+
+
+def _batch_idx(rest: tuple[Any, ...], extra: dict[str, Any]) -> Any:
+    return rest[0] if rest else extra.get("batch_idx")

@@ -14,6 +14,7 @@ processes against each other and must have the machine to themselves."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -21,13 +22,22 @@ import torch
 
 from tests._gloo import GlooWorlds
 from tests._worlds import Worlds, collect_cases
+from tests.suite import LANE_VARIABLE
 
 _WORLD_CASES = pytest.StashKey[dict]()
 
 
 @pytest.fixture(scope="session")
 def worlds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Worlds:
-    """The shared Lightning worlds (:mod:`tests._worlds`) of the selected tests' cases."""
+    """The shared Lightning worlds (:mod:`tests._worlds`) of the selected tests' cases.
+
+    Under :mod:`tests.suite` only the launch lane may launch them: a test of another lane that
+    reached them would launch every world a second time beside the launch lane's."""
+    lane = os.environ.get(LANE_VARIABLE)
+    if lane not in (None, "launch"):
+        pytest.fail(f"this test reads the shared Lightning worlds in the suite's {lane!r} "
+                    "lane: name the `worlds` fixture in the test's (or its fixture's) "
+                    "arguments, so that pytest_itemcollected marks it `launch`", pytrace=False)
     return Worlds(tmp_path_factory.mktemp("worlds"), request.config.stash[_WORLD_CASES])
 
 
@@ -53,7 +63,10 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.launch)
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m``/``-k`` deselection: only what runs here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The shared worlds hold the cases of the selected tests' modules only (a lane or a
+    ``-k`` selection launches what it reads, not every module's cases); no CUDA: skip ``gpu``."""
     modules = {id(item.module): item.module for item in items if getattr(item, "module", None)}
     config.stash[_WORLD_CASES] = collect_cases(modules.values())
     if torch.cuda.is_available():

@@ -15,6 +15,7 @@ Usage: ``python tests/suite.py [pytest arguments]`` (passed to every lane, e.g. 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LANES = (("launch", "launch and not serial"), ("rest", "not launch and not serial"))
+#: Each lane's pytest runs with its name here (tests/conftest.py: only ``launch`` may launch the
+#: shared Lightning worlds).
+LANE_VARIABLE = "AUTOPIPE_SUITE_LANE"
 
 
 def _pytest(marks: str, args: list[str], basetemp: Path) -> list[str]:
@@ -46,6 +50,7 @@ def main(args: list[str]) -> int:
             log = root / f"{name}.log"
             with open(log, "w") as out:  # a file, not a pipe: a lane never blocks on us
                 proc = subprocess.Popen(_pytest(marks, args, root / name), cwd=ROOT,
+                                        env={**os.environ, LANE_VARIABLE: name},
                                         stdout=out, stderr=subprocess.STDOUT)
             running.append((name, log, proc))
         print(f"lanes {', '.join(n for n, _ in LANES)} running side by side ...", flush=True)
@@ -62,6 +67,7 @@ def main(args: list[str]) -> int:
         log = root / "serial.log"
         with open(log, "w") as out:
             status = subprocess.call(_pytest("serial", args, root / "serial"), cwd=ROOT,
+                                     env={**os.environ, LANE_VARIABLE: "serial"},
                                      stdout=out, stderr=subprocess.STDOUT)
         _report("serial", log, status, time.monotonic() - start)
         statuses.append(status)

@@ -20,6 +20,13 @@ def _reduce_of(layout: Any, s: int) -> float:
     return layout.ar_reduce_ms_per_byte[s] if layout.ar_reduce_ms_per_byte else 0.0
 
 
+def _uncontended_end(layout: Any, s: int, start: float, nbytes: float) -> float:
+    """The end of stage ``s``'s ring alone on the optimistic layout (its own per-byte rate, its
+    latency and the reduction), started at ``start``: the optimistic layout's formula, which is
+    also its lower bound."""
+    return start + layout.ar_lat_ms[s] + nbytes * (layout.ar_ms_per_byte[s] + _reduce_of(layout, s))
+
+
 def _ring_use(layout: Any) -> tuple[tuple[float, float, tuple[tuple[int, int], ...]], ...]:
     """Per stage's all-reduce ring: its slowest resource's capacity, the slowest share it gets
     of the resources no other ring of the layout crosses (capacity over the ring's own edges
@@ -64,8 +71,7 @@ def allreduce_finish(layout: Any, stage_end: list[float], nbytes: list[float]) -
         edges = layout.ar_rings[s] if layout.ar_rings else ()
         if len(edges) > 1 and nbytes[s] > 0:
             if layout.optimistic:
-                per_byte = layout.ar_ms_per_byte[s] + _reduce_of(layout, s)
-                out[s] = stage_end[s] + layout.ar_lat_ms[s] + nbytes[s] * per_byte
+                out[s] = _uncontended_end(layout, s, stage_end[s], nbytes[s])
             else:
                 reduce = nbytes[s] * _reduce_of(layout, s)
                 jobs[s] = [stage_end[s], ring_volume(len(edges), nbytes[s]), reduce]
@@ -129,8 +135,7 @@ def allreduce_lower(layout: Any, stage_end: list[float], nbytes: list[float]) ->
         edges = layout.ar_rings[s] if layout.ar_rings else ()
         if len(edges) > 1 and nbytes[s] > 0:
             if layout.optimistic:
-                per_byte = layout.ar_ms_per_byte[s] + _reduce_of(layout, s)
-                out[s] = stage_end[s] + layout.ar_lat_ms[s] + nbytes[s] * per_byte
+                out[s] = _uncontended_end(layout, s, stage_end[s], nbytes[s])
             else:
                 out[s] = (stage_end[s] + ring_volume(len(edges), nbytes[s]) / use[s][0]
                           + layout.ar_lat_ms[s] + nbytes[s] * _reduce_of(layout, s))

@@ -75,7 +75,9 @@ def runs2zbv(worlds):
 
 
 @pytest.fixture(params=["runs2", "runs4", "runs2zbv"], ids=["2x1", "2x2", "zbv-2x1"])
-def runs(request):
+def runs(request, worlds):
+    """The parametrised run (``worlds`` named here, so that these tests run in the
+    suite's launch lane: a lazy ``getfixturevalue`` alone hides it from the lane split)."""
     return request.getfixturevalue(request.param)
 
 

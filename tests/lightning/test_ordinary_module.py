@@ -70,7 +70,9 @@ def runs4(worlds, tmp_path_factory):
 
 
 @pytest.fixture(params=["runs2", "runs4"], ids=["2x1", "2x2"])
-def runs(request):
+def runs(request, worlds):
+    """The parametrised run (``worlds`` named here, so that these tests run in the
+    suite's launch lane: a lazy ``getfixturevalue`` alone hides it from the lane split)."""
     return request.getfixturevalue(request.param)
 
 

@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threshold", type=float, default=0.1)
     p.add_argument("--out", help="also write the table here (markdown)")
     p.add_argument("--report", help="only print the tables of a saved adaptive.json")
+    p.add_argument("--cases", nargs="+", choices=("slowed", "drift"),
+                   default=["slowed", "drift"], help="which cases to run (default both)")
     args = p.parse_args(argv)
     if args.report:
         print(report(json.loads(Path(args.report).read_text()), _command(args), args.drift))
@@ -220,11 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, Any] = {}
     with neighbour_on(cores[1], NEIGHBOUR_S):
         runs["single"] = _single_run(cores, args.single_steps, work)
-        for replan in ("auto", "off"):
+        for replan in ("auto", "off") if "slowed" in args.cases else ():
             runs[f"slowed-{replan}"] = _launch(
                 {"name": f"slowed-{replan}", "replan": replan, "steps": args.steps, **common},
                 cores, work)
-    for replan in ("auto", "off"):
+    for replan in ("auto", "off") if "drift" in args.cases else ():
         runs[f"drift-{replan}"] = _launch(
             {"name": f"drift-{replan}", "replan": replan, "steps": args.drift[2],
              "drift": args.drift[:2], **common}, cores, work)

@@ -91,15 +91,12 @@ class Replanner:
         pipe = strategy.pipeline
         message = None
         if strategy.global_rank == 0:
-            measured = max(r.step_ms for r in rows)
-            overhead = self.switches[-1].cost_ms if self.switches else measured
             message = propose(
                 pipe, rows, options, step=self.steps,
                 remaining_steps=_remaining(module.trainer, self.steps),
                 steps_since_switch=since,
                 optimizer_ratio=optimizer_state_ratio(strategy.optimizers,
                                                       list(pipe.stage.parameters())),
-                overhead_ms=overhead,
             )
         message = agree_switch(message, rank=strategy.global_rank, step=self.steps,
                                broadcast=strategy.broadcast)

@@ -10,6 +10,8 @@ planning again (:func:`rebuild_pipeline`, for live re-planning).
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +124,9 @@ class LocalPipeline:
     executor: PipelineExecutor
     table: str
     source: StageSource | None = None  # what it was built from: rebuild_pipeline reads it
+    #: Wall time this rank took to build it (a switch's rebuild: its whole local part),
+    #: the measured rebuild time a live switch's cost is predicted with.
+    build_ms: float = math.nan
 
     def nonfinite_origin(self) -> str:
         """Where a step's non-finite loss came from, in words (collective: every rank calls it).
@@ -166,6 +171,7 @@ def build_pipeline(
     ``fresh`` is False for a rebuild (:func:`rebuild_pipeline`): tensors of the new stage that
     this rank released under the earlier plan get storage again, uninitialised.
     """
+    start = time.perf_counter()
     options, rank, device = source.options, source.rank, source.device
     layout = layout_for_rank(plan, source.names, rank)
     held = layout.chunks  # this rank's chunks of the model (one with one chunk per rank)
@@ -243,6 +249,7 @@ def build_pipeline(
         executor=executor,
         table=plan_table(plan, profile, cluster),
         source=source,
+        build_ms=(time.perf_counter() - start) * 1e3,
     )
 
 

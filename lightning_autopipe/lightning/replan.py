@@ -108,6 +108,8 @@ class Replanner:
         plan = message.new_plan()
         stats = strategy._switch_to(plan, self.steps)
         cost_ms = (time.perf_counter() - start) * 1e3
+        if stats is not None:  # the next switch's rebuild: this one's whole local part
+            strategy.pipeline.build_ms = max(cost_ms - stats.seconds * 1e3, 0.0)
         self.last_switch = self.steps
         record = SwitchRecord(self.steps, message.reason, message.measured_step_ms,
                               message.candidate_step_ms, message.switch_cost_ms, cost_ms,

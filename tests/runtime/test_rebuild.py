@@ -200,3 +200,49 @@ def test_a_switch_costs_the_moved_bytes_at_the_link_rate_plus_the_measured_rebui
     assert ms == pytest.approx(want_ms, rel=1e-6)
     ms, _ = switch_cost(pipe, second, optimizer_ratio=ratio, overhead_ms=7.0)
     assert ms == pytest.approx(want_ms - pipe.build_ms + 7.0, rel=1e-6)
+
+
+class Positions(nn.Module):
+    """A first layer that adds a non-persistent buffer (as position ids are held): it is in
+    no state dict, so no migration brings it to a rank that newly holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.register_buffer("pos", torch.arange(D, dtype=torch.float32), persistent=False)
+        self.b, self.c = nn.Linear(D, D), nn.Linear(D, D)
+
+    def reset_parameters(self) -> None:  # what re-creates the buffer on the meta device
+        with torch.no_grad():
+            self.pos.copy_(torch.arange(D, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x) + self.pos))))
+
+    def pipeline_loss(self, outputs: torch.Tensor, batch) -> torch.Tensor:
+        return F.mse_loss(outputs, batch[1])
+
+
+@pytest.mark.parametrize("construct", ["deferred_init", "meta_device"])
+def test_a_rebuilt_meta_model_s_non_persistent_buffer_is_created_as_its_initialiser_does(
+        construct):
+    from lightning_autopipe.runtime import materialize as mat
+
+    torch.manual_seed(0)
+    if construct == "deferred_init":
+        with mat.deferred_init():
+            model = Positions()
+    else:
+        with torch.device("meta"):
+            model = Positions()
+    x = torch.randn(4, D)
+    n = len(split_model(copy.deepcopy(model), (x,)))
+    first = _plan(1, n, "local:0")  # rank 1 holds [1, n): not the buffer's block
+    sent = PlanMessage.planned(first, None, 0)
+    pipe = build_local_pipeline(model, (x,), 4, AutoPipeOptions(plan=first), rank=1,
+                                world_size=2, device=CPU, broadcast=lambda o, s: sent)
+    new = rebuild_pipeline(pipe, _plan(n - 1, n, "local:1"))  # now it holds [0, n - 1)
+    got = {k: b for k, b in new.stage.named_buffers()}
+    (pos,) = [b for k, b in got.items() if k.endswith("pos")]
+    assert not pos.is_meta
+    torch.testing.assert_close(pos, torch.arange(D, dtype=torch.float32))

@@ -1,13 +1,15 @@
 """Closed-loop benchmark: live re-planning while a neighbour slows rank 1, then leaves.
 
     .venv/bin/python benchmarks/adaptive.py [--steps 30] [--drift 10 25 40] [--out FILE]
+        [--cases slowed drift]
 
 The GPT, batch and core pinning of ``benchmarks/hetero.py`` (two gloo ranks, one thread each,
 rank r pinned to core r, SGD, 32 samples per step), trained through ``Trainer`` and
 ``AutoPipeStrategy`` (discovery, ``cluster=None``; 2 stages pinned, so the data-parallel
 layout a switch must keep is the pipeline's), each run launched afresh, one after another:
 
-* one process on the fast core, the neighbour on the other (hetero's baseline);
+* one process on the fast core, the neighbour on the other (hetero's baseline), timed before,
+  between and after the slowed runs (each run is compared with the timings on either side);
 * slowed, ``replan="auto"`` and ``"off"``: a CPU-bound neighbour shares rank 1's core from
   before the launch (discovery sees it) to the end;
 * drift, ``"auto"`` and ``"off"``: discovery and the first plan see two alike cores; rank 0
@@ -193,7 +195,8 @@ def _launch(run: dict, cores: list[int], work: Path) -> list[dict]:
 def _command(args: Any) -> str:
     return (f"{COMMAND} --steps {args.steps} --drift {' '.join(map(str, args.drift))} "
             f"--single-steps {args.single_steps} --window {args.window} "
-            f"--threshold {args.threshold}")
+            f"--threshold {args.threshold}"
+            + (f" --cases {' '.join(args.cases)}" if len(args.cases) < 2 else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threshold", type=float, default=0.1)
     p.add_argument("--out", help="also write the table here (markdown)")
     p.add_argument("--report", help="only print the tables of a saved adaptive.json")
+    p.add_argument("--cases", nargs="+", choices=("slowed", "drift"),
+                   default=["slowed", "drift"], help="which cases to run (default both)")
     args = p.parse_args(argv)
     if args.report:
         print(report(json.loads(Path(args.report).read_text()), _command(args), args.drift))
@@ -218,20 +223,29 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     common = {"window": args.window, "threshold": args.threshold}
     runs: dict[str, Any] = {}
+    singles: list[dict] = []
     with neighbour_on(cores[1], NEIGHBOUR_S):
-        runs["single"] = _single_run(cores, args.single_steps, work)
-        for replan in ("auto", "off"):
-            runs[f"slowed-{replan}"] = _launch(
-                {"name": f"slowed-{replan}", "replan": replan, "steps": args.steps, **common},
-                cores, work)
-    for replan in ("auto", "off"):
+        # One process timed before, between and after the slowed runs: each run's
+        # x-one-process ratio is taken against the timings on either side of it, under the
+        # load of its own minutes.
+        singles.append(_single_run(cores, args.single_steps, work))
+        near: dict[str, list[float]] = {}
+        for replan in ("auto", "off") if "slowed" in args.cases else ():
+            name = f"slowed-{replan}"
+            runs[name] = _launch({"name": name, "replan": replan, "steps": args.steps,
+                                  **common}, cores, work)
+            singles.append(_single_run(cores, args.single_steps, work))
+            near[name] = singles[-2]["rows"] + singles[-1]["rows"]
+        runs["single-near"] = near
+    for replan in ("auto", "off") if "drift" in args.cases else ():
         runs[f"drift-{replan}"] = _launch(
             {"name": f"drift-{replan}", "replan": replan, "steps": args.drift[2],
              "drift": args.drift[:2], **common}, cores, work)
-    with neighbour_on(cores[1], NEIGHBOUR_S):  # once more at the end: the load moves
-        again = _single_run(cores, args.single_steps, work)
-    runs["single"] = {"rows": runs["single"]["rows"] + again["rows"],
-                      "load": (runs["single"]["load"] + again["load"]) / 2}
+    if "drift" in args.cases:
+        with neighbour_on(cores[1], NEIGHBOUR_S):  # once more at the end: the load moves
+            singles.append(_single_run(cores, args.single_steps, work))
+    runs["single"] = {"rows": [t for one in singles for t in one["rows"]],
+                      "load": sum(one["load"] for one in singles) / len(singles)}
     (work / "adaptive.json").write_text(json.dumps(runs))
     print(f"records: {work / 'adaptive.json'}", file=sys.stderr)
     table = report(runs, _command(args), args.drift)

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.runtime.discover import SLOWER
 
-__all__ = ["Segment", "plan_of_step", "report", "segments", "steps_lost"]
+__all__ = ["Segment", "plan_of_step", "report", "saw_neighbour", "segments",
+           "steps_lost"]
 
 BATCH = 32
 TARGET_X = 1.40  # slowed, auto: x one fast process
@@ -104,12 +106,11 @@ def _mark(ok: bool) -> str:
 
 
 def report(runs: dict[str, Any], command: str, drift: Sequence[int]) -> str:
-    """The whole markdown report (see ``benchmarks/adaptive.py``)."""
+    """The whole markdown report (see ``benchmarks/adaptive.py``): the slowed section when
+    its two runs are there, the drift section when its two are."""
+    names = [k for k in ("slowed-auto", "slowed-off", "drift-auto", "drift-off") if k in runs]
+    segs = {k: segments(runs[k], k, None if k.startswith("slowed") else drift) for k in names}
     single = statistics.median(runs["single"]["rows"])
-    sa, so, da, do = (runs[k] for k in ("slowed-auto", "slowed-off", "drift-auto",
-                                        "drift-off"))
-    segs = {k: segments(runs[k], k, None if k.startswith("slowed") else drift)
-            for k in ("slowed-auto", "slowed-off", "drift-auto", "drift-off")}
     lines = [f"command: {command}", ""]
     lines += [
         "discovered speeds: " + "; ".join(
@@ -117,6 +118,38 @@ def report(runs: dict[str, Any], command: str, drift: Sequence[int]) -> str:
             for k in segs),
         f"one process on the fast core: {single:.0f} ms/step (load average "
         f"{runs['single']['load']:.2f})", "",
+    ]
+    slowed = "slowed-auto" in segs and "slowed-off" in segs
+    if slowed:
+        lines += _slowed(runs, segs, single)
+    if "drift-auto" in segs and "drift-off" in segs:
+        lines += _drift(runs, segs, drift, slowed)
+    lines += ["", "Every re-plan check of the auto runs (rank 0's verdict; speeds: measured / "
+              "planned):", ""]
+    for name in ("slowed-auto", "drift-auto"):
+        for v in runs.get(name, [{}])[0].get("verdicts", []):
+            speeds = ", ".join(f"{d} x{r:.2f}" for d, r in v["speeds"].items())
+            lines.append(f"- {name} after step {v['step']}: {'SWITCH' if v['switch'] else 'keep'}"
+                         f" (measured {v['measured_ms']:.0f} ms, candidate "
+                         f"{v['candidate_ms']:.0f} ms; {speeds}): {v['reason']}")
+    return "\n".join(lines)
+
+
+def saw_neighbour(run: Sequence[dict], slowed: str = "vm:1") -> bool:
+    """Whether discovery made the slowed rank a slower type (speed below ``1 / SLOWER``): a
+    slowed run whose discovery did not see the neighbour does not test the slowed case."""
+    return float(run[0]["speeds"].get(slowed, 1.0)) < 1.0 / SLOWER
+
+
+def _near(runs: dict[str, Any], name: str, single: float) -> float:
+    """One process timed just before and after run ``name`` (else the whole run's median)."""
+    near = runs.get("single-near", {}).get(name)
+    return statistics.median(near) if near else single
+
+
+def _slowed(runs: dict[str, Any], segs: dict[str, list[Segment]], single: float) -> list[str]:
+    sa = runs["slowed-auto"]
+    lines = [
         "## Slowed from the start", "",
         "| run | steps | samples/s | x one process | step ms | predicted ms | measured / "
         "predicted | plan | load | rank: compute / wait / tail ms |",
@@ -125,21 +158,37 @@ def report(runs: dict[str, Any], command: str, drift: Sequence[int]) -> str:
         f" | 1.000 | {single:.0f} | - | - | 1 process | {runs['single']['load']:.2f} | - |",
     ]
     for seg in segs["slowed-auto"] + segs["slowed-off"]:
-        lines.append(_seg_row(seg, runs[seg["run"]], single))
+        lines.append(_seg_row(seg, runs[seg["run"]], _near(runs, seg["run"], single)))
     last = segs["slowed-auto"][-1]
-    x = single / last["ms"]
+    x = _near(runs, "slowed-auto", single) / last["ms"]
     ratio = last["ms"] / _predicted(sa, last["plan"])
-    off_x = single / segs["slowed-off"][-1]["ms"]
+    off_x = _near(runs, "slowed-off", single) / segs["slowed-off"][-1]["ms"]
     lines += ["", f"targets: auto after its last switch {x:.3f}x one process (>= {TARGET_X}: "
               f"{_mark(x >= TARGET_X)}; off: {off_x:.3f}x); measured / predicted {ratio:.3f} "
-              f"(within {TARGET_PRED:.0%}: {_mark(abs(ratio - 1) <= TARGET_PRED)})", ""]
-    lines += _switch_table({"slowed-auto": sa}, segs, None, None)
+              f"(within {TARGET_PRED:.0%}: {_mark(abs(ratio - 1) <= TARGET_PRED)})"]
+    if "single-near" in runs:
+        lines.append("(x one process: against one process timed just before and after each "
+                     "run, " + ", ".join(f"{k} {_near(runs, k, single):.0f} ms"
+                                         for k in ("slowed-auto", "slowed-off")) + ")")
+    for name in ("slowed-auto", "slowed-off"):
+        if not saw_neighbour(runs[name]):
+            lines.append(f"INVALID: {name}'s discovery did not see the neighbour (speeds "
+                         f"{runs[name][0]['speeds']}: vm:1 not below 1/{SLOWER} of vm:0); other "
+                         "load on the fast core hid it, so its rows do not test the slowed case")
+    lines.append("")
+    return lines + _switch_table({"slowed-auto": sa}, segs, None, None)
+
+
+def _drift(runs: dict[str, Any], segs: dict[str, list[Segment]], drift: Sequence[int],
+           slowed: bool) -> list[str]:
+    da, do = runs["drift-auto"], runs["drift-off"]
     # a plan made fresh for a condition: the faster of the two runs' first plans, each
-    # discovered and planned under it
+    # discovered and planned under it (the neighbour's: the slowed runs', when they ran)
     fresh_alone = min(next(s["ms"] for s in segs[k] if s["phase"] == 0)
                       for k in ("drift-auto", "drift-off"))
-    fresh_neighbour = min(segs[k][0]["ms"] for k in ("slowed-auto", "slowed-off"))
-    lines += [
+    fresh_neighbour = (min(segs[k][0]["ms"] for k in ("slowed-auto", "slowed-off"))
+                       if slowed else float("nan"))
+    lines = [
         "", f"## Drift: the neighbour from step {drift[0]} to step {drift[1]} of {drift[2]}", "",
         "| run | condition | steps | step ms | predicted ms | plan | rank: compute / wait / "
         "tail ms |", "|---|---|---|---:|---:|---|---|",
@@ -158,15 +207,7 @@ def report(runs: dict[str, Any], command: str, drift: Sequence[int]) -> str:
     lines += ["", f"steps lost with replan='off' (its extra wall time over the auto run's, in "
               f"steps of {fresh_alone:.0f} ms): alone {lost[0]:.1f}, neighbour {lost[1]:.1f}, "
               f"alone again {lost[2]:.1f}, in all {lost[3]:.1f}"]
-    lines += ["", "Every re-plan check of the auto runs (rank 0's verdict; speeds: measured / "
-              "planned):", ""]
-    for name in ("slowed-auto", "drift-auto"):
-        for v in runs[name][0].get("verdicts", []):
-            speeds = ", ".join(f"{d} x{r:.2f}" for d, r in v["speeds"].items())
-            lines.append(f"- {name} after step {v['step']}: {'SWITCH' if v['switch'] else 'keep'}"
-                         f" (measured {v['measured_ms']:.0f} ms, candidate "
-                         f"{v['candidate_ms']:.0f} ms; {speeds}): {v['reason']}")
-    return "\n".join(lines)
+    return lines
 
 
 def _ranks(seg: Segment) -> str:

@@ -98,3 +98,18 @@ def test_report_misses_a_slow_step_and_a_costly_switch():
     assert "1.154x one process (>= 1.4: MISSED" in text
     assert "measured / predicted 1.300 (within 5%: MISSED)" in text
     assert "| 50 / 5000 | 5.00 (MISSED) |" in text
+
+
+def test_a_slowed_only_report_uses_the_one_process_timed_beside_each_run():
+    runs = _runs(1000.0, 100.0)
+    del runs["drift-auto"], runs["drift-off"]
+    # slowed-auto's neighbours in time ran one process at 2000 ms, slowed-off's at 1200 ms
+    runs["single-near"] = {"slowed-auto": [2000.0, 2000.0], "slowed-off": [1200.0, 1200.0]}
+    for rank in runs["slowed-off"]:
+        rank["speeds"] = {"vm:0": 1.0, "vm:1": 0.5}
+    text = report(runs, "cmd", (4, 8, 12))
+    assert "## Drift" not in text
+    assert "auto after its last switch 2.000x one process (>= 1.4: met; off: 1.000x)" in text
+    # discovery of slowed-auto saw two alike ranks: its rows are flagged, slowed-off's are not
+    assert "INVALID: slowed-auto's discovery did not see the neighbour" in text
+    assert "INVALID: slowed-off" not in text

@@ -91,15 +91,12 @@ class Replanner:
         pipe = strategy.pipeline
         message = None
         if strategy.global_rank == 0:
-            measured = max(r.step_ms for r in rows)
-            overhead = self.switches[-1].cost_ms if self.switches else measured
             message = propose(
                 pipe, rows, options, step=self.steps,
                 remaining_steps=_remaining(module.trainer, self.steps),
                 steps_since_switch=since,
                 optimizer_ratio=optimizer_state_ratio(strategy.optimizers,
                                                       list(pipe.stage.parameters())),
-                overhead_ms=overhead,
             )
         message = agree_switch(message, rank=strategy.global_rank, step=self.steps,
                                broadcast=strategy.broadcast)
@@ -111,6 +108,8 @@ class Replanner:
         plan = message.new_plan()
         stats = strategy._switch_to(plan, self.steps)
         cost_ms = (time.perf_counter() - start) * 1e3
+        if stats is not None:  # the next switch's rebuild: this one's whole local part
+            strategy.pipeline.build_ms = max(cost_ms - stats.seconds * 1e3, 0.0)
         self.last_switch = self.steps
         record = SwitchRecord(self.steps, message.reason, message.measured_step_ms,
                               message.candidate_step_ms, message.switch_cost_ms, cost_ms,

@@ -10,6 +10,8 @@ planning again (:func:`rebuild_pipeline`, for live re-planning).
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +124,9 @@ class LocalPipeline:
     executor: PipelineExecutor
     table: str
     source: StageSource | None = None  # what it was built from: rebuild_pipeline reads it
+    #: Wall time this rank took to build it (a switch's rebuild: its whole local part),
+    #: the measured rebuild time a live switch's cost is predicted with.
+    build_ms: float = math.nan
 
     def nonfinite_origin(self) -> str:
         """Where a step's non-finite loss came from, in words (collective: every rank calls it).
@@ -166,6 +171,7 @@ def build_pipeline(
     ``fresh`` is False for a rebuild (:func:`rebuild_pipeline`): tensors of the new stage that
     this rank released under the earlier plan get storage again, uninitialised.
     """
+    start = time.perf_counter()
     options, rank, device = source.options, source.rank, source.device
     layout = layout_for_rank(plan, source.names, rank)
     held = layout.chunks  # this rank's chunks of the model (one with one chunk per rank)
@@ -178,6 +184,8 @@ def build_pipeline(
     if source.deferred:
         for part in parts.values():
             retarget_devices(part, device)
+    if not fresh and source.deferred:  # buffers no migration brings: created as at first
+        _create_unsaved_buffers(source, parts.values(), device)
     if not fresh:  # tensors this rank did not hold under the earlier plan: storage again
         for part in parts.values():
             _allocate_released(part, source.shapes, device)
@@ -243,6 +251,7 @@ def build_pipeline(
         executor=executor,
         table=plan_table(plan, profile, cluster),
         source=source,
+        build_ms=(time.perf_counter() - start) * 1e3,
     )
 
 
@@ -257,9 +266,9 @@ def rebuild_pipeline(pipe: LocalPipeline, plan: Plan, profile: Profile | None = 
     the old stage's other tensors. The new stage shares the parameter objects of the blocks
     it has in common with the old one (values and ``.grad`` kept); a parameter or buffer this
     rank did not hold gets storage of its shape on ``source.device``, uninitialised, for the
-    caller to load (a meta-device model's non-persistent buffers included: they are not
-    re-created by the model's initialisers). The old pipeline's executor and groups stay: the
-    caller closes them (``pipe.executor.close()``, then
+    caller to load; a meta-device model's non-persistent buffers, which no migration moves,
+    are created by the model's initialisers as at the first build. The old pipeline's
+    executor and groups stay: the caller closes them (``pipe.executor.close()``, then
     :func:`~lightning_autopipe.runtime.groups.destroy_groups`) and builds its optimizer over
     the new stage's parameters.
 
@@ -273,6 +282,20 @@ def rebuild_pipeline(pipe: LocalPipeline, plan: Plan, profile: Profile | None = 
         )
     return build_pipeline(pipe.source, plan, profile if profile is not None else pipe.profile,
                           pipe.cluster, fresh=False)
+
+
+def _create_unsaved_buffers(source: StageSource, parts: Any, device: torch.device) -> None:
+    """Materialise the meta non-persistent buffers of a rebuilt stage (e.g. position ids of a
+    model built on the meta device) by their initialisers, as a fresh build does: they are in
+    no state dict, so the migration does not move them, and storage alone would leave them
+    uninitialised."""
+    todo = []
+    for part in parts:
+        saved = {id(t) for t in part.state_dict(keep_vars=True).values()}
+        todo += [b for b in part.buffers() if b is not None and b.is_meta and id(b) not in saved]
+    if todo:
+        Materializer(source.module, source.seed, source=source.initial_state).materialize(
+            todo, device)
 
 
 def _allocate_released(

@@ -183,9 +183,15 @@ def _types(reports: Sequence[RankReport]) -> dict[int, tuple[str, Profile | None
     the fastest class of a device name keeps the plain name."""
     by_name: dict[tuple[str, int], list[RankReport]] = {}
     for r in reports:
-        by_name.setdefault((r.device, r.memory_bytes // 2**30), []).append(r)
+        by_name.setdefault(_type_key(r), []).append(r)
+    sizes: dict[str, int] = {}
+    for name, _ in by_name:
+        sizes[name] = sizes.get(name, 0) + 1
     out: dict[int, tuple[str, Profile | None, str]] = {}
-    for (name, _), group in by_name.items():
+    for (device, gib), group in by_name.items():
+        # One device in several memory sizes: each size its own name, or their types would
+        # share one label (and one speed).
+        name = device if sizes[device] == 1 else f"{device} {gib} GiB"
         if any(r.profile is None for r in group):
             for r in group:
                 out[r.rank] = (name, None, name)
@@ -211,6 +217,14 @@ def _types(reports: Sequence[RankReport]) -> dict[int, tuple[str, Profile | None
             for m in members:
                 out[m.rank] = (label, prof, name)
     return out
+
+
+def _type_key(r: RankReport) -> tuple[str, int]:
+    """The (device name, memory GiB) a rank's type is sought within. A CPU rank's memory is
+    what its host has free (``shared_memory``), read by each rank at its own moment: it moves
+    with other jobs' allocations and says nothing of the device, so it is left out (two ranks
+    reading 5.98 and 6.02 GiB are one device, whose speeds are compared)."""
+    return (r.device, -1 if r.shared_memory else r.memory_bytes // 2**30)
 
 
 def _scaled(profile: Profile, factor: float) -> Profile:

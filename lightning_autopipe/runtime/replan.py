@@ -10,7 +10,8 @@ boundary after the optimizer step (no gradients in flight):
    pipeline depth kept so the data-parallel layout, and so the data loaders, stay valid), and
    :func:`~lightning_autopipe.runtime.speeds.decide_replan`'s verdict with the switch priced
    by :func:`switch_cost` (the bytes :func:`~lightning_autopipe.runtime.migrate.migrate` will
-   send over the cluster's links, plus a rebuild overhead);
+   send at the cluster's measured link rates, plus the rebuild time the running pipeline's
+   build measured);
 2. :func:`agree_switch`: rank 0's :class:`SwitchMessage` reaches every rank (one broadcast), so
    every rank switches at the same step or none does;
 3. :func:`switch_pipeline` (every rank): snapshot the stage's tensors and named optimizer
@@ -155,13 +156,17 @@ def optimizer_state_ratio(optimizers: Sequence[Any], params: Sequence[nn.Paramet
 
 
 def switch_cost(pipe: LocalPipeline, candidate: Plan, *, optimizer_ratio: float,
-                overhead_ms: float) -> tuple[float, int]:
+                overhead_ms: float | None = None) -> tuple[float, int]:
     """(predicted ms, bytes) of switching ``pipe``'s plan to ``candidate``.
 
-    The bytes are what the migration sends (parameters with ``optimizer_ratio`` times their
-    bytes of optimizer state, buffers alone), each (source, destination) pair at its link's
-    bandwidth and latency in the pipeline's cluster, the pairs one after another (an upper
-    bound); ``overhead_ms`` covers the rebuild (process groups, executor).
+    Both parts are measured quantities: the bytes are what the migration sends (parameters
+    with ``optimizer_ratio`` times their bytes of optimizer state, buffers alone), each
+    (source, destination) pair at its link's measured bandwidth and latency in the
+    pipeline's cluster, the pairs one after another (an upper bound); the rebuild (snapshot,
+    new stage and process groups, executor, loading the moved tensors) costs what the
+    running pipeline's own build measured (``pipe.build_ms``: after a switch, that switch's
+    local part apart from the wire), unless ``overhead_ms`` is given. A measured step is no
+    part of it: a switch runs no micro-batch.
     """
     source = pipe.source
     assert source is not None
@@ -173,7 +178,8 @@ def switch_cost(pipe: LocalPipeline, candidate: Plan, *, optimizer_ratio: float,
         nbytes[name] = int(size * (1.0 + optimizer_ratio)) if isinstance(t, nn.Parameter) \
             else int(size)
     pairs = transfer_bytes(plan_transfers(old, new), nbytes)
-    ms = float(overhead_ms)
+    rebuild = pipe.build_ms if overhead_ms is None else overhead_ms
+    ms = float(rebuild) if math.isfinite(rebuild) else 0.0
     cluster = pipe.cluster
     for (src, dst), size in pairs.items():
         a, b = source.names[src], source.names[dst]
@@ -185,7 +191,8 @@ def switch_cost(pipe: LocalPipeline, candidate: Plan, *, optimizer_ratio: float,
 
 def propose(
     pipe: LocalPipeline, summaries: Sequence[Any], options: Any, *, step: int,
-    remaining_steps: int, steps_since_switch: int, optimizer_ratio: float, overhead_ms: float,
+    remaining_steps: int, steps_since_switch: int, optimizer_ratio: float,
+    overhead_ms: float | None = None,
 ) -> SwitchMessage:
     """Rank 0: whether to switch, and to which plan (see the module docstring).
 
@@ -294,12 +301,15 @@ def switch_pipeline(
         ids = {id(t): n for n, t in tensors.items()}
         return tensors, [named_optimizer_state(o, ids) for o in optimizers]
 
+    start = time.perf_counter()
     tensors, named = local("snapshotting its stage", snapshot)
     old_layout, new_layout = state_layouts(source, pipe.plan, plan)
     pipe.executor.close()  # its gradient hooks sit on parameters the new stage may share
+    wire = time.perf_counter()
     got = migrate(tensors, old_layout, new_layout, optimizers=named,
                   scaler=scaler.state_dict() if scaler is not None else None,
                   device=source.device, timeout=timeout, failures=board, step=step)
+    wire = time.perf_counter() - wire
     new = rebuild_pipeline(pipe, plan)
     if on_built is not None:
         on_built(new)
@@ -316,6 +326,8 @@ def switch_pipeline(
 
     local("loading its new stage", load)
     blocks.keep_stages(s.blocks for s in plan.stages)  # the old plan's stages are gone
+    # The next switch's rebuild is priced by this one's local part (everything but the wire).
+    new.build_ms = (time.perf_counter() - start - wire) * 1e3
     return new, got
 
 

@@ -12,6 +12,9 @@ first plan is balanced and rank 1 then measures slow):
 * ``fp16``: the fp16 loss-scaling net of :mod:`tests.lightning._fp16` (an overflow at step 2,
   right after the switch at step 2, which only the carried-over scale gives), ``16-mixed``,
   norm clipping, per-step records of :class:`tests.lightning._fp16_run.Record`;
+* ``compiled``: ``auto`` with ``compile="aot_eager"`` (Dynamo over each stage, no code
+  generation): the new stage after a switch must be compiled afresh; records the running
+  stage's class and the graphs it compiled;
 * ``fail``: ``auto`` with rank 1 failing as it loads its new stage (the rebind module's
   ``load_stage_tensors`` replaced in this process only); records each rank's error and when.
 """
@@ -128,7 +131,8 @@ def fp16_case(world: int, out: Path) -> dict:
 def run_case(case: str, world: int, out: Path) -> dict:
     if case == "fp16":
         return fp16_case(world, out)
-    strategy = _strategy(case, world, num_microbatches=4)
+    pins = {"compile": "aot_eager"} if case == "compiled" else {}
+    strategy = _strategy(case, world, num_microbatches=4, **pins)
     task = Task()
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,
@@ -154,6 +158,13 @@ def run_case(case: str, world: int, out: Path) -> dict:
         checks=strategy._replanner.checks,
         plan=strategy.plan.to_json() if strategy.plan is not None else None,
     )
+    if case == "compiled":
+        stage = strategy.pipeline.executor.stage
+        record["compiled_class"] = type(stage).__name__
+        record["compilations"] = getattr(stage, "compilations", 0)
+        record["compiled_params"] = sorted(n for n, _ in getattr(stage, "stage", stage)
+                                           .named_parameters())
+        record["stage_params"] = sorted(n for n, _ in strategy.pipeline.stage.named_parameters())
     if "error" not in record:
         record["state"] = {k: v.detach().clone() for k, v in task.state_dict().items()}
         trainer.save_checkpoint(out / f"{case}.ckpt")

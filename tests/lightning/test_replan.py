@@ -17,7 +17,8 @@ from tests.lightning import _replan_run as R
 from tests.runtime import _cases as C
 
 MODULE = "tests.lightning._replan_run"
-WORLD_CASES = {2: [f"{MODULE}:{case}" for case in ("auto", "off", "fp16", "fail")]}
+WORLD_CASES = {2: [f"{MODULE}:{case}" for case in ("auto", "off", "fp16", "compiled",
+                                                          "fail")]}
 WORLD_ORDER = 90  # last in the world: the failing case leaves its ranks after a failed switch
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -79,6 +80,24 @@ def test_auto_switches_on_every_rank_at_the_same_step_and_equals_one_process(wor
     files = ranks[0]["plan_files"]
     assert files == sorted(["plan.json", "plans/plan-0.json",
                             *(f"plans/plan-{s}.json" for s in steps[0])])
+
+
+def test_a_compiled_stage_is_compiled_again_for_its_new_layout_and_equals_one_process(
+        worlds, reference):
+    ranks = _ranks(worlds, "compiled")
+    losses, state = reference
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+        assert rec["switches"], "rank 1 was slowed on purpose but no switch happened"
+        # the running stage is the new plan's stage, compiled (graphs made after the switch)
+        assert rec["compiled_class"] == "CompiledStage"
+        assert rec["compiled_params"] == rec["stage_params"]
+        assert rec["compilations"] > 0
+        torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=RTOL, atol=ATOL)
+        for key, value in rec["state"].items():
+            torch.testing.assert_close(value, state[key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, key=key: f"{key}: {m}")
+    assert ranks[0]["switches"][-1]["plan"] == ranks[1]["plan"]
 
 
 def test_a_checkpoint_after_the_switch_loads_into_the_plain_model(worlds, reference):

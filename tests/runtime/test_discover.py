@@ -146,3 +146,24 @@ def test_unprofiled_reports_give_a_cluster_priced_by_speed_one():
     cluster, ref = assemble(reports, {(0, 1): LINK})
     assert ref is None
     assert math.isinf(cluster.devices[0].spec.reduce_gbps)
+
+
+def test_cpu_ranks_reading_their_host_s_free_memory_either_side_of_a_gib_are_one_device():
+    """A CPU rank reports its host's free memory, read at its own moment: a slowed rank
+    whose reading fell on the other side of a GiB must still be compared with its peer
+    (it was once taken for another device of the same name, and both got one speed)."""
+    reports = [RankReport(0, "h", "cpu X", int(6.02 * GIB), 1, _profile(1.0), True),
+               RankReport(1, "h", "cpu X", int(5.98 * GIB), 1, _profile(2.0), True)]
+    cluster, _ = assemble(reports, {(0, 1): LINK})
+    speeds = [d.spec.speed for d in cluster.devices]
+    assert speeds == [1.0, pytest.approx(0.5)]
+    assert all(d.spec.profile is None for d in cluster.devices)  # one device name
+
+
+def test_one_device_in_two_memory_sizes_gives_each_size_its_own_type():
+    reports = [RankReport(0, "h", "GPU", 80 * GIB, 0, _profile(1.0)),
+               RankReport(1, "h", "GPU", 40 * GIB, 0, _profile(2.0))]
+    cluster, _ = assemble(reports, {(0, 1): LINK})
+    specs = [d.spec for d in cluster.devices]
+    assert [s.name for s in specs] == ["GPU 80 GiB", "GPU 40 GiB"]
+    assert [s.speed for s in specs] == [1.0, pytest.approx(0.5)]

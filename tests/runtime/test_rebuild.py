@@ -145,3 +145,104 @@ def test_only_a_pipeline_built_from_a_source_can_be_rebuilt():
     pipe.source = None
     with pytest.raises(PipelineRuntimeError, match="no StageSource"):
         rebuild_pipeline(pipe, _plan(2, n, "local:0"))
+
+
+class Chain(nn.Module):
+    """Four untied linear layers of different widths: every block has its own byte count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, 2 * D), nn.Linear(2 * D, 3 * D)
+        self.c, self.d = nn.Linear(3 * D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+    def pipeline_loss(self, outputs: torch.Tensor, batch) -> torch.Tensor:
+        return F.mse_loss(outputs, batch[1])
+
+
+def test_a_switch_costs_the_moved_bytes_at_the_link_rate_plus_the_measured_rebuild():
+    """switch_cost against a brute-force count: what each rank newly holds (parameters with
+    their optimizer state, at the ratio given) sent at the cluster's link, plus the running
+    pipeline's measured build time; no step time enters it."""
+    from lightning_autopipe.cluster import Cluster
+    from lightning_autopipe.runtime.replan import switch_cost
+
+    torch.manual_seed(0)
+    model, x = Chain(), torch.randn(4, D)
+    blocks = split_model(copy.deepcopy(model), (x,))
+    n = len(blocks)
+    first, second = _plan(1, n, "local:0"), _plan(n - 1, n, "local:0")
+    sent = PlanMessage.planned(first, None, 0)
+    pipe = build_local_pipeline(model, (x,), 4, AutoPipeOptions(plan=first), rank=1,
+                                world_size=2, device=CPU, broadcast=lambda o, s: sent)
+    assert pipe.build_ms > 0  # the build timed itself
+    gbps, latency_us, ratio = 0.5, 200.0, 2.0
+    pipe.cluster = Cluster.local(2, gbps=gbps, latency_us=latency_us)
+
+    def held(plan: Plan, stage: int) -> dict[str, int]:
+        part = blocks.stage(*plan.stages[stage].blocks)
+        return {part.param_names.get(k, k): p.numel() * p.element_size()
+                for k, p in part.named_parameters()}
+
+    moved = 0  # rank r holds stage r in both plans; its new stage's names it lacked arrive
+    pairs = 0
+    for stage in (0, 1):
+        old, new = held(first, stage), held(second, stage)
+        got = sum(size for name, size in new.items() if name not in old)
+        moved += int(got * (1 + ratio))
+        pairs += got > 0
+    assert moved > 0
+    want_ms = pipe.build_ms + moved * 8 / (gbps * 1e9) * 1e3 + pairs * latency_us / 1e3
+    ms, nbytes = switch_cost(pipe, second, optimizer_ratio=ratio)
+    assert nbytes == pytest.approx(moved, abs=4)  # per-tensor rounding of the state bytes
+    assert ms == pytest.approx(want_ms, rel=1e-6)
+    ms, _ = switch_cost(pipe, second, optimizer_ratio=ratio, overhead_ms=7.0)
+    assert ms == pytest.approx(want_ms - pipe.build_ms + 7.0, rel=1e-6)
+
+
+class Positions(nn.Module):
+    """A first layer that adds a non-persistent buffer (as position ids are held): it is in
+    no state dict, so no migration brings it to a rank that newly holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.register_buffer("pos", torch.arange(D, dtype=torch.float32), persistent=False)
+        self.b, self.c = nn.Linear(D, D), nn.Linear(D, D)
+
+    def reset_parameters(self) -> None:  # what re-creates the buffer on the meta device
+        with torch.no_grad():
+            self.pos.copy_(torch.arange(D, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x) + self.pos))))
+
+    def pipeline_loss(self, outputs: torch.Tensor, batch) -> torch.Tensor:
+        return F.mse_loss(outputs, batch[1])
+
+
+@pytest.mark.parametrize("construct", ["deferred_init", "meta_device"])
+def test_a_rebuilt_meta_model_s_non_persistent_buffer_is_created_as_its_initialiser_does(
+        construct):
+    from lightning_autopipe.runtime import materialize as mat
+
+    torch.manual_seed(0)
+    if construct == "deferred_init":
+        with mat.deferred_init():
+            model = Positions()
+    else:
+        with torch.device("meta"):
+            model = Positions()
+    x = torch.randn(4, D)
+    n = len(split_model(copy.deepcopy(model), (x,)))
+    first = _plan(1, n, "local:0")  # rank 1 holds [1, n): not the buffer's block
+    sent = PlanMessage.planned(first, None, 0)
+    pipe = build_local_pipeline(model, (x,), 4, AutoPipeOptions(plan=first), rank=1,
+                                world_size=2, device=CPU, broadcast=lambda o, s: sent)
+    new = rebuild_pipeline(pipe, _plan(n - 1, n, "local:1"))  # now it holds [0, n - 1)
+    got = {k: b for k, b in new.stage.named_buffers()}
+    (pos,) = [b for k, b in got.items() if k.endswith("pos")]
+    assert not pos.is_meta
+    torch.testing.assert_close(pos, torch.arange(D, dtype=torch.float32))

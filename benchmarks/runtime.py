@@ -392,6 +392,7 @@ def _profile_worker(rank: int, port: int, out: str) -> None:
     ranks profile together so the figures include the contention for the shared cores, caches
     and memory bandwidth that training sees.
     """
+    from lightning_autopipe.runtime.action_overhead import measure_action_overhead
     from lightning_autopipe.runtime.calibrate import measure_link, measure_reduce
 
     torch.set_num_threads(1)
@@ -400,6 +401,11 @@ def _profile_worker(rank: int, port: int, out: str) -> None:
     try:
         link = measure_link()
         link = (*link, measure_reduce(link))
+        # the runtime's own cost per compute action, measured on both ranks at once (the
+        # slower one's: Cluster.local is homogeneous); the plans price it on every action
+        both: list[Any] = [None] * WORLD
+        dist.all_gather_object(both, measure_action_overhead())
+        link = (*link, max(both))
     finally:
         dist.destroy_process_group()
     # One profile per micro-batch size: on a CPU a block's time is not linear in the batch
@@ -461,13 +467,14 @@ def main() -> None:
     got = json.loads(prof_out.read_text())
     prof_out.unlink()
     profiles = {int(k): Profile.from_json(v) for k, v in got["profiles"].items()}
-    latency_us, gbps, reduce = got["link"]
+    latency_us, gbps, reduce, overhead = got["link"]
     print(
         f"planning (gloo link measured: {gbps:.1f} Gb/s, {latency_us:.0f} us; all-reduce "
-        f"reduces at {reduce:.1f} Gb/s) ...",
+        f"reduces at {reduce:.1f} Gb/s; the runtime adds {overhead:.2f} ms per action) ...",
         flush=True,
     )
-    cluster = Cluster.local(WORLD, gbps=gbps, latency_us=latency_us, reduce_gbps=reduce)
+    cluster = Cluster.local(WORLD, gbps=gbps, latency_us=latency_us, reduce_gbps=reduce,
+                            overhead_ms=overhead)
     names = [d.name for d in cluster.devices]
     common = dict(devices=names, uniform_replicas=True, use_all_devices=True)
     pinned = _pinned_sliced(profiles, cluster, common)
@@ -546,7 +553,9 @@ def main() -> None:
             f"blocks profiled on both ranks at once inside whole forward/backward passes (loss "
             f"on the last block), gloo link measured at {gbps:.1f} Gb/s and {latency_us:.0f} us "
             f"per message, its all-reduce reducing at {reduce:.1f} Gb/s (the sums and copies "
-            "a gradient all-reduce does on the CPU besides moving the bytes). 'predicted ms': "
+            "a gradient all-reduce does on the CPU besides moving the bytes), the runtime's own "
+            f"cost per compute action measured at {overhead:.2f} ms (`runtime/action_overhead"
+            ".py`, priced on every F, B and W). 'predicted ms': "
             "the simulator on the profile the plans were made from "
             "(taken before the timings); 'pred. same round': on a profile taken by both ranks at "
             "the start of the round whose timing is reported (the machine's speed drifts by "

@@ -43,7 +43,7 @@ from lightning_autopipe.graph import split_model  # noqa: E402
 from lightning_autopipe.planner import make_plan  # noqa: E402
 from lightning_autopipe.planner.balance import balanced_cuts  # noqa: E402
 from lightning_autopipe.planner.layout import BlockCosts  # noqa: E402
-from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
+from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan  # noqa: E402
 from lightning_autopipe.planner.simulate import simulate  # noqa: E402
 from lightning_autopipe.profile import Profile, median_profile  # noqa: E402
 from lightning_autopipe.runtime import monitor  # noqa: E402
@@ -60,6 +60,16 @@ EAGER_ZB = "AutoPipe pinned 2 stages, ZB-H1 sliced"
 COMPILED_SINGLE = "single process, compiled"
 COMPILED_PIPE = EAGER_PIPE + ", compiled"
 COMPILED_ZB = EAGER_ZB + ", compiled"
+#: torch's schedules of two stages per rank, with the placement of their four stages
+TORCH_MULTI = {"zbv": "V: stages 0+3 / 1+2", "dualpipev": "V: stages 0+3 / 1+2",
+               "interleaved-zb": "0+2 / 1+3"}
+#: AutoPipe's chunked rows: (schedule, chunks per rank, pinned m or None for the planner's)
+CHUNKED = {
+    "AutoPipe pinned 2x2 chunks, ZB-V": ("zbv", 2, None),
+    "AutoPipe pinned 2x2 chunks, ZB-V m=4": ("zbv", 2, 4),
+    "AutoPipe pinned 2x2 chunks, interleaved 1F1B": ("interleaved-1f1b", 2, None),
+    "AutoPipe pinned 2x2 chunks, interleaved 1F1B m=4": ("interleaved-1f1b", 2, 4),
+}
 
 
 class GPTTask(nn.Module):
@@ -236,12 +246,13 @@ def _make_pipelining(rank: int, cut: int, schedule: str, m: int) -> Any:
 def _make_pipelining_multi(rank: int, cuts: list[int], schedule: str, m: int) -> Any:
     """torch's zero-bubble schedules: two stages per rank (four stages over two ranks).
 
-    ``ScheduleZBVZeroBubble`` places them in a V (rank 0: stages 0 and 3, rank 1: 1 and 2),
-    ``ScheduleInterleavedZeroBubble`` round robin (rank r: stages r and r + 2); ``cuts`` are a
-    time-balanced four-way split of the same blocks.
+    ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` place them in a V (rank 0: stages 0
+    and 3, rank 1: 1 and 2), ``ScheduleInterleavedZeroBubble`` round robin (rank r: stages r
+    and r + 2); ``cuts`` are a time-balanced four-way split of the same blocks.
     """
     from torch.distributed.pipelining import (
         PipelineStage,
+        ScheduleDualPipeV,
         ScheduleInterleavedZeroBubble,
         ScheduleZBVZeroBubble,
     )
@@ -249,9 +260,10 @@ def _make_pipelining_multi(rank: int, cuts: list[int], schedule: str, m: int) ->
     module = GPTTask()
     x, y = _data()
     blocks = split_model(module, (x[:PROFILE_MB],))
-    mine = (0, 3) if schedule == "zbv" else (0, 2)
+    v_shape = schedule in ("zbv", "dualpipev")
+    mine = (0, 3) if v_shape else (0, 2)
     if rank == 1:
-        mine = (1, 2) if schedule == "zbv" else (1, 3)
+        mine = (1, 2) if v_shape else (1, 3)
     stages = [PipelineStage(blocks.stage(cuts[i], cuts[i + 1]), i, 4, torch.device("cpu"))
               for i in mine]
 
@@ -259,12 +271,13 @@ def _make_pipelining_multi(rank: int, cuts: list[int], schedule: str, m: int) ->
         logits = out[0] if isinstance(out, tuple | list) else out
         return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
 
-    cls = ScheduleZBVZeroBubble if schedule == "zbv" else ScheduleInterleavedZeroBubble
+    cls = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV,
+           "interleaved-zb": ScheduleInterleavedZeroBubble}[schedule]
     sched = cls(stages, m, loss_fn=loss_fn)
     params = list({id(p): p for st in stages for p in st.submod.parameters()}.values())
     opt = torch.optim.SGD(params, lr=LR)
     first = rank == 0  # holds stage 0 (inputs) under both placements; stage 3 (loss) too for V
-    last = (rank == 0) if schedule == "zbv" else (rank == 1)
+    last = (rank == 0) if v_shape else (rank == 1)
 
     def step() -> None:
         kwargs: dict[str, Any] = {}
@@ -288,7 +301,7 @@ def _make(rank: int, job: dict) -> Any:
         return _make_ddp(rank)
     if kind == "autopipe":
         return _make_autopipe(rank, job["plan"], job.get("compile", False))
-    if kind in ("zbv", "interleaved-zb"):
+    if kind in TORCH_MULTI:
         return _make_pipelining_multi(rank, job["cuts"], kind, job["m"])
     return _make_pipelining(rank, job["cut"], kind, job["m"])
 
@@ -379,6 +392,7 @@ def _profile_worker(rank: int, port: int, out: str) -> None:
     ranks profile together so the figures include the contention for the shared cores, caches
     and memory bandwidth that training sees.
     """
+    from lightning_autopipe.runtime.action_overhead import measure_action_overhead
     from lightning_autopipe.runtime.calibrate import measure_link, measure_reduce
 
     torch.set_num_threads(1)
@@ -387,6 +401,11 @@ def _profile_worker(rank: int, port: int, out: str) -> None:
     try:
         link = measure_link()
         link = (*link, measure_reduce(link))
+        # the runtime's own cost per compute action, measured on both ranks at once (the
+        # slower one's: Cluster.local is homogeneous); the plans price it on every action
+        both: list[Any] = [None] * WORLD
+        dist.all_gather_object(both, measure_action_overhead())
+        link = (*link, max(both))
     finally:
         dist.destroy_process_group()
     # One profile per micro-batch size: on a CPU a block's time is not linear in the batch
@@ -448,13 +467,14 @@ def main() -> None:
     got = json.loads(prof_out.read_text())
     prof_out.unlink()
     profiles = {int(k): Profile.from_json(v) for k, v in got["profiles"].items()}
-    latency_us, gbps, reduce = got["link"]
+    latency_us, gbps, reduce, overhead = got["link"]
     print(
         f"planning (gloo link measured: {gbps:.1f} Gb/s, {latency_us:.0f} us; all-reduce "
-        f"reduces at {reduce:.1f} Gb/s) ...",
+        f"reduces at {reduce:.1f} Gb/s; the runtime adds {overhead:.2f} ms per action) ...",
         flush=True,
     )
-    cluster = Cluster.local(WORLD, gbps=gbps, latency_us=latency_us, reduce_gbps=reduce)
+    cluster = Cluster.local(WORLD, gbps=gbps, latency_us=latency_us, reduce_gbps=reduce,
+                            overhead_ms=overhead)
     names = [d.name for d in cluster.devices]
     common = dict(devices=names, uniform_replicas=True, use_all_devices=True)
     pinned = _pinned_sliced(profiles, cluster, common)
@@ -474,6 +494,8 @@ def main() -> None:
          _variant(zb, startup_slices=1, drain_slices=1)),
         ("AutoPipe runtime, equal-layer split", equal),
         ("AutoPipe all auto", auto),
+        *((name, _chunked_plan(profiles, cluster, names, *spec))
+          for name, spec in CHUNKED.items()),
     ]
     jobs: list[dict] = [
         {"name": "single process", "kind": "single"},
@@ -494,7 +516,7 @@ def main() -> None:
         for m in (4, 8, 16):
             jobs.append({"name": f"pipelining {sched} m={m}", "kind": sched, "cut": cut, "m": m})
     cuts4 = balanced_cuts(BlockCosts.from_profile(profiles[PROFILE_MB]).compute, [1.0] * 4)
-    for sched in ("zbv", "interleaved-zb"):
+    for sched in TORCH_MULTI:
         for m in (4, 8):
             jobs.append({"name": f"pipelining {sched} m={m}", "kind": sched, "cuts": cuts4,
                          "m": m})
@@ -531,7 +553,9 @@ def main() -> None:
             f"blocks profiled on both ranks at once inside whole forward/backward passes (loss "
             f"on the last block), gloo link measured at {gbps:.1f} Gb/s and {latency_us:.0f} us "
             f"per message, its all-reduce reducing at {reduce:.1f} Gb/s (the sums and copies "
-            "a gradient all-reduce does on the CPU besides moving the bytes). 'predicted ms': "
+            "a gradient all-reduce does on the CPU besides moving the bytes), the runtime's own "
+            f"cost per compute action measured at {overhead:.2f} ms (`runtime/action_overhead"
+            ".py`, priced on every F, B and W). 'predicted ms': "
             "the simulator on the profile the plans were made from "
             "(taken before the timings); 'pred. same round': on a profile taken by both ranks at "
             "the start of the round whose timing is reported (the machine's speed drifts by "
@@ -594,10 +618,37 @@ def _auto(profiles: dict[int, Any], cluster: Cluster, common: dict) -> Plan:
     return min(plans, key=lambda p: p.iteration_ms)
 
 
+def _chunked_plan(profiles: dict[int, Any], cluster: Cluster, names: list[str], schedule: str,
+                  v: int, m: int | None) -> Plan:
+    """The AutoPipe partitioner's plan of 2 ranks x ``v`` chunks under ``schedule``: the
+    chunk cuts (each rank's share of the work from the profile, walked to the fast model's
+    local optimum) and the startup/drain slices that the search's chunked step
+    (:mod:`~lightning_autopipe.planner.vsearch`) picks, each m priced on its own micro-batch
+    size's profile; the fastest simulated of m in {4, 8, 16} unless ``m`` is pinned.
+
+    The search itself may prefer another number of chunks (``v`` is its choice); the rows pin
+    it so that they compare with torch's two-stages-per-rank schedules like for like.
+    """
+    from lightning_autopipe.planner.search import finish_plan
+    from lightning_autopipe.planner.vsearch import _chunked
+
+    plans = []
+    for mm in (m,) if m else (4, 8, 16):
+        prof = profiles[BATCH // mm]
+        costs = BlockCosts.from_profile(prof, cluster)
+        base = Proposal([[names[0]], [names[1]]], [0, 1, costs.num_blocks], mm, 2)
+        _, prop = _chunked(costs, cluster, base, BATCH, 2.0, schedule, v)
+        plans.append(finish_plan(prop, "autopipe", prof, cluster, BATCH))
+    return min(plans, key=lambda p: p.iteration_ms)
+
+
 def _describe(plan: Plan) -> str:
     cuts = "/".join(str(s.blocks[1] - s.blocks[0]) for s in plan.stages)
+    shape = f"{plan.num_stages}x{plan.replicas}"
+    if plan.chunks_per_rank > 1:
+        shape = f"{plan.num_ranks} ranks x {plan.chunks_per_rank} chunks ({plan.placement})"
     return (
-        f"{plan.num_stages}x{plan.replicas}, blocks {cuts}, m={plan.num_microbatches}, "
+        f"{shape}, blocks {cuts}, m={plan.num_microbatches}, "
         f"k={plan.startup_slices}, j={plan.drain_slices}, {plan.schedule}"
     )
 
@@ -636,7 +687,7 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
         for m in (4, 8, 16):
             name = f"pipelining {sched} m={m}"
             lines.append(row(name, f"2x1, blocks {cut}/{len(blocks) - cut}", measured[name]))
-    for sched, place in (("zbv", "V: stages 0+3 / 1+2"), ("interleaved-zb", "0+2 / 1+3")):
+    for sched, place in TORCH_MULTI.items():
         for m in (4, 8):
             name = f"pipelining {sched} m={m}"
             if name in measured:
@@ -654,9 +705,15 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
         }),
     ]
     b1_name, b1 = best("1f1b")
-    zb_rows = [n for n in measured if n.startswith("pipelining z") or
-               n.startswith("pipelining interleaved")]
+    zb_rows = [f"pipelining {s} m={m}" for s in TORCH_MULTI for m in (4, 8)]
+    zb_rows = [n for n in zb_rows if n in measured]
     zb_name = min(zb_rows, key=measured.__getitem__) if zb_rows else None
+    chunked = [n for n in CHUNKED if n in measured]
+    ch_name = min(chunked, key=measured.__getitem__) if chunked else None
+    ch4 = [n for n in chunked if CHUNKED[n][2] == 4]
+    ch4_name = min(ch4, key=measured.__getitem__) if ch4 else None
+    zb4 = [n for n in zb_rows if n.endswith("m=4")]
+    zb4_name = min(zb4, key=measured.__getitem__) if zb4 else None
     pinned = measured[rows[0][0]]
     auto = measured[next(name for name, _ in rows if name == "AutoPipe all auto")]
     worst = max(abs(r - 1) for r in same_round_ratios)
@@ -669,6 +726,14 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
         *([f"| pinned AutoPipe / best torch zero-bubble ({zb_name}) | "
            f"{measured[zb_name] / pinned:.3f}x | >= 1.00x |"] if zb_name else []),
         f"| auto AutoPipe / DDP | {measured['DDP'] / auto:.3f}x | >= 0.95x |",
+        *([f"| best chunked AutoPipe ({ch_name}) / single process | "
+           f"{single / measured[ch_name]:.2f}x | >= 1.85x |"] if ch_name else []),
+        *([f"| best chunked AutoPipe ({ch_name}) / best torch zero-bubble ({zb_name}) | "
+           f"{measured[zb_name] / measured[ch_name]:.3f}x | >= 1.05x |"]
+          if ch_name and zb_name else []),
+        *([f"| chunked AutoPipe at m=4 ({ch4_name}) / torch zero-bubble at m=4 ({zb4_name}) | "
+           f"{measured[zb4_name] / measured[ch4_name]:.3f}x | (like for like) |"]
+          if ch4_name and zb4_name else []),
         f"| largest measured/predicted gap, same-round profile | {worst:.1%} | <= 5% |",
     ]
     return lines

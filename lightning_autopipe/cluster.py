@@ -176,13 +176,15 @@ class Cluster:
         gbps: float = 2.0,
         latency_us: float = 50.0,
         reduce_gbps: float = math.inf,
+        overhead_ms: float = 0.0,
     ) -> Cluster:
         """The launched processes as one homogeneous server named ``local``.
 
         The defaults describe CPU processes talking through gloo on one machine (about 2 Gb/s
         and 50 us per message, measured on the development machines) with the all-reduce's own
         work left out; the strategy measures all three instead
-        (:mod:`lightning_autopipe.runtime.calibrate`).
+        (:mod:`lightning_autopipe.runtime.calibrate`). ``overhead_ms``: the runtime's own
+        cost per compute action (:mod:`lightning_autopipe.runtime.action_overhead` measures it).
         """
         if world_size < 1:
             raise ClusterError(f"Cluster.local needs world_size >= 1, got {world_size}")
@@ -195,7 +197,8 @@ class Cluster:
             count=1,
             gpus=int(world_size),
             device=DeviceSpec(
-                device_name, float(speed), float(memory_gb), reduce_gbps=float(reduce_gbps)
+                device_name, float(speed), float(memory_gb), overhead_ms=float(overhead_ms),
+                reduce_gbps=float(reduce_gbps),
             ),
             levels=(Level(int(world_size), float(gbps), float(latency_us)),),
         )

@@ -10,6 +10,7 @@ switch. Step 0 (lazy initialisation) is left out of every median.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -166,6 +167,12 @@ def _slowed(runs: dict[str, Any], segs: dict[str, list[Segment]], single: float)
     lines += ["", f"targets: auto after its last switch {x:.3f}x one process (>= {TARGET_X}: "
               f"{_mark(x >= TARGET_X)}; off: {off_x:.3f}x); measured / predicted {ratio:.3f} "
               f"(within {TARGET_PRED:.0%}: {_mark(abs(ratio - 1) <= TARGET_PRED)})"]
+    repriced = _repriced(sa)
+    if repriced is not None:
+        step, pred, meas = repriced
+        lines.append(f"(the running plan re-priced on the speeds measured at the check after "
+                     f"step {step}: predicted {pred:.0f} ms, measured {meas:.0f} ms, measured / "
+                     f"predicted {meas / pred:.3f})")
     if "single-near" in runs:
         lines.append("(x one process: against one process timed just before and after each "
                      "run, " + ", ".join(f"{k} {_near(runs, k, single):.0f} ms"
@@ -177,6 +184,22 @@ def _slowed(runs: dict[str, Any], segs: dict[str, list[Segment]], single: float)
                          "load on the fast core hid it, so its rows do not test the slowed case")
     lines.append("")
     return lines + _switch_table({"slowed-auto": sa}, segs, None, None)
+
+
+def _repriced(run: Sequence[dict]) -> tuple[int, float, float] | None:
+    """(step, predicted, measured ms) of the last re-plan check that priced the running plan
+    itself on the measured speeds after the last switch (its verdict: the plan for them is the
+    running one), or
+    None: the closed loop's own prediction of the step, beside the one made at plan time."""
+    every = run[0].get("verdicts", [])
+    last_switch = max((v["step"] for v in every if v["switch"]), default=-1)
+    verdicts = [v for v in every if v["step"] > last_switch
+                and "is the running one" in v.get("reason", "")
+                and math.isfinite(v.get("candidate_ms", math.nan))]
+    if not verdicts:
+        return None
+    v = verdicts[-1]
+    return v["step"], v["candidate_ms"], v["measured_ms"]
 
 
 def _drift(runs: dict[str, Any], segs: dict[str, list[Segment]], drift: Sequence[int],

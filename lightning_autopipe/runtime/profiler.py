@@ -203,9 +203,12 @@ def _time_split(runs: list[_BlockRun], dev: torch.device, repeats: int, n: int) 
     """Median input and weight parts of every block's backward over ``repeats`` passes."""
     _split_pass(runs, dev, n)  # warm-up
     passes = [_split_pass(runs, dev, n) for _ in range(repeats)]
-    for b, run in enumerate(runs):
-        run.b_in = statistics.median(p[b][0] for p in passes)
-        run.b_w = max(statistics.median(p[b][1] for p in passes), _MIN_MS)
+    parts = [(statistics.median(p[b][0] for p in passes),
+              statistics.median(p[b][1] for p in passes)) for b in range(len(runs))]
+    factor = _preemption_factor([[sum(t) for t in p] for p in passes], [sum(t) for t in parts])
+    for run, (b_in, b_w) in zip(runs, parts):
+        run.b_in = b_in * factor
+        run.b_w = max(b_w * factor, _MIN_MS)
 
 
 def _half(values: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
@@ -289,7 +292,26 @@ def _chain_medians(
             if got
             else None
         )
-    return out
+    factor = _preemption_factor([[sum(t) for t in p if t is not None] for p in passes],
+                                [sum(t) for t in out if t is not None])
+    return [None if t is None else (t[0] * factor, t[1] * factor) for t in out]
+
+
+def _preemption_factor(passes: list[list[float]], medians: list[float]) -> float:
+    """How much longer a whole pass takes than the sum of its blocks' median times: the median
+    over passes of each pass's summed block times, over the sum of the block medians.
+
+    On a core shared with another process the scheduler hands out time slices of a few
+    milliseconds, so most short block timings run uninterrupted and their medians say "full
+    speed", while the preemptions land in a few blocks of every pass. A pass spans many slices,
+    so its summed time is the core share the rank really gets (the share training sees); its
+    median over passes still ignores one disturbed pass. On an unshared device the two agree
+    (the factor is about 1)."""
+    total = sum(medians)
+    sums = [sum(p) for p in passes if p]
+    if total <= 0 or not sums:
+        return 1.0
+    return statistics.median(sums) / total
 
 
 def _time_chain(

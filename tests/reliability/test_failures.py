@@ -53,7 +53,10 @@ def _run_failure(tmp_path: Path, case: str) -> tuple[int, str, float]:
     for p in lingering:
         psutil.Process(p).kill()
     assert not lingering, f"ranks {lingering} outlived the job:\n{log.read_text()[-3000:]}"
-    injected = float((tmp_path / "injected_at").read_text())
+    marker = tmp_path / "injected_at"
+    assert marker.exists(), (
+        f"the job ended before the failure was injected:\n{log.read_text()[-3000:]}")
+    injected = float(marker.read_text())
     return rc, log.read_text(), ended - injected
 
 

@@ -44,6 +44,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 __all__ = ["MemoryMeter", "MemoryReading", "format_readings"]
 
 GiB = 2**30
+#: The innermost saved-tensor hooks (pack, unpack), or None; checkpoint reads them the same way.
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,9 @@ class _Recounting:
     saved tensor goes to it as a fresh detached alias, which checkpoint keeps as it is (it
     needs no grad), and the count is released when that alias dies, when checkpoint's cache
     and the backward are both done with it. Outside a recomputation, or once the measured
-    step has ended, it does nothing.
+    step has ended, it does nothing; so too under a torch without the function that reads
+    the innermost saved-tensor hooks (``torch._C._autograd._top_saved_tensors_default_hooks``,
+    which checkpoint itself uses), where the recomputation goes uncounted.
     """
 
     def __init__(self, meter: MemoryMeter) -> None:
@@ -280,7 +284,7 @@ class _Recounting:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def __enter__(self) -> _Recounting:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        top = _top_hooks(False) if _top_hooks is not None else None
         if top is None or not self.meter.counts_recomputation:
             return self
         pack, unpack = top

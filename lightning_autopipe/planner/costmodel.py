@@ -301,7 +301,9 @@ def memory_of(
         mem, once = per_mb * x.scale[s], once * x.scale[s]
         if recompute and recompute[s]:
             inputs = costs.act[i - 1] * x.scale[s] if i > 0 else 0.0
-            mem, again = recompute_memory(mem, inputs)
+            kept = ((costs.shared[i + 1] - costs.shared[i]) * x.scale[s]
+                    if i > 0 and costs.shared else 0.0)
+            mem, again = recompute_memory(mem, inputs, kept)
             once = once + again
         peak = peak_memory_bytes(costs.params[j] - costs.params[i], mem, held[s],
                                  optimizer_factor, once)

@@ -25,7 +25,8 @@ through these functions, so a change to how something costs is a change in one p
   :func:`unit_prices`, the one place the fast model and the simulator take them from.
 * **Activation recomputation** of a stage (chosen only when nothing fits otherwise): each unit
   in flight holds only the stage's inputs and one micro-batch's activations live again while
-  its backward runs (:func:`recompute_memory`); its time is in :func:`unit_prices`.
+  its backward runs, the inputs among them counted once (:func:`recompute_memory`); its time
+  is in :func:`unit_prices`.
 
 Pure functions over numbers and a :class:`~lightning_autopipe.cluster.Cluster`; no torch.
 """
@@ -205,16 +206,21 @@ def stage_memory(mem: Any, shared: Any, i: Any, j: Any, num_microbatches: int) -
     return held - first, first * num_microbatches
 
 
-def recompute_memory(memory_bytes: Any, input_bytes: Any) -> tuple[Any, Any]:
+def recompute_memory(
+    memory_bytes: Any, input_bytes: Any, kept_bytes: Any = 0
+) -> tuple[Any, Any]:
     """A stage that recomputes its activations: (bytes one unit holds in flight, bytes held
     once).
 
     A unit in flight keeps only the stage's ``input_bytes`` (the boundary tensors it
-    received); while one backward runs, one micro-batch's ``memory_bytes`` live again. Its
+    received); while one backward runs, one micro-batch's ``memory_bytes`` live again, less
+    ``kept_bytes``: the part of them that is the stage's inputs as its first block saves
+    them (that block's ``shared_input_bytes``), storages the unit holds already and the
+    recomputation saves again, one storage counted once as the memory meter counts it. Its
     time is :func:`unit_prices` with ``recompute``. For schedules whose backward is not
     split: a split one would hold the recomputed activations until each weight backward.
     """
-    return input_bytes, memory_bytes
+    return input_bytes, memory_bytes - kept_bytes
 
 
 # ---------------------------------------------------------------------------- unit prices

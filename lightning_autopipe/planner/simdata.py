@@ -165,8 +165,10 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
     for s, st in enumerate(plan.stages):
         if plan.recomputes(s):
             c, i = out[s], st.blocks[0]
+            # the first stage's saved inputs are the batch, in c.once_bytes already
             inputs = profile.blocks[i - 1].activation_bytes if i > 0 else 0
-            held, once = recompute_memory(c.memory_bytes, inputs)
+            kept = profile.blocks[i].shared_input_bytes if i > 0 else 0
+            held, once = recompute_memory(c.memory_bytes, inputs, kept)
             out[s] = replace(c, memory_bytes=held, once_bytes=once + c.once_bytes,
                              recompute=True)
     return out

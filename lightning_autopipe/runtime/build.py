@@ -217,7 +217,8 @@ def build_pipeline(
         meter = MemoryMeter(list(stage.parameters()), device, predicted=predicted, rank=rank,
                             stage=layout.stage)
     module = source.module
-    runs = {c: _compiled(Recomputed(part) if plan.recomputes(c) else part, plan, options, c)
+    runs = {c: _compiled(Recomputed(part, meter) if plan.recomputes(c) else part, plan,
+                          options, c)
             for c, part in parts.items()}
     row = layout.stage
     executor = PipelineExecutor(

@@ -15,10 +15,14 @@ only after its first step):
   moment it is saved until the autograd graph lets it go, which is what the profiler's
   ``memory_bytes`` measures per block, so prediction and measurement count alike. The hook
   keeps a detached alias: a saved output kept with its ``grad_fn`` would make a reference
-  cycle through autograd that outlives a split backward's W. Not seen: temporaries freed
-  within an op, the messages in transit, the gradients a split backward's B keeps for its W,
-  and the activations a recomputing stage re-creates during one backward (its saved inputs are
-  counted).
+  cycle through autograd that outlives a split backward's W. A recomputing stage
+  (:mod:`~lightning_autopipe.runtime.recompute`) saves only its inputs in the forward: those
+  are counted there; what its backward re-creates is counted by
+  :meth:`MemoryMeter.recompute_contexts`, the recompute context it hands
+  ``torch.utils.checkpoint``: each storage the recomputed forward saves counts from the
+  recomputation until checkpoint's cache and the backward let it go (a storage counted
+  already, such as the stage's saved input, once). Not seen: temporaries freed within an op,
+  the messages in transit and the gradients a split backward's B keeps for its W.
 
 After the measured step every rank's reading is gathered (a collective inside the step, which
 every rank runs) and rank 0 logs one table; :attr:`MemoryMeter.readings` keeps it.
@@ -26,8 +30,9 @@ every rank runs) and rank 0 logs one table; :attr:`MemoryMeter.readings` keeps i
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +44,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 __all__ = ["MemoryMeter", "MemoryReading", "format_readings"]
 
 GiB = 2**30
+#: The innermost saved-tensor hooks (pack, unpack), or None; checkpoint reads them the same way.
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,19 @@ class MemoryMeter:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield
 
+    @property
+    def counts_recomputation(self) -> bool:
+        """Whether a recomputing stage should hand checkpoint :meth:`recompute_contexts` now
+        (while measuring, on the CPU: the CUDA allocator sees the recomputation itself)."""
+        return self._active and self.device.type != "cuda"
+
+    def recompute_contexts(self) -> tuple[AbstractContextManager, AbstractContextManager]:
+        """``context_fn`` of ``torch.utils.checkpoint``: (forward context, recompute context).
+
+        The forward needs nothing (:meth:`saving` counts the inputs checkpoint saves); the
+        recompute context counts what the recomputation saves (:class:`_Recounting`)."""
+        return nullcontext(), _Recounting(self)
+
     def end_step(self) -> None:
         """The step's gradients are final: take the reading and report it (collective)."""
         if not self._active:
@@ -190,9 +210,17 @@ class MemoryMeter:
 
     # ---------------------------------------------------------------------------- internals
     def _pack(self, t: Tensor) -> Any:
+        if not self._count(t):
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        return _Saved(t.detach(), ptr, self)  # no cycle through a saved output's grad_fn
+
+    def _count(self, t: Tensor) -> bool:
+        """Count ``t``'s storage as held (once however many saves share it); False when it is
+        not counted (a parameter, no storage, empty): then nothing is to be dropped."""
         key = _storage_key(t)
         if key is None or key[0] in self._skip or key[1] == 0:
-            return t
+            return False
         ptr, nbytes = key
         entry = self._held.get(ptr)
         if entry is None:
@@ -201,7 +229,7 @@ class MemoryMeter:
             self._peak = max(self._peak, self._current)
         else:
             entry[1] += 1
-        return _Saved(t.detach(), ptr, self)  # no cycle through a saved output's grad_fn
+        return True
 
     def _drop(self, ptr: int) -> None:
         entry = self._held.get(ptr)
@@ -234,6 +262,48 @@ class MemoryMeter:
             if p.grad is not None and (k := _storage_key(p.grad)) is not None:
                 grads[k[0]] = k[1]
         return params, sum(grads.values()), self._optimizer_bytes
+
+
+class _Recounting:
+    """Around a recomputed forward (checkpoint enters it inside the backward): counts each
+    tensor the recomputation saves until it is let go.
+
+    Checkpoint saves them with its own saved-tensor hook, pushed just before this context is
+    entered, which keeps each in a cache until the backward unpacks it; a hook of the meter's
+    in its place would take the tensors from that cache. So the context wraps that hook: each
+    saved tensor goes to it as a fresh detached alias, which checkpoint keeps as it is (it
+    needs no grad), and the count is released when that alias dies, when checkpoint's cache
+    and the backward are both done with it. Outside a recomputation, or once the measured
+    step has ended, it does nothing; so too under a torch without the function that reads
+    the innermost saved-tensor hooks (``torch._C._autograd._top_saved_tensors_default_hooks``,
+    which checkpoint itself uses), where the recomputation goes uncounted.
+    """
+
+    def __init__(self, meter: MemoryMeter) -> None:
+        self.meter = meter
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def __enter__(self) -> _Recounting:
+        top = _top_hooks(False) if _top_hooks is not None else None
+        if top is None or not self.meter.counts_recomputation:
+            return self
+        pack, unpack = top
+        meter = self.meter
+
+        def counting(t: Tensor) -> Any:
+            alias = t.detach()
+            if meter._count(alias):
+                weakref.finalize(alias, meter._drop, alias.untyped_storage().data_ptr())
+            return pack(alias)
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(counting, unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
 
 
 def _unpack(saved: Any) -> Tensor:

@@ -20,18 +20,22 @@ from lightning_autopipe.profile import BlockProfile, Profile
 MB = 2**20
 
 
-def _profile(n: int = 8, seed: int = 0, params: int = 4 * MB) -> Profile:
-    """Blocks of ``params`` bytes whose activations (8 MB a micro-batch) dominate memory."""
+def _profile(n: int = 8, seed: int = 0, params: int = 4 * MB, shared: int = 0) -> Profile:
+    """Blocks of ``params`` bytes whose activations (8 MB a micro-batch) dominate memory;
+    every block after the first saves ``shared`` bytes of its input that the one before
+    saves too."""
     rng = random.Random(seed)
     blocks = [BlockProfile(f"b{i}", rng.uniform(1, 2), rng.uniform(2, 4), params, MB // 4,
-                           8 * MB, forward_fixed_ms=0.1, backward_fixed_ms=0.2)
+                           8 * MB, forward_fixed_ms=0.1, backward_fixed_ms=0.2,
+                           shared_input_bytes=shared if i else 0)
               for i in range(n)]
     return Profile("p", 4, "ref", blocks)
 
 
+@pytest.mark.parametrize("shared", [0, MB // 8], ids=["unshared", "shared"])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_the_fast_model_prices_recomputation_as_the_simulator(schedule):
-    prof = _profile()
+def test_the_fast_model_prices_recomputation_as_the_simulator(schedule, shared):
+    prof = _profile(shared=shared)
     costs = BlockCosts.from_profile(prof)
     rng = random.Random(1)
     for stages, m in itertools.product((1, 2, 4), (1, 3, 6)):
@@ -61,6 +65,11 @@ def test_the_fast_model_prices_recomputation_as_the_simulator(schedule):
                 mem = sum(b.memory_bytes for b in prof.blocks[i:j])
                 assert sim.peak_memory_bytes[dev] < plain.peak_memory_bytes[dev] or m == 1
                 assert sim.peak_memory_bytes[dev] <= 4 * params + inputs * m + mem + 1
+                if schedule == "gpipe" and i > 0:  # every unit in flight, one re-created
+                    held = mem - sum(b.shared_input_bytes for b in prof.blocks[i + 1:j])
+                    again = held - prof.blocks[i].shared_input_bytes  # its input once
+                    want = 4 * params + inputs * m + again
+                    assert sim.peak_memory_bytes[dev] == pytest.approx(want, abs=2), case
             else:
                 assert sim.stage_ms[s] == pytest.approx(plain.stage_ms[s], rel=1e-9)
 

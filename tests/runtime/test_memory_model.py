@@ -5,8 +5,9 @@ in training step 2 (Adam state present): parameters, gradients, optimizer state 
 the saved activations, counted by storage. The prediction is the simulator's, from a profile
 taken here: :func:`~lightning_autopipe.planner.simulate.simulate` on the given plan. The
 shared 2-rank gloo world runs every case: GPT and a BatchNorm CNN, each under 1F1B, GPipe,
-ZB-H1 (its activations held from F to W) and 1F1B with recomputation, micro-batch 0 in 2
-slices.
+ZB-H1 (its activations held from F to W), and 1F1B and GPipe with recomputation (the meter
+counts what each backward re-creates), micro-batch 0 in 2 slices. ZB-H1 with recomputation
+is no plan (``Plan`` refuses it: tests/planner/test_recompute.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from tests.runtime import _memory_world as MW
 from tests.runtime import _meta as W
 
 M, K = 4, 2
-SCHEDULES = [("1f1b", False), ("gpipe", False), ("zb-h1", False), ("1f1b", True)]
+SCHEDULES = [("1f1b", False), ("gpipe", False), ("zb-h1", False), ("1f1b", True),
+             ("gpipe", True)]
+CASES = ["1f1b", "gpipe", "zb-h1", "1f1b-recompute", "gpipe-recompute"]
 TOLERANCE = 0.10
 
 pytestmark = pytest.mark.slow
@@ -41,14 +44,6 @@ def _profile(kind: str):
         return module.pipeline_loss(blocks.unflatten_outputs(outs), tuple(t[:n] for t in part))
 
     return profile_blocks(blocks, W.example(kind, part), repeats=1, loss_fn=loss)
-
-
-def _stage_unit_bytes(profile, lo: int, hi: int) -> float:
-    """One whole micro-batch's saved activations on blocks [lo, hi), a shared storage once
-    (what a recomputing stage holds again while one backward runs)."""
-    bl = profile.blocks[lo:hi]
-    first = bl[0].shared_input_bytes if lo == 0 else 0
-    return sum(b.memory_bytes for b in bl) - sum(b.shared_input_bytes for b in bl[1:]) - first
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +67,7 @@ def measured(gloo):
 
 
 @pytest.mark.parametrize("model", ["gpt", "cnn_bn"])
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+@pytest.mark.parametrize("schedule", CASES)
 def test_predicted_peak_is_within_ten_percent_of_measured_per_stage(measured, model, schedule):
     cases, readings = measured
     plan, _, predicted = cases[f"{model}-{schedule}"]
@@ -89,17 +84,11 @@ def test_predicted_peak_is_within_ten_percent_of_measured_per_stage(measured, mo
 
 
 @pytest.mark.parametrize("model", ["gpt", "cnn_bn"])
-def test_a_recomputing_stage_holds_its_inputs_and_one_recomputed_unit(measured, model):
-    """On the CPU the meter cannot see the activations the recomputation re-creates inside a
-    backward (torch.utils.checkpoint's own saved-tensor hooks take them); what it sees - the
-    parameter state and the inputs each unit in flight keeps - must be the prediction less
-    one recomputed micro-batch, and the prediction must exceed what was seen by about it."""
-    cases, readings = measured
-    plan, profile, predicted = cases[f"{model}-1f1b-recompute"]
-    plain = cases[f"{model}-1f1b"][2]
-    for r in readings[f"{model}-1f1b-recompute"]:
-        device = plan.stages[r.stage].devices[0]
-        once = _stage_unit_bytes(profile, *plan.stages[r.stage].blocks)
-        seen = predicted[device] - once
-        assert r.measured == pytest.approx(seen, rel=TOLERANCE)
-        assert predicted[device] < plain[device] + once  # recomputing never costs more
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_recomputing_holds_fewer_activations_than_keeping_them(measured, model, schedule):
+    """Measured against measured: a recomputing stage's peak activations (its inputs in
+    flight and one unit re-created) stay under the same stage's without recomputation."""
+    _, readings = measured
+    plain = {r.stage: r for r in readings[f"{model}-{schedule}"]}
+    for r in readings[f"{model}-{schedule}-recompute"]:
+        assert 0 < r.activations < plain[r.stage].activations, r

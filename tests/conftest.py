@@ -4,13 +4,11 @@ threads competing with other processes make every op wait for the slower thread.
 launch per world size (``worlds``, :mod:`tests._worlds`), cases on gloo without Lightning one
 set of processes per size (``gloo``, :mod:`tests._gloo`).
 
-``make test`` runs :mod:`tests.suite`: two pytest processes side by side, then the tests
-marked ``serial`` alone. A test waiting on its launched ranks leaves a core idle that the other
-lane's tests fill. The ``launch`` lane holds the shared Lightning worlds and the tests marked
-``launch`` (recipes, torchrun nodes, elastic restarts, failing ranks: what starts Lightning ranks
-of its own and takes long), one after another; the other lane holds the rest (the gloo worlds
-and the shorter launches included), so the two take about as long. ``serial`` tests time
-processes against each other and must have the machine to themselves."""
+``make test`` runs :mod:`tests.suite`: three pytest lanes one after another. The ``launch``
+lane holds the shared Lightning worlds and the tests marked ``launch`` (recipes, torchrun nodes,
+elastic restarts, failing ranks: what starts Lightning ranks of its own and takes long); the
+``rest`` lane holds the rest (the gloo worlds and the shorter launches included). ``serial`` tests
+time processes against each other and must have the machine to themselves."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
-"""The whole test suite as ``make test`` runs it: two pytest lanes side by side, then the
-``serial`` tests alone.
+"""The whole test suite as ``make test`` runs it: three pytest lanes, one after another.
 
-Most of the suite's time is processes that the tests launch (Lightning worlds, torchrun nodes,
-recipes). A launch keeps both cores busy while its ranks import and trace, and leaves them idle
-while its ranks wait on each other; one pytest process running everything in order leaves one
-core idle through every single-process test. Two lanes fill those gaps with a fixed split that
-needs no plugin: the ``launch`` lane (the shared Lightning worlds and the tests marked
-``launch``, one after another, as before) beside the rest, then the ``serial`` tests (which time
-processes against each other) with the machine to themselves.
+The ``launch`` lane holds the shared Lightning worlds and the tests marked ``launch`` (what
+starts Lightning ranks of its own: recipes, torchrun nodes, elastic restarts, failing ranks),
+the ``rest`` lane everything else (the gloo worlds and the planner included), the ``serial``
+lane the tests that time processes against each other. The lanes run one at a time: on 2 cores
+the two first lanes side by side took 1296 s of CI wall time, while each alone takes 441 s and
+312 s on a 2-core machine, because a launch's 2-4 ranks wait on each other in
+every collective and a rank that the other lane's process pushes off its core stalls them all.
 
 Usage: ``python tests/suite.py [pytest arguments]`` (passed to every lane, e.g. ``-x`` or
 ``--durations=20``); the exit status is the first failing lane's.
@@ -23,7 +22,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LANES = (("launch", "launch and not serial"), ("rest", "not launch and not serial"))
+LANES = (("launch", "launch and not serial"), ("rest", "not launch and not serial"),
+         ("serial", "serial"))
 #: Each lane's pytest runs with its name here (tests/conftest.py: only ``launch`` may launch the
 #: shared Lightning worlds).
 LANE_VARIABLE = "AUTOPIPE_SUITE_LANE"
@@ -44,33 +44,15 @@ def main(args: list[str]) -> int:
     statuses = []
     with tempfile.TemporaryDirectory(prefix="autopipe-suite-") as tmp:
         root = Path(tmp)
-        start = time.monotonic()
-        running = []
         for name, marks in LANES:
+            start = time.monotonic()
             log = root / f"{name}.log"
             with open(log, "w") as out:  # a file, not a pipe: a lane never blocks on us
-                proc = subprocess.Popen(_pytest(marks, args, root / name), cwd=ROOT,
-                                        env={**os.environ, LANE_VARIABLE: name},
-                                        stdout=out, stderr=subprocess.STDOUT)
-            running.append((name, log, proc))
-        print(f"lanes {', '.join(n for n, _ in LANES)} running side by side ...", flush=True)
-        try:
-            for name, log, proc in running:
-                status = proc.wait()
-                _report(name, log, status, time.monotonic() - start)
-                statuses.append(status)
-        finally:
-            for _, _, proc in running:  # interrupted: no lane outlives the suite
-                if proc.poll() is None:
-                    proc.kill()
-        start = time.monotonic()
-        log = root / "serial.log"
-        with open(log, "w") as out:
-            status = subprocess.call(_pytest("serial", args, root / "serial"), cwd=ROOT,
-                                     env={**os.environ, LANE_VARIABLE: "serial"},
-                                     stdout=out, stderr=subprocess.STDOUT)
-        _report("serial", log, status, time.monotonic() - start)
-        statuses.append(status)
+                status = subprocess.call(_pytest(marks, args, root / name), cwd=ROOT,
+                                         env={**os.environ, LANE_VARIABLE: name},
+                                         stdout=out, stderr=subprocess.STDOUT)
+            _report(name, log, status, time.monotonic() - start)
+            statuses.append(status)
     failed = [s for s in statuses if s not in (0, 5)]
     return failed[0] if failed else 0
 

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from lightning_autopipe.extras import import_extra
 
-__all__ = ["MODEL_NAMES", "SmallCNN", "TinyGPT", "build_model"]
+__all__ = ["MODEL_NAMES", "SmallCNN", "TinyGPT", "build_model", "hf_bert", "hf_gpt2"]
 
 
 # ------------------------------------------------------------------------------------ TinyGPT
@@ -264,10 +264,51 @@ def _vit(size: str, batch: int) -> tuple[nn.Module, Inputs]:
     return model, (_images(batch, image),)
 
 
-def _gpt2(size: str, batch: int) -> tuple[nn.Module, Inputs]:
-    hf = import_extra("transformers", "Hugging Face models")
-    GPT2Config, GPT2LMHeadModel = hf.GPT2Config, hf.GPT2LMHeadModel
+def hf_gpt2(
+    vocab_size: int, n_positions: int, n_embd: int, n_layer: int, n_head: int, dropout: float,
+    **config: Any,
+) -> nn.Module:
+    """Hugging Face ``GPT2LMHeadModel`` of these sizes (random init, no key/value cache),
+    ``dropout`` on the residual, embedding and attention paths alike.
 
+    The zoo's ``gpt2`` and the recipes' ``arch: hf`` GPT both build it here; ``config`` holds
+    the further ``GPT2Config`` fields either one sets.
+    """
+    hf = import_extra("transformers", "Hugging Face models")
+    return hf.GPT2LMHeadModel(hf.GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        use_cache=False,
+        **config,
+    ))
+
+
+def hf_bert(
+    vocab_size: int, max_positions: int, n_embd: int, n_layer: int, n_head: int,
+    intermediate_size: int, dropout: float,
+) -> nn.Module:
+    """Hugging Face ``BertForMaskedLM`` of these sizes (random init), ``dropout`` on the
+    hidden and attention paths alike: the zoo's ``bert``, the recipes' BERT and the tests'."""
+    hf = import_extra("transformers", "Hugging Face models")
+    return hf.BertForMaskedLM(hf.BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=n_embd,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_positions,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    ))
+
+
+def _gpt2(size: str, batch: int) -> tuple[nn.Module, Inputs]:
     # (vocab, positions, layers, d, heads, example seq); xl is 1.5B: built only on request.
     vocab, positions, layers, d, heads, seq = _sizes(
         "gpt2",
@@ -280,27 +321,12 @@ def _gpt2(size: str, batch: int) -> tuple[nn.Module, Inputs]:
         },
     )
     drop = 0.0 if size in ("tiny", "small") else 0.1
-    config = GPT2Config(
-        vocab_size=vocab,
-        n_positions=positions,
-        n_embd=d,
-        n_layer=layers,
-        n_head=heads,
-        resid_pdrop=drop,
-        embd_pdrop=drop,
-        attn_pdrop=drop,
-        use_cache=False,
-        bos_token_id=vocab - 1,
-        eos_token_id=vocab - 1,
-    )
-    model = GPT2LMHeadModel(config)
+    model = hf_gpt2(vocab, positions, d, layers, heads, drop,
+                    bos_token_id=vocab - 1, eos_token_id=vocab - 1)
     return model, {"input_ids": _tokens(batch, seq, vocab)}
 
 
 def _bert(size: str, batch: int) -> tuple[nn.Module, Inputs]:
-    hf = import_extra("transformers", "Hugging Face models")
-    BertConfig, BertForMaskedLM = hf.BertConfig, hf.BertForMaskedLM
-
     vocab, layers, d, heads, seq = _sizes(
         "bert",
         size,
@@ -313,17 +339,7 @@ def _bert(size: str, batch: int) -> tuple[nn.Module, Inputs]:
         },
     )
     drop = 0.0 if size in ("tiny", "small") else 0.1
-    config = BertConfig(
-        vocab_size=vocab,
-        hidden_size=d,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=4 * d,
-        max_position_embeddings=max(seq, 64),
-        hidden_dropout_prob=drop,
-        attention_probs_dropout_prob=drop,
-    )
-    model = BertForMaskedLM(config)
+    model = hf_bert(vocab, max(seq, 64), d, layers, heads, 4 * d, drop)
     ids = _tokens(batch, seq, vocab)
     mask = torch.ones_like(ids)
     mask[:, -2:] = 0  # some padding, so the attention mask path is exercised

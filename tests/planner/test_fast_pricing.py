@@ -27,7 +27,7 @@ import pytest
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS
 from lightning_autopipe.planner import costmodel, make_plan
-from lightning_autopipe.planner.compiled import B, Compiled, compiled, extrapolation_point
+from lightning_autopipe.planner.compiled import B, compiled, extrapolation_point
 from lightning_autopipe.planner.costmodel import evaluate, evaluate_batch
 from lightning_autopipe.planner.extrapolate import _tail
 from lightning_autopipe.planner.layout import BlockCosts, Layout
@@ -250,30 +250,14 @@ def test_the_scalar_replay_equals_its_reference_to_the_bit(schedule):
                     _replay(short, var, call, cut, lat, ar, queue)[:2])
 
 
-def _reference_replay(
-    comp: Compiled,
-    var: list[list[float]],
-    per_call: list[list[float]],
-    cut_ms: list[float],
-    lat: tuple[float, ...],
-    ar: list[float],
-    queue: bool = True,
-    *,
-    record: list[float] | None = None,
-    resume: tuple | None = None,
-) -> tuple[list[float], list[float], list[bool]]:
-    """The scalar replay as it was before its per-action lookups were flattened (the
-    reference ``planner/scalar.py`` equals to the bit).
+def _reference_replay(comp, var, per_call, cut_ms, lat, ar, queue=True, *, record=None,
+                      resume=None):
+    """The scalar replay as it was before its per-action lookups were flattened: the
+    reference that ``planner/scalar.py``'s ``replay`` equals to the bit.
 
-    ``record`` (one slot per action) receives when each queued transfer leaves its link;
-    ``resume`` = (ends, actions still to run, each cut's link free time per direction) starts
-    from a state where the other actions have run (:class:`~.extrapolate.Tail`).
-
-    With ``queue`` each cut's link carries one transfer per direction at a time, in the
-    sender's order (startup slices leave back to back and would otherwise overtake each
-    other's bandwidth); without it transfers are independent delays (a lower bound). Not
-    modelled (the simulator has them): a stage's activations and gradients sharing one NIC,
-    and fair sharing instead of first come first served.
+    The loop stays written out here, independent of the module it checks; the arguments, the
+    results and the link model are ``scalar.replay``'s, whose docstring says what they mean,
+    so neither its typed signature nor that description is copied.
     """
     fracs = comp.fracs
     order = comp.order

@@ -36,7 +36,11 @@ from lightning_autopipe.planner.mapping import candidate_groupings, speed_order
 from lightning_autopipe.planner.polish import neighbours
 from lightning_autopipe.planner.pricing import allreduce_ms, peak_memory_bytes, unit_ms
 from lightning_autopipe.planner.scalar import replay as _replay
-from lightning_autopipe.planner.shapes import microbatch_choices, score_shapes
+from lightning_autopipe.planner.shapes import (
+    microbatch_choices,
+    score_shapes,
+    stage_replica_pairs,
+)
 
 from .search_cases import CASES, case
 from .test_search_ends import _random_cluster, _random_profile
@@ -133,56 +137,49 @@ def _reference_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_fact
     act = sum(costs.act[:-1]) / max(1, n - 1)
     mbs = costs.micro_batch_size
     out = []
-    for s in [pins["num_stages"]] if pins["num_stages"] else range(1, min(n, nd) + 1):
-        if pins["replicas"]:
-            r_list = [pins["replicas"]]
-        elif use_all:
-            r_list = [nd // s] if nd % s == 0 else []
-        else:
-            r_list = sorted({r for r in range(1, nd // s + 1) if batch % r == 0})
-        for r in r_list:
-            if s * r > nd or batch % r:
+    # which (S, R) pairs are allowed is not what this test holds: that enumeration is shared,
+    # the scores are the scalar formula written out
+    for s, r in stage_replica_pairs(pins, n, nd, batch, use_all):
+        chunks = [specs[i * r : (i + 1) * r] for i in range(s)]
+        speeds = [min(x.speed for x in c) for c in chunks]
+        cap = min(min(x.memory_bytes for x in c) for c in chunks)
+        ovh = max(x.overhead_ms for c in chunks for x in c)
+        sum_sp = sum(speeds)
+        ar = allreduce_ms(cluster, order[:r], int(params / s)) if r > 1 else 0.0
+        hop = xfer = 0.0
+        for c in range(s - 1):
+            a, b = order[c * r], order[(c + 1) * r]
+            ms = act / mbs / (cluster.bandwidth_gbps(a, b) * BYTES_PER_MS_PER_GBPS)
+            if cluster.device(a).server != cluster.device(b).server:
+                ms *= r
+            hop = max(hop, cluster.latency_us(a, b) / 1e3 + ms * mbs)
+            xfer = max(xfer, ms)
+        base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
+        fixed = min(sum(costs.fixed(0, n)) / sum_sp, base)
+
+        def tau(samples, base=base, fixed=fixed, ovh=ovh, xfer=xfer):
+            return max(unit_ms(base, fixed, samples / mbs, 1.0, 2 * ovh), xfer * samples)
+
+        def term(fill, size, pin, limit, tau=tau):
+            qs = [pin] if pin else range(1, min(limit, size) + 1)
+            return min((q + fill) * tau(size / q) for q in qs)
+
+        k_pin, j_pin = pins["startup_slices"], pins["drain_slices"]
+        limit = max_slices if s > 1 else 1
+        for m in [pins["num_microbatches"]] if pins["num_microbatches"] else (
+                microbatch_choices(batch, r)):
+            if (batch // r) % m or batch // (r * m) < max(k_pin or 1, j_pin or 1):
                 continue
-            chunks = [specs[i * r : (i + 1) * r] for i in range(s)]
-            speeds = [min(x.speed for x in c) for c in chunks]
-            cap = min(min(x.memory_bytes for x in c) for c in chunks)
-            ovh = max(x.overhead_ms for c in chunks for x in c)
-            sum_sp = sum(speeds)
-            ar = allreduce_ms(cluster, order[:r], int(params / s)) if r > 1 else 0.0
-            hop = xfer = 0.0
-            for c in range(s - 1):
-                a, b = order[c * r], order[(c + 1) * r]
-                ms = act / mbs / (cluster.bandwidth_gbps(a, b) * BYTES_PER_MS_PER_GBPS)
-                if cluster.device(a).server != cluster.device(b).server:
-                    ms *= r
-                hop = max(hop, cluster.latency_us(a, b) / 1e3 + ms * mbs)
-                xfer = max(xfer, ms)
-            base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
-            fixed = min(sum(costs.fixed(0, n)) / sum_sp, base)
-
-            def tau(samples, base=base, fixed=fixed, ovh=ovh, xfer=xfer):
-                return max(unit_ms(base, fixed, samples / mbs, 1.0, 2 * ovh), xfer * samples)
-
-            def term(fill, size, pin, limit, tau=tau):
-                qs = [pin] if pin else range(1, min(limit, size) + 1)
-                return min((q + fill) * tau(size / q) for q in qs)
-
-            k_pin, j_pin = pins["startup_slices"], pins["drain_slices"]
-            limit = max_slices if s > 1 else 1
-            for m in [pins["num_microbatches"]] if pins["num_microbatches"] else (
-                    microbatch_choices(batch, r)):
-                if (batch // r) % m or batch // (r * m) < max(k_pin or 1, j_pin or 1):
-                    continue
-                size = batch // (m * r)
-                scale = size / mbs
-                if m == 1:
-                    est = term(s - 1, size, k_pin, limit)
-                else:
-                    est = (m - 2) * tau(size) + sum(
-                        term((s - 1) / 2, size, pin, limit) for pin in (k_pin, j_pin))
-                est += 2 * (s - 1) * hop * scale + ar
-                need = peak_memory_bytes(params / s, mem / s * scale, min(s, m), optimizer_factor)
-                out.append((s, r, m, est, need <= cap))
+            size = batch // (m * r)
+            scale = size / mbs
+            if m == 1:
+                est = term(s - 1, size, k_pin, limit)
+            else:
+                est = (m - 2) * tau(size) + sum(
+                    term((s - 1) / 2, size, pin, limit) for pin in (k_pin, j_pin))
+            est += 2 * (s - 1) * hop * scale + ar
+            need = peak_memory_bytes(params / s, mem / s * scale, min(s, m), optimizer_factor)
+            out.append((s, r, m, est, need <= cap))
     return out
 
 

@@ -42,8 +42,8 @@ from lightning_autopipe.planner.shapes import (
     stage_replica_pairs,
 )
 
+from ._random import random_cluster, random_costs, random_profile
 from .search_cases import CASES, case
-from .test_search_ends import _random_cluster, _random_profile
 
 REFERENCE = Path(__file__).parent / "data" / "search_reference.json"
 
@@ -77,10 +77,7 @@ def test_level_replay_equals_the_scalar_replay_to_the_bit(schedule):
 @pytest.mark.parametrize("seed", range(6))
 def test_evaluate_batch_equals_evaluate_one_by_one(seed, monkeypatch):
     rng = random.Random(300 + seed)
-    profile = _random_profile(rng, rng.randint(30, 90))
-    cluster = _random_cluster(rng)
-    costs = BlockCosts.from_profile(profile)
-    devs = [d.name for d in cluster.devices]
+    profile, cluster, costs, devs = random_costs(rng, rng.randint(30, 90))
     stages = rng.randint(2, min(12, len(devs)))
     m = rng.choice([1, stages, 3 * stages + 9])  # past the extrapolation point too
     batch = m * rng.choice([2, 4])  # two startup / drain slices need two samples
@@ -108,8 +105,8 @@ def test_a_kept_estimate_is_the_estimate_and_keeps_its_critical_path():
     anew, also on an equal layout built again; one priced without its critical path does not
     answer a request for it."""
     rng = random.Random(77)
-    profile = _random_profile(rng, 40)
-    cluster = _random_cluster(rng)
+    profile = random_profile(rng, 40)
+    cluster = random_cluster(rng)
     devs = [d.name for d in cluster.devices]
     groups = next(iter(candidate_groupings(cluster, devs, 2, 1).values()))
     layout = Layout.from_cluster(cluster, groups)
@@ -186,10 +183,7 @@ def _reference_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_fact
 @pytest.mark.parametrize("seed", range(12))
 def test_array_shape_scores_equal_the_scalar_closed_form(seed):
     rng = random.Random(900 + seed)
-    profile = _random_profile(rng, rng.randint(5, 120))
-    cluster = _random_cluster(rng)
-    costs = BlockCosts.from_profile(profile)
-    devs = [d.name for d in cluster.devices]
+    _, cluster, costs, devs = random_costs(rng, rng.randint(5, 120))
     batch = 64 * rng.choice([1, 3, 4])
     free = dict.fromkeys(("num_stages", "replicas", "num_microbatches", "startup_slices",
                           "drain_slices"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -158,21 +159,16 @@ class StdlibTextDataModule(_FixedDataModule):
 
 
 class StdlibMLMDataModule(StdlibTextDataModule):
-    """Masked-LM (BERT recipe) on the standard library's source; see :class:`MaskedLMDataset`."""
+    """Masked-LM (BERT recipe) on the standard library's source; see :class:`MaskedLMDataset`.
 
-    def __init__(
-        self,
-        block_size: int = 128,
-        batch_size: int = 8,
-        max_bytes: int = 2_000_000,
-        val_fraction: float = 0.02,
-        mask_prob: float = 0.15,
-        num_workers: int = 0,
-        seed: int = 0,
-        global_batch_size: int | None = None,
-    ) -> None:
-        super().__init__(block_size, batch_size, max_bytes, val_fraction, num_workers, seed,
-                         global_batch_size)
+    Args:
+        mask_prob: share of each sample's positions chosen for the loss.
+        **text: :class:`StdlibTextDataModule`'s arguments, by name (the corpus and the
+            batches are the same; only the samples differ).
+    """
+
+    def __init__(self, *, mask_prob: float = 0.15, **text: Any) -> None:
+        super().__init__(**text)
         self.mask_prob = mask_prob
 
     def _datasets(self) -> tuple[Dataset, Dataset]:

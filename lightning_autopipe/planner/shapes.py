@@ -26,7 +26,8 @@ from lightning_autopipe.planner.layout import BlockCosts
 from lightning_autopipe.planner.mapping import speed_order
 from lightning_autopipe.planner.pricing import allreduce_ms, param_state_factor
 
-__all__ = ["Shape", "microbatch_choices", "score_shapes", "slice_term", "stage_replica_pairs"]
+__all__ = ["Shape", "microbatch_choices", "model_figures", "score_shapes", "slice_term",
+           "stage_replica_pairs"]
 
 
 @dataclass
@@ -96,12 +97,7 @@ def score_shapes(
     order = speed_order(cluster, devs)
     specs = [cluster.device(d).spec for d in order]
     nd, n = len(order), costs.num_blocks
-    work = costs.compute[-1]
-    big = max(costs.compute[i + 1] - costs.compute[i] for i in range(n))
-    params = costs.params[-1]
-    mem = costs.memory(0, n, 1)[0]  # the model's activation memory, shared inputs once
-    act = sum(costs.act[:-1]) / max(1, n - 1)
-    mbs = costs.micro_batch_size
+    work, big, params, mem, act, mbs = model_figures(costs)
     fixed_all = sum(costs.fixed(0, n))
     speed = np.array([x.speed for x in specs])
     low_cap = np.minimum.accumulate(np.array([x.memory_bytes for x in specs], dtype=float))
@@ -126,6 +122,21 @@ def score_shapes(
         pairs.append((s, r, base, fixed, float(high_ovh[s * r - 1]), xfer, hop, ar,
                       float(low_cap[s * r - 1])))
     return _terms(pairs, batch, pins, mbs, max_slices, params, mem, optimizer_factor)
+
+
+def model_figures(costs: BlockCosts) -> tuple[float, float, float, float, float, int]:
+    """The whole model's figures a shape is scored from: its compute time, its largest block's,
+    its parameter bytes, its activation memory (shared inputs once), the mean activation
+    bytes a cut sends, and the profile's micro-batch size."""
+    n = costs.num_blocks
+    return (
+        costs.compute[-1],
+        max(costs.compute[i + 1] - costs.compute[i] for i in range(n)),
+        costs.params[-1],
+        costs.memory(0, n, 1)[0],
+        sum(costs.act[:-1]) / max(1, n - 1),
+        costs.micro_batch_size,
+    )
 
 
 def stage_replica_pairs(

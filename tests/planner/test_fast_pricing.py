@@ -38,6 +38,7 @@ from lightning_autopipe.planner.pricing import allreduce_ms, peak_memory_bytes, 
 from lightning_autopipe.planner.scalar import replay as _replay
 from lightning_autopipe.planner.shapes import (
     microbatch_choices,
+    model_figures,
     score_shapes,
     stage_replica_pairs,
 )
@@ -127,15 +128,10 @@ def _reference_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_fact
     order = speed_order(cluster, devs)
     specs = [cluster.device(d).spec for d in order]
     nd, n = len(order), costs.num_blocks
-    work = costs.compute[-1]
-    big = max(costs.compute[i + 1] - costs.compute[i] for i in range(n))
-    params = costs.params[-1]
-    mem = costs.memory(0, n, 1)[0]
-    act = sum(costs.act[:-1]) / max(1, n - 1)
-    mbs = costs.micro_batch_size
+    # which (S, R) pairs are allowed and the model's figures are not what this test holds:
+    # those are shared, the scores are the scalar formula written out
+    work, big, params, mem, act, mbs = model_figures(costs)
     out = []
-    # which (S, R) pairs are allowed is not what this test holds: that enumeration is shared,
-    # the scores are the scalar formula written out
     for s, r in stage_replica_pairs(pins, n, nd, batch, use_all):
         chunks = [specs[i * r : (i + 1) * r] for i in range(s)]
         speeds = [min(x.speed for x in c) for c in chunks]

@@ -16,8 +16,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_autopipe.extras import import_extra
+from lightning_autopipe.zoo.hf import hf_bert, hf_gpt2
 
-__all__ = ["MODEL_NAMES", "SmallCNN", "TinyGPT", "build_model", "hf_bert", "hf_gpt2"]
+__all__ = ["MODEL_NAMES", "SmallCNN", "TinyGPT", "build_model"]
 
 
 # ------------------------------------------------------------------------------------ TinyGPT
@@ -262,50 +263,6 @@ def _vit(size: str, batch: int) -> tuple[nn.Module, Inputs]:
         num_classes=10 if size != "real" else 1000,
     )
     return model, (_images(batch, image),)
-
-
-def hf_gpt2(
-    vocab_size: int, n_positions: int, n_embd: int, n_layer: int, n_head: int, dropout: float,
-    **config: Any,
-) -> nn.Module:
-    """Hugging Face ``GPT2LMHeadModel`` of these sizes (random init, no key/value cache),
-    ``dropout`` on the residual, embedding and attention paths alike.
-
-    The zoo's ``gpt2`` and the recipes' ``arch: hf`` GPT both build it here; ``config`` holds
-    the further ``GPT2Config`` fields either one sets.
-    """
-    hf = import_extra("transformers", "Hugging Face models")
-    return hf.GPT2LMHeadModel(hf.GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=n_positions,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        use_cache=False,
-        **config,
-    ))
-
-
-def hf_bert(
-    vocab_size: int, max_positions: int, n_embd: int, n_layer: int, n_head: int,
-    intermediate_size: int, dropout: float,
-) -> nn.Module:
-    """Hugging Face ``BertForMaskedLM`` of these sizes (random init), ``dropout`` on the
-    hidden and attention paths alike: the zoo's ``bert``, the recipes' BERT and the tests'."""
-    hf = import_extra("transformers", "Hugging Face models")
-    return hf.BertForMaskedLM(hf.BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=n_embd,
-        num_hidden_layers=n_layer,
-        num_attention_heads=n_head,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_positions,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    ))
 
 
 def _gpt2(size: str, batch: int) -> tuple[nn.Module, Inputs]:

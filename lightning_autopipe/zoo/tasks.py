@@ -23,7 +23,8 @@ from torch.nn import functional as F
 
 from lightning_autopipe.extras import import_extra
 from lightning_autopipe.zoo.datasets import IGNORE_INDEX
-from lightning_autopipe.zoo.models import SmallCNN, TinyGPT, hf_bert, hf_gpt2
+from lightning_autopipe.zoo.hf import hf_bert, hf_gpt2
+from lightning_autopipe.zoo.models import SmallCNN, TinyGPT
 
 __all__ = [
     "CausalLMTask",

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_autopipe.zoo.models import SmallCNN, TinyGPT, hf_bert
+from lightning_autopipe.zoo.hf import hf_bert
+from lightning_autopipe.zoo.models import SmallCNN, TinyGPT
 
 REPLICA_BATCH = 8  # the dataloader batch: one data-parallel replica's batch
 STEPS = 3

@@ -51,7 +51,7 @@ from lightning_autopipe.profile import Profile  # noqa: E402
 from lightning_autopipe.runtime.profiler import profile_blocks  # noqa: E402
 from lightning_autopipe.runtime.units import slice_batch  # noqa: E402
 from lightning_autopipe.zoo import tasks  # noqa: E402
-from lightning_autopipe.zoo.data import IGNORE_INDEX  # noqa: E402
+from lightning_autopipe.zoo.datasets import IGNORE_INDEX  # noqa: E402
 
 COMMAND = "bash benchmarks/gpu_check.sh"
 MODELS = ("gpt2", "bert_base", "resnet50")

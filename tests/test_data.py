@@ -1,19 +1,21 @@
-"""Data modules: stdlib corpus, causal / masked LM samples, synthetic images."""
+"""Datasets and data modules: stdlib corpus, causal / masked LM samples, synthetic images."""
 
 from __future__ import annotations
 
 import torch
 
 from lightning_autopipe.zoo.data import (
+    StdlibMLMDataModule,
+    StdlibTextDataModule,
+    SyntheticImageDataModule,
+)
+from lightning_autopipe.zoo.datasets import (
     EOS,
     IGNORE_INDEX,
     MASK,
     VOCAB_SIZE,
     CausalLMDataset,
     MaskedLMDataset,
-    StdlibMLMDataModule,
-    StdlibTextDataModule,
-    SyntheticImageDataModule,
     SyntheticImages,
     decode,
     encode,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from lightning_autopipe.zoo.data import IGNORE_INDEX, MaskedLMDataset, load_stdlib_tokens
+from lightning_autopipe.zoo.datasets import IGNORE_INDEX, MaskedLMDataset, load_stdlib_tokens
 from lightning_autopipe.zoo.tasks import (
     CausalLMTask,
     ImageClassificationTask,

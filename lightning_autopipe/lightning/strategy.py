@@ -16,7 +16,10 @@ Three base classes hold the rest of Lightning's wide strategy interface: the pro
 (ranks, launcher, process group, collectives: :mod:`~lightning_autopipe.lightning.process_world`),
 the step hooks (:mod:`~lightning_autopipe.lightning.step_hooks`) and the checkpoint hooks
 (:mod:`~lightning_autopipe.lightning.checkpoint_hooks`); this module keeps the pipeline's
-setup (trace, measure, plan, build), live re-planning, failures and teardown.
+setup (trace, measure, plan, build), live re-planning, failures and teardown. It stays a little
+past ~400 lines because those four share the held pipeline's private state (the pipeline, its
+executor's precision hooks, BatchNorm's step work, the checkpoint layout), which a re-plan
+switch replaces exactly as setup first installs it.
 """
 
 from __future__ import annotations

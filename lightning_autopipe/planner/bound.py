@@ -36,9 +36,14 @@ from lightning_autopipe.planner.compiled import (
     compiled,
     extrapolation_point,
     inflight,
-    splits_backward,
 )
-from lightning_autopipe.planner.costmodel import Inputs, grad_bytes, inputs_of, memory_of
+from lightning_autopipe.planner.costmodel import (
+    Inputs,
+    candidate_inputs,
+    grad_bytes,
+    memory_of,
+    per_candidate,
+)
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 
 __all__ = ["Contracted", "contracted", "bound_batch", "bound_ends", "SLACK"]
@@ -183,13 +188,11 @@ def bound_batch(
     """Per cut list, a lower bound of the whole step (the arguments of
     :func:`~.costmodel.evaluate_batch`; 0 where none is known) and the estimate's exact
     ``fits``, without a replay."""
-    num = (layouts if isinstance(layouts, Layout) else layouts[0]).num_stages
-    lays = [layouts] * len(cuts_list) if isinstance(layouts, Layout) else list(layouts)
+    lays = per_candidate(layouts, len(cuts_list))
     m, k, j = num_microbatches, startup_slices, drain_slices
-    split = splits_backward(schedule)
     out = []
-    for lay, cuts in zip(lays, cuts_list):
-        x = inputs_of(costs, lay, list(cuts), batch, m, split, recompute)
+    for x in candidate_inputs(costs, lays, cuts_list, batch, m, schedule, recompute):
+        num = x.layout.num_stages
         con = contracted(schedule, num, m, k, x.mb, j, exact)
         fits = memory_of(costs, x, inflight(schedule, num, m, k, x.mb, j), optimizer_factor,
                          recompute)[1]

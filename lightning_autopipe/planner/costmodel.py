@@ -56,8 +56,8 @@ from lightning_autopipe.planner.pricing import (
 )
 from lightning_autopipe.planner.scalar import replay
 
-__all__ = ["Estimate", "Inputs", "evaluate", "evaluate_batch", "grad_bytes", "inputs_of",
-           "memory_of", "stage_times"]
+__all__ = ["Estimate", "Inputs", "candidate_inputs", "evaluate", "evaluate_batch", "grad_bytes",
+           "inputs_of", "memory_of", "per_candidate", "stage_times"]
 
 #: candidates x mean actions per level from which a batch is replayed level by level: a
 #: level costs a dozen numpy calls and the batch's arrays must be built, so on the search's
@@ -174,6 +174,22 @@ def inputs_of(
     return Inputs(layout, list(cuts), parts, scale, var, per_call, cut_ms, mb, m)
 
 
+def per_candidate(layouts: Layout | Sequence[Layout], count: int) -> list[Layout]:
+    """One layout per cut list: ``layouts`` given once for all ``count``, or one each."""
+    return [layouts] * count if isinstance(layouts, Layout) else list(layouts)
+
+
+def candidate_inputs(
+    costs: BlockCosts, lays: Sequence[Layout], cuts_list: Sequence[Sequence[int]], batch: int,
+    m: int, schedule: str, recompute: Sequence[bool],
+) -> list[Inputs]:
+    """Each candidate's replay inputs (:func:`inputs_of`) under ``schedule``: what the
+    estimates and their lower bounds (:mod:`~.bound`) are both computed from."""
+    split = splits_backward(schedule)
+    return [inputs_of(costs, lay, list(c), batch, m, split, recompute)
+            for lay, c in zip(lays, cuts_list)]
+
+
 def _replay_group(
     comp: Compiled, group: list[Inputs], queue: bool, via: bool,
     first: Compiled | None = None, tail: Tail | None = None,
@@ -239,7 +255,7 @@ def evaluate_batch(
     Equal to the bit to evaluating them one by one with the scalar replay; a candidate the
     search priced before is not replayed again (:mod:`~.memo`).
     """
-    lays = [layouts] * len(cuts_list) if isinstance(layouts, Layout) else list(layouts)
+    lays = per_candidate(layouts, len(cuts_list))
     shape = (batch, num_microbatches, startup_slices, drain_slices, schedule, optimizer_factor,
              exact, tuple(recompute))
     return kept(costs, lays, cuts_list, shape, critical_path, lambda idx: _evaluate_batch(
@@ -254,9 +270,7 @@ def _evaluate_batch(
     recompute: Sequence[bool],
 ) -> list[Estimate]:
     num = lays[0].num_stages
-    split = splits_backward(schedule)
-    inputs = [inputs_of(costs, lay, list(c), batch, m, split, recompute)
-              for lay, c in zip(lays, cuts_list)]
+    inputs = candidate_inputs(costs, lays, cuts_list, batch, m, schedule, recompute)
     m0 = extrapolation_point(num)
     win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
     long = not exact and m > m0

@@ -26,7 +26,8 @@ from lightning_autopipe.planner.layout import BlockCosts
 from lightning_autopipe.planner.mapping import speed_order
 from lightning_autopipe.planner.pricing import allreduce_ms, param_state_factor
 
-__all__ = ["Shape", "microbatch_choices", "score_shapes", "slice_term"]
+__all__ = ["Shape", "microbatch_choices", "model_figures", "score_shapes", "slice_term",
+           "stage_replica_pairs"]
 
 
 @dataclass
@@ -96,12 +97,7 @@ def score_shapes(
     order = speed_order(cluster, devs)
     specs = [cluster.device(d).spec for d in order]
     nd, n = len(order), costs.num_blocks
-    work = costs.compute[-1]
-    big = max(costs.compute[i + 1] - costs.compute[i] for i in range(n))
-    params = costs.params[-1]
-    mem = costs.memory(0, n, 1)[0]  # the model's activation memory, shared inputs once
-    act = sum(costs.act[:-1]) / max(1, n - 1)
-    mbs = costs.micro_batch_size
+    work, big, params, mem, act, mbs = model_figures(costs)
     fixed_all = sum(costs.fixed(0, n))
     speed = np.array([x.speed for x in specs])
     low_cap = np.minimum.accumulate(np.array([x.memory_bytes for x in specs], dtype=float))
@@ -109,33 +105,57 @@ def score_shapes(
     low_speed = np.minimum.accumulate(speed)
     rings: dict[int, tuple[list[float], list[float]]] = {}
     pairs = []  # per (S, R): the figures every micro-batch count of the pair shares
-    s_list = [pins["num_stages"]] if pins["num_stages"] else range(1, min(n, nd) + 1)
-    for s in s_list:
+    for s, r in stage_replica_pairs(pins, n, nd, batch, use_all):
+        if r not in rings:
+            hops, xfers = _cut_links(cluster, order, r, act, mbs)
+            rings[r] = (np.maximum.accumulate([0.0, *hops]).tolist(),
+                        np.maximum.accumulate([0.0, *xfers]).tolist())
+        hops, xfers = rings[r]
+        chunk = speed[: s * r].reshape(s, r).min(axis=1).tolist()
+        sum_sp = sum(chunk)
+        ar = allreduce_ms(cluster, order[:r], int(params / s)) if r > 1 else 0.0
+        hop, xfer = hops[s - 1], xfers[s - 1]  # the slowest of the first s - 1 cuts
+        # perfectly balanced stages, plus half a block of rounding on the slowest stage
+        base = max(work / sum_sp + 0.5 * work / n / float(low_speed[s * r - 1]),
+                   big / max(chunk))
+        fixed = min(fixed_all / sum_sp, base)  # per-call part of base
+        pairs.append((s, r, base, fixed, float(high_ovh[s * r - 1]), xfer, hop, ar,
+                      float(low_cap[s * r - 1])))
+    return _terms(pairs, batch, pins, mbs, max_slices, params, mem, optimizer_factor)
+
+
+def model_figures(costs: BlockCosts) -> tuple[float, float, float, float, float, int]:
+    """The whole model's figures a shape is scored from: its compute time, its largest block's,
+    its parameter bytes, its activation memory (shared inputs once), the mean activation
+    bytes a cut sends, and the profile's micro-batch size."""
+    n = costs.num_blocks
+    return (
+        costs.compute[-1],
+        max(costs.compute[i + 1] - costs.compute[i] for i in range(n)),
+        costs.params[-1],
+        costs.memory(0, n, 1)[0],
+        sum(costs.act[:-1]) / max(1, n - 1),
+        costs.micro_batch_size,
+    )
+
+
+def stage_replica_pairs(
+    pins: dict, num_blocks: int, num_devices: int, batch: int, use_all: bool
+) -> list[tuple[int, int]]:
+    """Every allowed (stages ``S``, replicas ``R``), S then R ascending: the pinned counts,
+    else every ``S`` up to the blocks and the devices with each ``R`` that divides the batch
+    (with ``use_all`` only the one that uses every device)."""
+    nd = num_devices
+    out = []
+    for s in [pins["num_stages"]] if pins["num_stages"] else range(1, min(num_blocks, nd) + 1):
         if pins["replicas"]:
             r_list = [pins["replicas"]]
         elif use_all:
             r_list = [nd // s] if nd % s == 0 else []
         else:
             r_list = sorted({r for r in range(1, nd // s + 1) if batch % r == 0})
-        for r in r_list:
-            if s * r > nd or batch % r:
-                continue
-            if r not in rings:
-                hops, xfers = _cut_links(cluster, order, r, act, mbs)
-                rings[r] = (np.maximum.accumulate([0.0, *hops]).tolist(),
-                            np.maximum.accumulate([0.0, *xfers]).tolist())
-            hops, xfers = rings[r]
-            chunk = speed[: s * r].reshape(s, r).min(axis=1).tolist()
-            sum_sp = sum(chunk)
-            ar = allreduce_ms(cluster, order[:r], int(params / s)) if r > 1 else 0.0
-            hop, xfer = hops[s - 1], xfers[s - 1]  # the slowest of the first s - 1 cuts
-            # perfectly balanced stages, plus half a block of rounding on the slowest stage
-            base = max(work / sum_sp + 0.5 * work / n / float(low_speed[s * r - 1]),
-                       big / max(chunk))
-            fixed = min(fixed_all / sum_sp, base)  # per-call part of base
-            pairs.append((s, r, base, fixed, float(high_ovh[s * r - 1]), xfer, hop, ar,
-                          float(low_cap[s * r - 1])))
-    return _terms(pairs, batch, pins, mbs, max_slices, params, mem, optimizer_factor)
+        out.extend((s, r) for r in r_list if s * r <= nd and not batch % r)
+    return out
 
 
 def _cut_links(

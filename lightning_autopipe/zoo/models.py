@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_autopipe.extras import import_extra
+from lightning_autopipe.zoo.hf import hf_bert, hf_gpt2
 
 __all__ = ["MODEL_NAMES", "SmallCNN", "TinyGPT", "build_model"]
 
@@ -265,9 +266,6 @@ def _vit(size: str, batch: int) -> tuple[nn.Module, Inputs]:
 
 
 def _gpt2(size: str, batch: int) -> tuple[nn.Module, Inputs]:
-    hf = import_extra("transformers", "Hugging Face models")
-    GPT2Config, GPT2LMHeadModel = hf.GPT2Config, hf.GPT2LMHeadModel
-
     # (vocab, positions, layers, d, heads, example seq); xl is 1.5B: built only on request.
     vocab, positions, layers, d, heads, seq = _sizes(
         "gpt2",
@@ -280,27 +278,12 @@ def _gpt2(size: str, batch: int) -> tuple[nn.Module, Inputs]:
         },
     )
     drop = 0.0 if size in ("tiny", "small") else 0.1
-    config = GPT2Config(
-        vocab_size=vocab,
-        n_positions=positions,
-        n_embd=d,
-        n_layer=layers,
-        n_head=heads,
-        resid_pdrop=drop,
-        embd_pdrop=drop,
-        attn_pdrop=drop,
-        use_cache=False,
-        bos_token_id=vocab - 1,
-        eos_token_id=vocab - 1,
-    )
-    model = GPT2LMHeadModel(config)
+    model = hf_gpt2(vocab, positions, d, layers, heads, drop,
+                    bos_token_id=vocab - 1, eos_token_id=vocab - 1)
     return model, {"input_ids": _tokens(batch, seq, vocab)}
 
 
 def _bert(size: str, batch: int) -> tuple[nn.Module, Inputs]:
-    hf = import_extra("transformers", "Hugging Face models")
-    BertConfig, BertForMaskedLM = hf.BertConfig, hf.BertForMaskedLM
-
     vocab, layers, d, heads, seq = _sizes(
         "bert",
         size,
@@ -313,17 +296,7 @@ def _bert(size: str, batch: int) -> tuple[nn.Module, Inputs]:
         },
     )
     drop = 0.0 if size in ("tiny", "small") else 0.1
-    config = BertConfig(
-        vocab_size=vocab,
-        hidden_size=d,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=4 * d,
-        max_position_embeddings=max(seq, 64),
-        hidden_dropout_prob=drop,
-        attention_probs_dropout_prob=drop,
-    )
-    model = BertForMaskedLM(config)
+    model = hf_bert(vocab, max(seq, 64), d, layers, heads, 4 * d, drop)
     ids = _tokens(batch, seq, vocab)
     mask = torch.ones_like(ids)
     mask[:, -2:] = 0  # some padding, so the attention mask path is exercised

@@ -22,7 +22,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_autopipe.extras import import_extra
-from lightning_autopipe.zoo.data import IGNORE_INDEX
+from lightning_autopipe.zoo.datasets import IGNORE_INDEX
+from lightning_autopipe.zoo.hf import hf_bert, hf_gpt2
 from lightning_autopipe.zoo.models import SmallCNN, TinyGPT
 
 __all__ = [
@@ -78,22 +79,8 @@ def build_gpt(
             dropout=dropout,
         )
     if arch == "hf":
-        hf = import_extra("transformers", "Hugging Face models")
-        GPT2Config, GPT2LMHeadModel = hf.GPT2Config, hf.GPT2LMHeadModel
-
-        config = GPT2Config(
-            vocab_size=vocab_size,
-            n_positions=max_seq_len,
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=n_head,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
-            use_cache=False,
-            tie_word_embeddings=tie_embeddings,
-        )
-        return _LogitsOnly(GPT2LMHeadModel(config))
+        return _LogitsOnly(hf_gpt2(vocab_size, max_seq_len, n_embd, n_layer, n_head, dropout,
+                                   tie_word_embeddings=tie_embeddings))
     raise ValueError(f"model {name!r}: unknown GPT arch {arch!r}; use 'tiny' or 'hf'")
 
 
@@ -109,20 +96,8 @@ def build_bert(
 ) -> nn.Module:
     """Hugging Face ``BertForMaskedLM`` from a ``BertConfig`` (``intermediate_size`` default
     ``4 * n_embd``), called with ``input_ids`` only."""
-    hf = import_extra("transformers", "Hugging Face models")
-    BertConfig, BertForMaskedLM = hf.BertConfig, hf.BertForMaskedLM
-
-    config = BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=n_embd,
-        num_hidden_layers=n_layer,
-        num_attention_heads=n_head,
-        intermediate_size=intermediate_size or 4 * n_embd,
-        max_position_embeddings=max_seq_len,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
-    return _LogitsOnly(BertForMaskedLM(config))
+    return _LogitsOnly(hf_bert(vocab_size, max_seq_len, n_embd, n_layer, n_head,
+                               intermediate_size or 4 * n_embd, dropout))
 
 
 def _group_norm(channels: int) -> nn.Module:

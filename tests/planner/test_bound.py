@@ -22,15 +22,15 @@ from lightning_autopipe.planner.bound import _contract, bound_batch, bound_ends,
 from lightning_autopipe.planner.compiled import compiled, extrapolation_point
 from lightning_autopipe.planner.costmodel import evaluate
 from lightning_autopipe.planner.generators import SCHEDULES
-from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.layout import Layout
 from lightning_autopipe.planner.mapping import candidate_groupings
 from lightning_autopipe.planner.partition import autopipe_partition
 from lightning_autopipe.planner.polish import bound_many, evaluate_many, polish
 from lightning_autopipe.planner.scalar import replay as _replay
 from lightning_autopipe.planner.slicer import choose_drain_slices, choose_startup_slices
 
+from ._random import random_costs
 from .search_cases import CASES
-from .test_search_ends import _random_cluster, _random_profile
 
 
 def _close(a: tuple, b: tuple) -> bool:
@@ -67,10 +67,7 @@ def test_extended_anchors_equal_the_whole_step_and_bound_its_replay(schedule):
 
 def _case(seed: int):
     rng = random.Random(4100 + seed)
-    profile = _random_profile(rng, rng.randint(12, 60))
-    cluster = _random_cluster(rng)
-    costs = BlockCosts.from_profile(profile)
-    devs = [d.name for d in cluster.devices]
+    _, cluster, costs, devs = random_costs(rng, rng.randint(12, 60))
     stages = rng.randint(2, min(8, len(devs)))
     groups = next(iter(candidate_groupings(cluster, devs, stages, 1).values()))
     m = rng.randint(1, extrapolation_point(stages))  # replayed whole: the bound is exact

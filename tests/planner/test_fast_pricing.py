@@ -27,7 +27,7 @@ import pytest
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS
 from lightning_autopipe.planner import costmodel, make_plan
-from lightning_autopipe.planner.compiled import B, Compiled, compiled, extrapolation_point
+from lightning_autopipe.planner.compiled import B, compiled, extrapolation_point
 from lightning_autopipe.planner.costmodel import evaluate, evaluate_batch
 from lightning_autopipe.planner.extrapolate import _tail
 from lightning_autopipe.planner.layout import BlockCosts, Layout
@@ -36,10 +36,15 @@ from lightning_autopipe.planner.mapping import candidate_groupings, speed_order
 from lightning_autopipe.planner.polish import neighbours
 from lightning_autopipe.planner.pricing import allreduce_ms, peak_memory_bytes, unit_ms
 from lightning_autopipe.planner.scalar import replay as _replay
-from lightning_autopipe.planner.shapes import microbatch_choices, score_shapes
+from lightning_autopipe.planner.shapes import (
+    microbatch_choices,
+    model_figures,
+    score_shapes,
+    stage_replica_pairs,
+)
 
+from ._random import random_cluster, random_costs, random_profile
 from .search_cases import CASES, case
-from .test_search_ends import _random_cluster, _random_profile
 
 REFERENCE = Path(__file__).parent / "data" / "search_reference.json"
 
@@ -73,10 +78,7 @@ def test_level_replay_equals_the_scalar_replay_to_the_bit(schedule):
 @pytest.mark.parametrize("seed", range(6))
 def test_evaluate_batch_equals_evaluate_one_by_one(seed, monkeypatch):
     rng = random.Random(300 + seed)
-    profile = _random_profile(rng, rng.randint(30, 90))
-    cluster = _random_cluster(rng)
-    costs = BlockCosts.from_profile(profile)
-    devs = [d.name for d in cluster.devices]
+    profile, cluster, costs, devs = random_costs(rng, rng.randint(30, 90))
     stages = rng.randint(2, min(12, len(devs)))
     m = rng.choice([1, stages, 3 * stages + 9])  # past the extrapolation point too
     batch = m * rng.choice([2, 4])  # two startup / drain slices need two samples
@@ -104,8 +106,8 @@ def test_a_kept_estimate_is_the_estimate_and_keeps_its_critical_path():
     anew, also on an equal layout built again; one priced without its critical path does not
     answer a request for it."""
     rng = random.Random(77)
-    profile = _random_profile(rng, 40)
-    cluster = _random_cluster(rng)
+    profile = random_profile(rng, 40)
+    cluster = random_cluster(rng)
     devs = [d.name for d in cluster.devices]
     groups = next(iter(candidate_groupings(cluster, devs, 2, 1).values()))
     layout = Layout.from_cluster(cluster, groups)
@@ -126,73 +128,58 @@ def _reference_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_fact
     order = speed_order(cluster, devs)
     specs = [cluster.device(d).spec for d in order]
     nd, n = len(order), costs.num_blocks
-    work = costs.compute[-1]
-    big = max(costs.compute[i + 1] - costs.compute[i] for i in range(n))
-    params = costs.params[-1]
-    mem = costs.memory(0, n, 1)[0]
-    act = sum(costs.act[:-1]) / max(1, n - 1)
-    mbs = costs.micro_batch_size
+    # which (S, R) pairs are allowed and the model's figures are not what this test holds:
+    # those are shared, the scores are the scalar formula written out
+    work, big, params, mem, act, mbs = model_figures(costs)
     out = []
-    for s in [pins["num_stages"]] if pins["num_stages"] else range(1, min(n, nd) + 1):
-        if pins["replicas"]:
-            r_list = [pins["replicas"]]
-        elif use_all:
-            r_list = [nd // s] if nd % s == 0 else []
-        else:
-            r_list = sorted({r for r in range(1, nd // s + 1) if batch % r == 0})
-        for r in r_list:
-            if s * r > nd or batch % r:
+    for s, r in stage_replica_pairs(pins, n, nd, batch, use_all):
+        chunks = [specs[i * r : (i + 1) * r] for i in range(s)]
+        speeds = [min(x.speed for x in c) for c in chunks]
+        cap = min(min(x.memory_bytes for x in c) for c in chunks)
+        ovh = max(x.overhead_ms for c in chunks for x in c)
+        sum_sp = sum(speeds)
+        ar = allreduce_ms(cluster, order[:r], int(params / s)) if r > 1 else 0.0
+        hop = xfer = 0.0
+        for c in range(s - 1):
+            a, b = order[c * r], order[(c + 1) * r]
+            ms = act / mbs / (cluster.bandwidth_gbps(a, b) * BYTES_PER_MS_PER_GBPS)
+            if cluster.device(a).server != cluster.device(b).server:
+                ms *= r
+            hop = max(hop, cluster.latency_us(a, b) / 1e3 + ms * mbs)
+            xfer = max(xfer, ms)
+        base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
+        fixed = min(sum(costs.fixed(0, n)) / sum_sp, base)
+
+        def tau(samples, base=base, fixed=fixed, ovh=ovh, xfer=xfer):
+            return max(unit_ms(base, fixed, samples / mbs, 1.0, 2 * ovh), xfer * samples)
+
+        def term(fill, size, pin, limit, tau=tau):
+            qs = [pin] if pin else range(1, min(limit, size) + 1)
+            return min((q + fill) * tau(size / q) for q in qs)
+
+        k_pin, j_pin = pins["startup_slices"], pins["drain_slices"]
+        limit = max_slices if s > 1 else 1
+        for m in [pins["num_microbatches"]] if pins["num_microbatches"] else (
+                microbatch_choices(batch, r)):
+            if (batch // r) % m or batch // (r * m) < max(k_pin or 1, j_pin or 1):
                 continue
-            chunks = [specs[i * r : (i + 1) * r] for i in range(s)]
-            speeds = [min(x.speed for x in c) for c in chunks]
-            cap = min(min(x.memory_bytes for x in c) for c in chunks)
-            ovh = max(x.overhead_ms for c in chunks for x in c)
-            sum_sp = sum(speeds)
-            ar = allreduce_ms(cluster, order[:r], int(params / s)) if r > 1 else 0.0
-            hop = xfer = 0.0
-            for c in range(s - 1):
-                a, b = order[c * r], order[(c + 1) * r]
-                ms = act / mbs / (cluster.bandwidth_gbps(a, b) * BYTES_PER_MS_PER_GBPS)
-                if cluster.device(a).server != cluster.device(b).server:
-                    ms *= r
-                hop = max(hop, cluster.latency_us(a, b) / 1e3 + ms * mbs)
-                xfer = max(xfer, ms)
-            base = max(work / sum_sp + 0.5 * work / n / min(speeds), big / max(speeds))
-            fixed = min(sum(costs.fixed(0, n)) / sum_sp, base)
-
-            def tau(samples, base=base, fixed=fixed, ovh=ovh, xfer=xfer):
-                return max(unit_ms(base, fixed, samples / mbs, 1.0, 2 * ovh), xfer * samples)
-
-            def term(fill, size, pin, limit, tau=tau):
-                qs = [pin] if pin else range(1, min(limit, size) + 1)
-                return min((q + fill) * tau(size / q) for q in qs)
-
-            k_pin, j_pin = pins["startup_slices"], pins["drain_slices"]
-            limit = max_slices if s > 1 else 1
-            for m in [pins["num_microbatches"]] if pins["num_microbatches"] else (
-                    microbatch_choices(batch, r)):
-                if (batch // r) % m or batch // (r * m) < max(k_pin or 1, j_pin or 1):
-                    continue
-                size = batch // (m * r)
-                scale = size / mbs
-                if m == 1:
-                    est = term(s - 1, size, k_pin, limit)
-                else:
-                    est = (m - 2) * tau(size) + sum(
-                        term((s - 1) / 2, size, pin, limit) for pin in (k_pin, j_pin))
-                est += 2 * (s - 1) * hop * scale + ar
-                need = peak_memory_bytes(params / s, mem / s * scale, min(s, m), optimizer_factor)
-                out.append((s, r, m, est, need <= cap))
+            size = batch // (m * r)
+            scale = size / mbs
+            if m == 1:
+                est = term(s - 1, size, k_pin, limit)
+            else:
+                est = (m - 2) * tau(size) + sum(
+                    term((s - 1) / 2, size, pin, limit) for pin in (k_pin, j_pin))
+            est += 2 * (s - 1) * hop * scale + ar
+            need = peak_memory_bytes(params / s, mem / s * scale, min(s, m), optimizer_factor)
+            out.append((s, r, m, est, need <= cap))
     return out
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_array_shape_scores_equal_the_scalar_closed_form(seed):
     rng = random.Random(900 + seed)
-    profile = _random_profile(rng, rng.randint(5, 120))
-    cluster = _random_cluster(rng)
-    costs = BlockCosts.from_profile(profile)
-    devs = [d.name for d in cluster.devices]
+    _, cluster, costs, devs = random_costs(rng, rng.randint(5, 120))
     batch = 64 * rng.choice([1, 3, 4])
     free = dict.fromkeys(("num_stages", "replicas", "num_microbatches", "startup_slices",
                           "drain_slices"))
@@ -250,30 +237,14 @@ def test_the_scalar_replay_equals_its_reference_to_the_bit(schedule):
                     _replay(short, var, call, cut, lat, ar, queue)[:2])
 
 
-def _reference_replay(
-    comp: Compiled,
-    var: list[list[float]],
-    per_call: list[list[float]],
-    cut_ms: list[float],
-    lat: tuple[float, ...],
-    ar: list[float],
-    queue: bool = True,
-    *,
-    record: list[float] | None = None,
-    resume: tuple | None = None,
-) -> tuple[list[float], list[float], list[bool]]:
-    """The scalar replay as it was before its per-action lookups were flattened (the
-    reference ``planner/scalar.py`` equals to the bit).
+def _reference_replay(comp, var, per_call, cut_ms, lat, ar, queue=True, *, record=None,
+                      resume=None):
+    """The scalar replay as it was before its per-action lookups were flattened: the
+    reference that ``planner/scalar.py``'s ``replay`` equals to the bit.
 
-    ``record`` (one slot per action) receives when each queued transfer leaves its link;
-    ``resume`` = (ends, actions still to run, each cut's link free time per direction) starts
-    from a state where the other actions have run (:class:`~.extrapolate.Tail`).
-
-    With ``queue`` each cut's link carries one transfer per direction at a time, in the
-    sender's order (startup slices leave back to back and would otherwise overtake each
-    other's bandwidth); without it transfers are independent delays (a lower bound). Not
-    modelled (the simulator has them): a stage's activations and gradients sharing one NIC,
-    and fair sharing instead of first come first served.
+    The loop stays written out here, independent of the module it checks; the arguments, the
+    results and the link model are ``scalar.replay``'s, whose docstring says what they mean,
+    so neither its typed signature nor that description is copied.
     """
     fracs = comp.fracs
     order = comp.order

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_autopipe.zoo.hf import hf_bert
 from lightning_autopipe.zoo.models import SmallCNN, TinyGPT
 
 REPLICA_BATCH = 8  # the dataloader batch: one data-parallel replica's batch
@@ -30,19 +31,7 @@ def build_net(model: str) -> nn.Module:
     if model in ("cnn", "cnn_bn"):
         return SmallCNN(widths=(4, 8), blocks_per_stage=1, batch_norm=model == "cnn_bn")
     if model == "hfbert":  # Hugging Face BERT called with a padding mask: two inputs
-        from transformers import BertConfig, BertForMaskedLM
-
-        config = BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=SEQ,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-        return _MaskedBert(BertForMaskedLM(config))
+        return _MaskedBert(hf_bert(VOCAB, SEQ, 16, 2, 2, intermediate_size=32, dropout=0.0))
     raise ValueError(model)
 
 

@@ -6,6 +6,8 @@ The chain of blocks carries a skip value and a bool mask across boundaries and u
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -59,3 +61,27 @@ class ToyStage(nn.Module):
 
 def toy_loss(outputs: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return ((outputs - batch[1]) ** 2).mean()
+
+
+def toy_reference(batch: int, layers: int = 2
+                  ) -> tuple[ToyChain, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one-process reference of a step: the seeded chain (its gradients taken), a batch
+    ``x, y`` and its loss; the next ``ToyChain`` built is the same chain again."""
+    torch.manual_seed(0)
+    ref = ToyChain(layers=layers)
+    x, y = torch.randn(batch, 6), torch.randn(batch, 6)
+    loss = toy_loss(ref(x), (x, y))
+    loss.backward()
+    torch.manual_seed(0)
+    return ref, x, y, loss
+
+
+def assert_norm_and_eval_match(ex: Any, ref: ToyChain, x: torch.Tensor, y: torch.Tensor,
+                               shard: tuple[torch.Tensor, ...]) -> None:
+    """The executor's global gradient norm and its evaluation loss on ``shard`` equal the
+    one-process reference's on the whole batch."""
+    ref_norm = torch.norm(torch.stack([q.grad.norm() for q in ref.parameters()]))
+    torch.testing.assert_close(ex.global_grad_norm(), ref_norm, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        ref_eval = toy_loss(ref(x), (x, y))
+    torch.testing.assert_close(ex.eval_step(shard), ref_eval, rtol=1e-5, atol=1e-7)

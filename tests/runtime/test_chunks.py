@@ -18,7 +18,13 @@ from lightning_autopipe.planner.schedule import Action, Kind
 from lightning_autopipe.planner.schedule import units as all_units
 from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
 from lightning_autopipe.runtime.groups import RankLayout, build_groups, destroy_groups
-from tests.runtime._toy import ToyChain, ToyStage, toy_loss
+from tests.runtime._toy import (
+    ToyChain,
+    ToyStage,
+    assert_norm_and_eval_match,
+    toy_loss,
+    toy_reference,
+)
 
 
 def placement(kind: str, p: int, v: int) -> tuple[int, ...]:
@@ -105,13 +111,7 @@ def _chunk_case(rank: int, world: int, kind: str, p: int, v: int, k: int, j: int
     groups = build_groups(lay, [tie_rows], timeout=timedelta(seconds=60))
     m, batch = 3, 12 * replicas
 
-    torch.manual_seed(0)
-    ref = ToyChain(layers=S - 2)
-    x, y = torch.randn(batch, 6), torch.randn(batch, 6)
-    ref_loss = toy_loss(ref(x), (x, y))
-    ref_loss.backward()
-
-    torch.manual_seed(0)
+    ref, x, y, ref_loss = toy_reference(batch, layers=S - 2)
     chain = ToyChain(layers=S - 2)
     modules = {c: ToyStage(chain, c, c + 1) for c in lay.chunks}
     tied = []
@@ -146,11 +146,7 @@ def _chunk_case(rank: int, world: int, kind: str, p: int, v: int, k: int, j: int
         if name.split(".")[0] in held:
             torch.testing.assert_close(param.grad, refs[name].grad, rtol=1e-5, atol=1e-7,
                                        msg=lambda s, n=name: f"{n}: {s}")
-    ref_norm = torch.norm(torch.stack([q.grad.norm() for q in ref.parameters()]))
-    torch.testing.assert_close(ex.global_grad_norm(), ref_norm, rtol=1e-5, atol=1e-7)
-    with torch.no_grad():
-        ref_eval = toy_loss(ref(x), (x, y))
-    torch.testing.assert_close(ex.eval_step(shard), ref_eval, rtol=1e-5, atol=1e-7)
+    assert_norm_and_eval_match(ex, ref, x, y, shard)
     ex.close()
     destroy_groups(groups)
     return {"chunks": lay.chunks}
@@ -193,11 +189,7 @@ def test_one_rank_with_two_chunks_equals_the_model():
     """p = 1: every chunk local, every hand-off in memory; no process group at all."""
     rows = placement("looped", 1, 3)
     lay = _layout(0, 1, 1, rows)
-    torch.manual_seed(0)
-    ref = ToyChain(layers=1)
-    x, y = torch.randn(8, 6), torch.randn(8, 6)
-    toy_loss(ref(x), (x, y)).backward()
-    torch.manual_seed(0)
+    ref, x, y, _ = toy_reference(8, layers=1)
     chain = ToyChain(layers=1)
     us = all_units(2, 2, 1)
     train = lower(global_order(3, us, 2, split=True), rows)

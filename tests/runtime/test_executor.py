@@ -15,7 +15,13 @@ from lightning_autopipe.runtime.comm import decode_header, encode_header
 from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
 from lightning_autopipe.runtime.groups import build_groups, destroy_groups, layout_for_rank
 from lightning_autopipe.runtime.units import fit_units, slice_batch, unit_bounds
-from tests.runtime._toy import ToyChain, ToyStage, toy_loss
+from tests.runtime._toy import (
+    ToyChain,
+    ToyStage,
+    assert_norm_and_eval_match,
+    toy_loss,
+    toy_reference,
+)
 
 
 def _plan(
@@ -149,13 +155,7 @@ def _check_rank(
     S = lay.num_stages
     groups = build_groups(lay, [(0, S - 1)], timeout=timedelta(seconds=60))
 
-    torch.manual_seed(0)
-    ref = ToyChain()
-    x, y = torch.randn(batch, 6), torch.randn(batch, 6)
-    ref_loss = toy_loss(ref(x), (x, y))
-    ref_loss.backward()
-
-    torch.manual_seed(0)
+    ref, x, y, ref_loss = toy_reference(batch)
     chain = ToyChain()
     i, j = plan.stages[lay.stage].blocks
     stage = ToyStage(chain, i, j)
@@ -181,14 +181,10 @@ def _check_rank(
                 msg=lambda s, n=name: f"{n}: {s}",
             )
     # global norm over the pipeline == single-process norm (tied E counted once)
-    ref_norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
     for p in chain.parameters():  # unused copies on this stage must not count
         if p.grad is not None and p.grad.abs().sum() == 0:
             p.grad = None
-    torch.testing.assert_close(ex.global_grad_norm(), ref_norm, rtol=1e-5, atol=1e-7)
-    with torch.no_grad():
-        ref_eval = toy_loss(ref(x), (x, y))
-    torch.testing.assert_close(ex.eval_step(shard), ref_eval, rtol=1e-5, atol=1e-7)
+    assert_norm_and_eval_match(ex, ref, x, y, shard)
     ex.close()
     destroy_groups(groups)
 

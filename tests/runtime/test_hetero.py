@@ -220,8 +220,10 @@ def _alike_worker(rank: int, port: int, out: str) -> None:
             lv = cl.servers[0].levels[0]
             local = Cluster.local(2, device_name=cl.devices[0].spec.name, gbps=lv.gbps,
                                   latency_us=lv.latency_us, memory_gb=cl.devices[0].spec.memory_gb,
-                                  reduce_gbps=cl.devices[0].spec.reduce_gbps)
-            today = search_plan(prof, local, ["local:0", "local:1"], BATCH, num_stages=2)
+                                  reduce_gbps=cl.devices[0].spec.reduce_gbps,
+                                  overhead_ms=cl.devices[0].spec.overhead_ms)
+            today = search_plan(prof, local, ["local:0", "local:1"], BATCH, num_stages=2,
+                                schedules=AutoPipeOptions().schedules)
             result = {
                 "types": sorted({d.spec.name for d in cl.devices}),
                 "cuts": pipe.plan.cuts, "today": today.cuts,

@@ -134,6 +134,9 @@ def measure(
     if discovering:
         cluster, profile, _ = discover(mine, device)
         names = [d.name for d in cluster.devices]
+        # its file carries the measured cost per action too (failure is None: profiling
+        # failures stop every rank in a process group)
+        cluster = _priced_actions(cluster, overhead, True, distributed, rank)
         if rank == 0 and run_dir is not None:
             where = write_cluster(cluster, run_dir, profile)
             log.rank_zero_info(
@@ -145,7 +148,7 @@ def measure(
                 warnings.warn(f"cluster {cluster.name!r} contradicts the measurement: {line}",
                               stacklevel=3)
     assert cluster is not None
-    if planning and failure is None:
+    if planning and failure is None and not discovering:
         cluster = _priced_actions(cluster, overhead, options.cluster is None, distributed, rank)
     return Measurement(cluster=cluster, names=names, profile=profile, failure=failure)
 

@@ -74,8 +74,8 @@ def test_the_measured_figure_is_what_the_executor_adds_per_action(schedule):
     ex, actions = _executor(mods, schedule)
     assert actions == (6 if schedule == "zbv" else 4) * M  # F, B (and W) per unit and chunk
     x = torch.randn(M, WIDTH)
-    per_action, measured = [], []
-    for r in range(8):  # interleaved rounds, the first warms up; medians against noise
+    steps, bases, measured = [], [], []
+    for r in range(16):  # interleaved rounds, the first warms up
         t0 = time.perf_counter()
         ex.train_step((x, x))
         step = time.perf_counter() - t0
@@ -84,11 +84,15 @@ def test_the_measured_figure_is_what_the_executor_adds_per_action(schedule):
             m.zero_grad(set_to_none=True)
         figure = measure_action_overhead(units=8, repeats=3)
         if r:
-            per_action.append((step - base) / actions * 1e3)
+            steps.append(step)
+            bases.append(base)
             measured.append(figure)
-    reference, got = statistics.median(per_action), statistics.median(measured)
-    assert reference > 0, per_action
-    assert 0.5 * reference <= got <= 2.0 * reference, (got, per_action, measured)
+    # each timing's fastest round: a step of ~100 actions that the scheduler preempts (a
+    # busy shared machine) gains a whole time slice, which is not the runtime's cost
+    reference = (min(steps) - min(bases)) / actions * 1e3
+    got = statistics.median(measured)
+    assert reference > 0, (steps, bases)
+    assert 0.5 * reference <= got <= 2.0 * reference, (got, reference, measured)
 
 
 def test_bad_counts_are_refused():

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.runtime.chunks import RankChunks
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from lightning_autopipe.zoo.models import TinyGPT
 from tests._launch import free_port, init_gloo
@@ -103,7 +104,9 @@ def _check(rank: int, out: Path) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
-    state = {k: v.detach().clone() for k, v in pipe.stage.state_dict().items()}
+    # the planner may give a rank several chunks (auto considers them): keys by original name
+    names = pipe.stage.param_names if isinstance(pipe.stage, RankChunks) else {}
+    state = {names.get(k, k): v.detach().clone() for k, v in pipe.stage.state_dict().items()}
     states: list = [None, None]
     dist.all_gather_object(states, state)
     timings: list = [None, None]
@@ -128,17 +131,19 @@ def _check(rank: int, out: Path) -> None:
                 mismatch.append(name)
     cl = pipe.cluster
     specs = [d.spec for d in cl.devices]
-    work = {st.devices[0]: list(st.blocks) for st in pipe.plan.stages}
     ref_prof = pipe.profile
     block_ms = [b.forward_ms + b.backward_ms for b in ref_prof.blocks]
+    held: dict[str, list[tuple[int, int]]] = {}  # device -> its chunks' block ranges
+    for st in pipe.plan.stages:
+        held.setdefault(st.devices[0], []).append(tuple(st.blocks))
     result = {
         "servers": len(cl.servers),
         "types": sorted({s.name for s in specs}),
         "speeds": [s.speed for s in specs],
         "names": [d.name for d in cl.devices],
         "timing_ratio": timings[0] / timings[1],
-        "work": {d: sum(block_ms[i:j]) for d, (i, j) in work.items()},
-        "blocks": {d: j - i for d, (i, j) in work.items()},
+        "work": {d: sum(sum(block_ms[i:j]) for i, j in r) for d, r in held.items()},
+        "blocks": {d: sum(j - i for i, j in r) for d, r in held.items()},
         "losses": losses,
         "ref_losses": ref_losses,
         "mismatch": mismatch,

@@ -233,6 +233,7 @@ def _measured_profile(cfg: Any, task: Any, example: Any) -> Any:
 
 def plan_only(cfg: Any, run_dir: Path) -> int:
     """Print the plan ``cfg`` would get on ``cfg.cluster`` and draw it; launch nothing."""
+    from lightning_autopipe.options import AutoPipeOptions
     from lightning_autopipe.planner.search import search_plan
     from lightning_autopipe.zoo.config import build_cluster
 
@@ -252,12 +253,22 @@ def plan_only(cfg: Any, run_dir: Path) -> int:
         for key in ("num_stages", "num_microbatches", "startup_slices", "drain_slices")
     }
     names = [d.name for d in cluster.devices]
+    # the schedules the strategy would consider, and (these processes being the local
+    # cluster) the runtime's cost per action measured here, as a training run measures it
+    schedules = AutoPipeOptions(schedule=str(strategy.get("schedule", "auto")),
+                                compile=strategy.get("compile", False)).schedules
+    if local:
+        from lightning_autopipe.runtime.action_overhead import measure_action_overhead
+        from lightning_autopipe.runtime.measure import with_overheads
+
+        cluster = with_overheads(cluster, [measure_action_overhead()])
     plan = search_plan(
         profile,
         cluster,
         names,
         int(cfg.data.batch_size),
         planner=str(strategy.get("planner", "autopipe")),
+        schedules=schedules,
         **pins,
     )
     print(

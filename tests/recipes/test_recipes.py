@@ -130,7 +130,7 @@ def test_plan_only_measures_a_small_model_for_the_local_cluster(tmp_path, monkey
                            f"run_dir={tmp_path}"])
     assert "measured" in out
     plan = Plan.load(tmp_path / "plan.json")
-    assert plan.num_stages == 2
+    assert plan.num_ranks == 2  # pipeline depth (each rank may hold several chunks)
     assert sorted(plan.devices) == [f"local:{i}" for i in range(4)]
     assert plan.global_batch_size == 2 * 16  # data.batch_size per replica x 2 replicas
 

@@ -25,7 +25,8 @@ on; ``memory_gb`` is GiB (2**30 bytes). A device may name its own measured block
 <path of a profile JSON>``, relative to the YAML file): blocks on that device type are then priced
 from it rather than from the reference profile over ``speed`` (a training run that discovers its
 cluster writes such a file, one profile per device type). ``overhead_ms`` is a fixed cost per
-compute action (default 0). ``reduce_gbps`` is how fast the device's collective backend does its own
+compute action (default 0; a training run that discovers its cluster measures the runtime's own
+and writes it). ``reduce_gbps`` is how fast the device's collective backend does its own
 part of a gradient all-reduce (summing and copying the bytes it reduces), in Gb/s of reduced bytes;
 absent (the default), that work is free next to the links, as NCCL's is on a GPU. gloo on a CPU is
 not: two local processes reduce at about 10 Gb/s while their link moves 30 Gb/s, so

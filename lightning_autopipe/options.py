@@ -17,7 +17,7 @@ from typing import Any
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import OptionError, PlanError
 from lightning_autopipe.planner.compiled import splits_backward
-from lightning_autopipe.planner.generators import SCHEDULES
+from lightning_autopipe.planner.generators import AUTO_SCHEDULES, GENERATORS
 from lightning_autopipe.planner.plan import Plan
 
 __all__ = ["AutoPipeOptions", "CHECKPOINT_FORMATS", "NONFINITE_LOSS", "REPLAN", "SPLIT_BACKENDS",
@@ -65,8 +65,10 @@ class AutoPipeOptions:
     """Slices the last micro-batch is cut into (a shorter cool-down), or ``"auto"``."""
 
     schedule: str = "auto"
-    """``"auto"`` (the planner picks 1F1B or zero-bubble ZB-H1, whichever it predicts faster
-    within memory) or one schedule: ``"1f1b"``, ``"zb-h1"`` or ``"gpipe"``."""
+    """``"auto"`` (the planner picks among 1F1B, zero-bubble ZB-H1 and, with several stage
+    chunks per rank, interleaved 1F1B and ZB-V, whichever it predicts fastest within memory,
+    the runtime's measured cost per action included) or one schedule: ``"1f1b"``,
+    ``"zb-h1"``, ``"gpipe"``, ``"interleaved-1f1b"`` or ``"zbv"``."""
 
     granularity: str = "sub-block"
     """Block granularity of ``split_model`` (``"sub-block"`` or ``"layer"``)."""
@@ -119,8 +121,8 @@ class AutoPipeOptions:
     True compiles with inductor, a string names another backend (``"aot_eager"``...). The
     profile is corrected to the compiled speed. Zero-bubble schedules need the compiled
     backward cut into input- and weight-gradient graphs, which the backends in
-    ``SPLIT_BACKENDS`` allow; with another backend ``schedule="auto"`` plans 1F1B and
-    ``"zb-h1"`` is refused."""
+    ``SPLIT_BACKENDS`` allow; with another backend ``schedule="auto"`` plans 1F1B or
+    interleaved 1F1B and ``"zb-h1"`` and ``"zbv"`` are refused."""
 
     replan: str = "auto"
     """``"auto"``: every rank's speed is measured from its training steps and the run may
@@ -148,9 +150,9 @@ class AutoPipeOptions:
             )
         for name in _PINS:
             _auto_or_positive(name, getattr(self, name))
-        if self.schedule != "auto" and self.schedule not in SCHEDULES:
+        if self.schedule != "auto" and self.schedule not in GENERATORS:
             raise OptionError(
-                f"schedule must be 'auto' or one of {sorted(SCHEDULES)}, not {self.schedule!r}"
+                f"schedule must be 'auto' or one of {sorted(GENERATORS)}, not {self.schedule!r}"
             )
         timeout = self.timeout
         try:
@@ -180,8 +182,9 @@ class AutoPipeOptions:
                 f"compile={self.compile!r} with schedule={self.schedule!r}: a stage compiled "
                 f"with {self.compile_backend!r} computes input and weight gradients in one "
                 "graph, so its backward cannot be split as zero-bubble schedules need; compile "
-                f"with one of {SPLIT_BACKENDS}, use schedule='auto' (plans 1F1B for this "
-                "backend) or '1f1b', or compile=False"
+                f"with one of {SPLIT_BACKENDS}, use schedule='auto' (plans 1F1B or "
+                "interleaved 1F1B for this backend), '1f1b' or 'interleaved-1f1b', or "
+                "compile=False"
             )
         _check_replan(self)
         for name, value in (
@@ -236,12 +239,15 @@ class AutoPipeOptions:
 
     @property
     def schedules(self) -> tuple[str, ...]:
-        """The schedules the planner may choose among (a compile backend whose backward
-        cannot be split: 1F1B only)."""
+        """The schedules the planner may choose among: the pinned one, or for ``"auto"``
+        :data:`~lightning_autopipe.planner.generators.AUTO_SCHEDULES` (a compile backend whose
+        backward cannot be split: those that do not split it, 1F1B and interleaved 1F1B)."""
         if self.schedule != "auto":
             return (self.schedule,)
         backend = self.compile_backend
-        return ("1f1b",) if backend and backend not in SPLIT_BACKENDS else ("1f1b", "zb-h1")
+        if backend and backend not in SPLIT_BACKENDS:
+            return tuple(s for s in AUTO_SCHEDULES if not splits_backward(s))
+        return AUTO_SCHEDULES
 
     @property
     def compile_backend(self) -> str | None:

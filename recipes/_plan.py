@@ -50,6 +50,15 @@ class PlanReport(pl.Callback):
         )
 
 
+def _shape(plan: Any) -> str:
+    """``"<p> stages x <r> replicas"``: the pipeline depth in ranks, and with several stage
+    chunks per rank their count and schedule (``plan.num_stages`` counts the chunks)."""
+    if plan.chunks_per_rank == 1:
+        return f"{plan.num_ranks} stages x {plan.replicas} replicas"
+    return (f"{plan.num_ranks} stages x {plan.replicas} replicas ({plan.chunks_per_rank} "
+            f"chunks per rank, {plan.schedule})")
+
+
 def _strategy_printed() -> bool:
     """The strategy logs its plan table through Lightning's rank-zero INFO logger; when that
     logger is on, the table is already on screen and is not printed twice."""
@@ -71,7 +80,7 @@ def show_plan(
     from lightning_autopipe.planner.report import plan_table
 
     print(
-        f"{PLAN_BANNER} {plan.num_stages} stages x {plan.replicas} replicas, "
+        f"{PLAN_BANNER} {_shape(plan)}, "
         f"{plan.num_microbatches} micro-batches, {plan.startup_slices} startup / "
         f"{plan.drain_slices} drain slices, predicted {plan.iteration_ms:.1f} ms/step =="
     )
@@ -82,7 +91,7 @@ def show_plan(
         print(text)
     if "balance" not in text:  # the planner's table already has the summary
         print(
-            f"{plan.num_stages} stages x {plan.replicas} replicas, {plan.num_microbatches} "
+            f"{_shape(plan)}, {plan.num_microbatches} "
             f"micro-batches, {plan.startup_slices} startup / {plan.drain_slices} drain slices: "
             "predicted "
             f"{plan.iteration_ms:.1f} ms/step, balance {plan.balance:.2f} (slowest stage / "
@@ -97,8 +106,8 @@ def show_plan(
 
         files.append(run_dir / "timeline.png")
         title = (
-            f"{model_name or plan.model or 'model'} on {cluster.name}: {plan.num_stages} stages x "
-            f"{plan.replicas} replicas, m={plan.num_microbatches}, k={plan.startup_slices}, "
+            f"{model_name or plan.model or 'model'} on {cluster.name}: {_shape(plan)}, "
+            f"m={plan.num_microbatches}, k={plan.startup_slices}, "
             f"j={plan.drain_slices}, "
             f"{plan.iteration_ms:.1f} ms/step predicted"
         )
@@ -224,6 +233,7 @@ def _measured_profile(cfg: Any, task: Any, example: Any) -> Any:
 
 def plan_only(cfg: Any, run_dir: Path) -> int:
     """Print the plan ``cfg`` would get on ``cfg.cluster`` and draw it; launch nothing."""
+    from lightning_autopipe.options import AutoPipeOptions
     from lightning_autopipe.planner.search import search_plan
     from lightning_autopipe.zoo.config import build_cluster
 
@@ -243,12 +253,22 @@ def plan_only(cfg: Any, run_dir: Path) -> int:
         for key in ("num_stages", "num_microbatches", "startup_slices", "drain_slices")
     }
     names = [d.name for d in cluster.devices]
+    # the schedules the strategy would consider, and (these processes being the local
+    # cluster) the runtime's cost per action measured here, as a training run measures it
+    schedules = AutoPipeOptions(schedule=str(strategy.get("schedule", "auto")),
+                                compile=strategy.get("compile", False)).schedules
+    if local:
+        from lightning_autopipe.runtime.action_overhead import measure_action_overhead
+        from lightning_autopipe.runtime.measure import with_overheads
+
+        cluster = with_overheads(cluster, [measure_action_overhead()])
     plan = search_plan(
         profile,
         cluster,
         names,
         int(cfg.data.batch_size),
         planner=str(strategy.get("planner", "autopipe")),
+        schedules=schedules,
         **pins,
     )
     print(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_autopipe.errors import AutoPipeError
-from lightning_autopipe.planner.generators import SCHEDULES
+from lightning_autopipe.planner.generators import AUTO_SCHEDULES, GENERATORS
 from lightning_autopipe.planner.report import format_plan
 from lightning_autopipe.profile import Profile
 
@@ -99,8 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, help="pin micro-batches per replica")
     p.add_argument("--startup-slices", type=int, help="pin the slices of micro-batch 0")
     p.add_argument("--drain-slices", type=int, help="pin the slices of the last micro-batch")
-    p.add_argument("--schedule", default="auto", choices=["auto", *sorted(SCHEDULES)],
-                   help="pin the schedule (auto: 1F1B or zero-bubble ZB-H1, the faster)")
+    p.add_argument("--schedule", default="auto", choices=["auto", *sorted(GENERATORS)],
+                   help="pin the schedule (auto: the fastest of " + ", ".join(AUTO_SCHEDULES)
+                   + "; interleaved-1f1b and zbv run several stage chunks per rank)")
     p.add_argument("--devices", help="comma-separated device names to restrict to")
     p.add_argument("--uniform-replicas", action="store_true",
                    help="same replica count on every stage (what the runtime executes)")
@@ -135,7 +136,7 @@ def plan_main(argv: list[str]) -> int:
             num_stages=args.stages, replicas=args.replicas,
             num_microbatches=args.micro_batches, startup_slices=args.startup_slices,
             drain_slices=args.drain_slices,
-            schedules=("1f1b", "zb-h1") if args.schedule == "auto" else (args.schedule,),
+            schedules=AUTO_SCHEDULES if args.schedule == "auto" else (args.schedule,),
             devices=args.devices.split(",") if args.devices else None,
             uniform_replicas=args.uniform_replicas, use_all_devices=args.use_all_devices,
             memory_check=not args.no_memory_check,

@@ -21,8 +21,8 @@ from lightning_autopipe.planner.schedule import Schedule, gpipe, is_split, one_f
 from lightning_autopipe.planner.zbv import zbv
 from lightning_autopipe.planner.zero_bubble import zb_h1
 
-__all__ = ["SCHEDULES", "GENERATORS", "Generator", "build_schedule", "check_schedule",
-           "generate", "schedule_generator", "splits_backward"]
+__all__ = ["AUTO_SCHEDULES", "SCHEDULES", "GENERATORS", "Generator", "build_schedule",
+           "check_schedule", "generate", "schedule_generator", "splits_backward"]
 
 #: ``(stages, micro-batches, startup slices, drain slices) -> compute-only schedule``, for the
 #: schedules with one chunk per rank.
@@ -59,6 +59,11 @@ GENERATORS: dict[str, Generator] = {
     "interleaved-1f1b": Generator("interleaved-1f1b", interleaved_1f1b, "looped", None),
     "zbv": Generator("zbv", zbv, "v", (2,)),
 }
+
+#: what ``schedule="auto"`` considers: one chunk per rank (1F1B, zero-bubble ZB-H1) and several
+#: (interleaved 1F1B, ZB-V). GPipe (1F1B's step with every micro-batch's activations held at
+#: once) is left to those who pin it.
+AUTO_SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zbv")
 
 
 def _known(name: str) -> Generator:

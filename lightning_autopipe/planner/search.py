@@ -112,7 +112,7 @@ def make_plan(
                                    max_startup_slices, optimizer_factor, one_chunk(schedules))
         notes = _polish_favourite(props, costs, cluster, global_batch_size, optimizer_factor)
         props = chunked_proposals(props, costs, cluster, global_batch_size, optimizer_factor,
-                                  schedules)
+                                  schedules, pins)
     else:
         props, excluded = propose(
             planner, profile, costs, cluster, devs, global_batch_size, pins=pins,

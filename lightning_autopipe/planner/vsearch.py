@@ -12,15 +12,21 @@ looped placement, ``zbv`` with 2 in V placement) is tried on the same ranks:
 3. the result competes with the one-chunk proposals: those predicted faster go before the
    one-chunk favourite, the others after it, and the simulator judges the finalists as usual
    (:func:`~.search.make_plan`), memory per rank included.
+
+Pinned micro-batches, startup and drain slices are kept (the one-chunk proposals already have
+the pinned micro-batches; the slices are not re-chosen). Chunks are not tried on one rank per
+replica (no pipeline: a second chunk only adds actions) unless only chunked schedules are
+allowed; then too few blocks for ``p v`` chunks is a :class:`~lightning_autopipe.errors.PlanError`.
 """
 
 from __future__ import annotations
 
 import functools
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.costmodel import Estimate, evaluate
 from lightning_autopipe.planner.generators import GENERATORS, SCHEDULES
 from lightning_autopipe.planner.layout import BlockCosts, Layout
@@ -72,21 +78,28 @@ def _price(costs, layout, batch, m, k, j, schedule, optimizer_factor, cuts_list)
 
 
 def _chunked(costs: BlockCosts, cluster: Cluster, base: Proposal, batch: int,
-             optimizer_factor: float, schedule: str, v: int) -> tuple[Estimate, Proposal] | None:
-    """``base``'s ranks with ``v`` chunks each under ``schedule`` (module docstring)."""
+             optimizer_factor: float, schedule: str, v: int,
+             pins: Mapping[str, int | None] | None = None) -> tuple[Estimate, Proposal] | None:
+    """``base``'s ranks with ``v`` chunks each under ``schedule`` (module docstring); the
+    pinned ``startup_slices`` / ``drain_slices`` of ``pins`` are kept."""
     p, m = len(base.groups), base.num_microbatches
     if p * v > costs.num_blocks:
         return None
+    pins = pins or {}
     placement = GENERATORS[schedule].placement
     layout = ChunkLayout.from_cluster(cluster, base.groups, v, placement)
     k = base.startup_slices
+    size = batch // (m * len(base.groups[0]))
+    ks = {pins["startup_slices"]} if pins.get("startup_slices") else {1, k, min(2, size)}
+    js = ({pins["drain_slices"]} if pins.get("drain_slices")
+          else {1, min(2, size)} if m > 1 else {1})
     actions = 3 * p * v * (m + k + 1)
     cuts = _walk(chunk_cuts(costs, layout), functools.partial(
-        _price, costs, layout, batch, m, k, 1, schedule, optimizer_factor), _BUDGET // actions)
-    size = batch // (m * len(base.groups[0]))
+        _price, costs, layout, batch, m, k, min(js), schedule, optimizer_factor),
+        _BUDGET // actions)
     best = None
-    for kk in sorted({1, k, min(2, size)}):
-        for j in sorted({1, min(2, size)} if m > 1 else {1}):
+    for kk in sorted(ks):
+        for j in sorted(js):
             est = evaluate_chunked(costs, layout, cuts, batch, m, kk, drain_slices=j,
                                    schedule=schedule, optimizer_factor=optimizer_factor)
             if best is None or (not est.fits, est.iteration_ms) < (not best[0].fits,
@@ -118,13 +131,20 @@ def _walk(cuts: list[int], price, evaluations: int) -> list[int]:
 def chunked_proposals(
     props: list[Proposal], costs: BlockCosts, cluster: Cluster, batch: int,
     optimizer_factor: float, schedules: Sequence[str],
+    pins: Mapping[str, int | None] | None = None,
 ) -> list[Proposal]:
     """``props`` (one chunk per rank, the favourite first) with the chunked proposals of the
     module docstring merged in: those the fast model predicts faster than the favourite
-    first (fastest first), the rest right after the favourite."""
+    first (fastest first), the rest right after the favourite.
+
+    Raises:
+        PlanError: only chunked schedules are allowed and the model has too few blocks for
+            their chunks on these ranks.
+    """
     tries = [(s, v) for s, v in CHUNKED_SCHEDULES if s in schedules]
     if not tries or not props:
         return props
+    only_chunked = not any(s in SCHEDULES for s in schedules)
     top = props[0]
     ref = evaluate(costs, Layout.from_cluster(cluster, top.groups), top.cuts, batch,
                    top.num_microbatches, top.startup_slices, drain_slices=top.drain_slices,
@@ -137,16 +157,33 @@ def chunked_proposals(
         if key in seen:
             continue
         seen.add(key)
+        if len(base.groups) == 1 and not only_chunked:
+            continue  # no pipeline to fill: more chunks would only add actions
         for schedule, v in tries:
-            got = _chunked(costs, cluster, base, batch, optimizer_factor, schedule, v)
+            got = _chunked(costs, cluster, base, batch, optimizer_factor, schedule, v, pins)
             if got is not None:
                 found.append(got)
+    if only_chunked and not found:
+        raise _too_few_blocks(tries, min(len(b.groups) for b in props[:_BASES]),
+                              costs.num_blocks)
     found.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
     better = [p for e, p in found if (not e.fits, e.iteration_ms) < (not ref.fits,
                                                                      ref.iteration_ms)]
     worse = [p for e, p in found if p not in better]
     out = better + props[:1] + worse + props[1:]
     return [p for p in out if p.schedule in schedules] or out
+
+
+def _too_few_blocks(tries: Sequence[tuple[str, int]], p: int, n: int) -> PlanError:
+    names = sorted({s for s, _ in tries})
+    v = min(v for _, v in tries)
+    return PlanError(
+        f"schedule {' / '.join(names)} runs at least {v} stage chunks on each of the {p} "
+        f"pipeline ranks ({p * v} chunks), but the model has only {n} blocks; use fewer "
+        f"pipeline stages (num_stages <= {max(n // v, 1)}), a model traced at a finer block "
+        "granularity (granularity='sub-block'), or a schedule of one stage per rank "
+        "('1f1b', 'zb-h1', or 'auto')"
+    )
 
 
 def proposal_stages(prop: Proposal) -> list[StagePlan]:

@@ -144,7 +144,7 @@ def compiled_stage(stage: nn.Module, schedule: str, backend: str, *,
             f"schedule {schedule!r} splits each backward into input and weight gradients, "
             f"which a stage compiled with {backend!r} computes together (one graph); the "
             f"backward can be split for {SPLIT_BACKENDS}: compile with one of them, re-plan "
-            "with schedule='auto' or '1f1b', or pass compile=False"
+            "with schedule='auto', '1f1b' or 'interleaved-1f1b', or pass compile=False"
         )
     return CompiledStage(stage, backend, split_backward=splits_backward_at(stage_index, split))
 

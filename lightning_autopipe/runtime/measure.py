@@ -6,14 +6,21 @@ discovered from the ranks) and, when no plan is given, the profile of the traced
 rank profiles on its own device at the same time (in training all ranks compute at once and
 contend for shared cores and memory bandwidth, so a profile taken while the others idle would
 be optimistic), and a rank whose profiling fails stops every rank with its error.
+
+A cluster measured here (discovered, or the local one of a single process) also carries the
+runtime's own cost per compute action, timed on every rank right after its profile
+(:func:`~lightning_autopipe.runtime.action_overhead.measure_action_overhead`): the planner adds
+it to every F, B and W, so a plan of many small actions (several chunks per rank, slices) is
+priced at what it costs to run. A cluster file's ``overhead_ms`` stands as declared (rank 0
+warns when it is well below the measured figure).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +44,7 @@ from lightning_autopipe.runtime.discover import (
 )
 from lightning_autopipe.runtime.units import slice_batch
 
-__all__ = ["Measurement", "is_distributed", "measure", "resolve_cluster"]
+__all__ = ["Measurement", "is_distributed", "measure", "resolve_cluster", "with_overheads"]
 
 
 @dataclass
@@ -95,6 +102,7 @@ def measure(
     planning = options.plan is None  # else the given plan is used as it is
     distributed = is_distributed(world_size)
     discovering = planning and options.cluster is None and distributed
+    overhead = 0.0
     cluster = None
     if not discovering:  # every rank, before any other collective
         cluster = resolve_cluster(
@@ -112,6 +120,10 @@ def measure(
             mine = profile_for(options.compile_backend, _profile(
                 blocks, example, example_batch, loss_fn, device, options.profile_repeats),
                 blocks, example, device)
+            # as the profile: while every rank does the same
+            from lightning_autopipe.runtime.action_overhead import measure_action_overhead
+
+            overhead = measure_action_overhead(device)
         except Exception as exc:
             if distributed:
                 _stop_everywhere(exc, rank)
@@ -122,6 +134,9 @@ def measure(
     if discovering:
         cluster, profile, _ = discover(mine, device)
         names = [d.name for d in cluster.devices]
+        # its file carries the measured cost per action too (failure is None: profiling
+        # failures stop every rank in a process group)
+        cluster = _priced_actions(cluster, overhead, True, distributed, rank)
         if rank == 0 and run_dir is not None:
             where = write_cluster(cluster, run_dir, profile)
             log.rank_zero_info(
@@ -133,7 +148,55 @@ def measure(
                 warnings.warn(f"cluster {cluster.name!r} contradicts the measurement: {line}",
                               stacklevel=3)
     assert cluster is not None
+    if planning and failure is None and not discovering:
+        cluster = _priced_actions(cluster, overhead, options.cluster is None, distributed, rank)
     return Measurement(cluster=cluster, names=names, profile=profile, failure=failure)
+
+
+def with_overheads(cluster: Cluster, per_rank: Sequence[float]) -> Cluster:
+    """``cluster`` whose every device type costs ``overhead_ms`` the most any of its ranks
+    measured (``per_rank[r]``: the figure of ``cluster.devices[r]``; a type no rank measured
+    keeps its own)."""
+    by_type: dict[str, float] = {}
+    for dev, ms in zip(cluster.devices, per_rank):
+        by_type[dev.spec.name] = max(by_type.get(dev.spec.name, 0.0), float(ms))
+
+    def spec(s: Any) -> Any:
+        return replace(s, overhead_ms=by_type[s.name]) if s.name in by_type else s
+
+    servers = [replace(sv, device=spec(sv.device),
+                       devices=tuple((i, spec(d)) for i, d in sv.devices))
+               for sv in cluster.servers]
+    return replace(cluster, servers=servers)
+
+
+def _priced_actions(cluster: Cluster, overhead: float, measured: bool, distributed: bool,
+                    rank: int) -> Cluster:
+    """A ``measured`` cluster with every rank's cost per action; a declared one as it is, rank
+    0 warning where it declares well below what its ranks measured. Collective when
+    ``distributed`` (every rank's figure is gathered)."""
+    figures: list[Any] = [overhead]
+    if distributed:
+        figures = [None] * dist.get_world_size()
+        dist.all_gather_object(figures, overhead)
+    if measured:
+        if rank == 0:
+            log.rank_zero_info(
+                f"the runtime adds {max(figures):.3f} ms per compute action (F, B, W) besides "
+                "the model's own work (measured on every rank; the planner prices it on every "
+                "action)")
+        return with_overheads(cluster, figures)
+    if rank == 0:
+        for dev, ms in zip(cluster.devices, figures):
+            if dev.spec.overhead_ms < 0.5 * ms:
+                warnings.warn(
+                    f"cluster {cluster.name!r} declares overhead_ms={dev.spec.overhead_ms:g} "
+                    f"for {dev.name} ({dev.spec.name}), but the runtime measured {ms:.3f} ms "
+                    "per compute action there: the planner will favour plans of many small "
+                    "actions (several chunks per rank, slices) more than they pay; declare "
+                    "the measured figure as the device's overhead_ms", stacklevel=4)
+                break
+    return cluster
 
 
 def resolve_cluster(

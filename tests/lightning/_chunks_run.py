@@ -3,13 +3,16 @@
     run by tests/_world.py in the shared worlds (tests._worlds): run_case(CASE, WORLD, OUT_DIR)
 
 CASE is ``<schedule>-<p>x<replicas>`` with schedule ``zbv`` (V placement, two chunks per rank,
-split backward) or ``interleaved`` (interleaved 1F1B, looped placement, two chunks per rank):
+split backward), ``interleaved`` (interleaved 1F1B, looped placement, two chunks per rank):
 a fixed plan over the tiny GPT whose LM head is tied to its embedding (the first and the last
 chunk), four micro-batches of two samples, micro-batch 0 in two startup slices and (ZB-V) the
-last in two drain slices, Adam. ``resume-4x1`` continues the 2-rank world's ``zbv-2x1`` run
-from its checkpoint under interleaved 1F1B on 4 ranks (another layout, optimizer state
-included). Every rank writes ``OUT_DIR/<case>.rank<r>.pt``: per step its batch, loss and the
-weights it holds (original names); ``zbv-2x1`` also saves ``OUT_DIR/zbv-2x1.ckpt``.
+last in two drain slices, Adam. ``auto-2x1`` plans instead (``schedule="auto"``, two pipeline
+stages) on a given local cluster whose links and per-action cost are nearly free, where the
+planner predicts chunks faster and must choose them. ``resume-4x1`` continues the 2-rank
+world's ``zbv-2x1`` run from its checkpoint under interleaved 1F1B on 4 ranks (another layout,
+optimizer state included). Every rank writes ``OUT_DIR/<case>.rank<r>.pt``: per step its
+batch, loss and the weights it holds (original names); ``zbv-2x1`` also saves
+``OUT_DIR/zbv-2x1.ckpt``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_autopipe  # noqa: E402
+from lightning_autopipe.cluster import Cluster  # noqa: E402
 from lightning_autopipe.graph import split_model  # noqa: E402
 from lightning_autopipe.planner.placement import chunk_ranks  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
@@ -34,6 +38,7 @@ from lightning_autopipe.zoo.models import TinyGPT  # noqa: E402
 
 VOCAB, SEQ, LAYERS = 32, 8, 4
 REPLICA_BATCH, MICROBATCHES, STEPS, RESUME_STEPS = 8, 4, 3, 2
+AUTO_MICROBATCHES = 2  # pinned in the auto-2x1 case (the planner must keep it)
 LR, EPS = 1e-2, 1e-6  # the key bias's gradient is zero up to rounding: Adam's default eps
 # (1e-8) would turn that rounding noise into steps of the full learning rate
 SCHEDULES = {"zbv": ("zbv", "v", 2, 2), "interleaved": ("interleaved-1f1b", "looped", 2, 1)}
@@ -108,10 +113,19 @@ def run_case(case: str, world: int, out: Path) -> dict:
     p, replicas = (int(v) for v in shape.split("x"))
     assert p * replicas == world, (case, world)
     resume = schedule == "resume"
-    plan = chunk_plan("interleaved" if resume else schedule, p, replicas)
+    if schedule == "auto":  # planned at the start: nearly free links, no cost per action
+        cluster = Cluster.local(world, gbps=100.0, latency_us=1.0, overhead_ms=0.0)
+        # two micro-batches: of this model's tiny blocks one micro-batch is the fastest
+        # one-chunk plan, and the chunked tries start from the best one-chunk shapes
+        strategy = lightning_autopipe.AutoPipeStrategy(
+            schedule="auto", cluster=cluster, num_stages=p, num_microbatches=AUTO_MICROBATCHES,
+            timeout=120)
+    else:
+        plan = chunk_plan("interleaved" if resume else schedule, p, replicas)
+        strategy = lightning_autopipe.AutoPipeStrategy(plan=plan, timeout=120)
     record = Record()
     trainer = pl.Trainer(
-        strategy=lightning_autopipe.AutoPipeStrategy(plan=plan, timeout=120),
+        strategy=strategy,
         accelerator="cpu", devices=world, max_steps=STEPS + (RESUME_STEPS if resume else 0),
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,

@@ -2,8 +2,9 @@
 
 The cases (tests/lightning/_chunks_run.py) train the tiny GPT with its LM head tied to its
 embedding under a fixed plan of two chunks per rank, with startup and drain slices and Adam,
-at 2x1, 4x1 and 2x2 (pipeline depth x data-parallel replicas); here one process trains the
-same model on the same global batches. Losses and every rank's weights must agree to the
+at 2x1, 4x1 and 2x2 (pipeline depth x data-parallel replicas), and once under
+``schedule="auto"`` on a cluster where the planner must choose chunks; here one process
+trains the same model on the same global batches. Losses and every rank's weights must agree to the
 suite's float32 tolerance for sums taken in another order. In V placement the tied weight
 lives on rank 0 in both the first and the last chunk, as one Parameter; in looped placement
 the first and the last chunk are on different ranks and the tie group sums the copies.
@@ -22,7 +23,7 @@ from tests.lightning import _chunks_run as R
 # weights in float64 (see _chunks_run.build_net): sums in another order only; the step loss is
 # summed in float32 by the executor
 RTOL, ATOL, LOSS_RTOL = 1e-9, 1e-11, 1e-6
-CASES = {2: ["zbv-2x1", "interleaved-2x1"],
+CASES = {2: ["zbv-2x1", "interleaved-2x1", "auto-2x1"],
          4: ["zbv-4x1", "interleaved-4x1", "zbv-2x2", "interleaved-2x2", "resume-4x1"]}
 
 MODULE = "tests.lightning._chunks_run"
@@ -79,7 +80,11 @@ def test_chunks_per_rank_through_the_trainer_equal_one_process(worlds, case):
     world = 2 if case in CASES[2] else 4
     ranks = worlds.results(world, MODULE, case, weights_only=False)
     plan = Plan.from_json(ranks[0]["plan"])
-    assert plan.chunks_per_rank == 2
+    if case.startswith("auto"):  # the planner chose chunks, and kept the pinned micro-batches
+        assert plan.chunks_per_rank > 1, plan.search_notes
+        assert (plan.num_ranks, plan.num_microbatches) == (2, R.AUTO_MICROBATCHES)
+    else:
+        assert plan.chunks_per_rank == 2
     assert sorted(c for r in ranks if r["replica"] == 0 for c in r["chunks"]) == list(
         range(plan.num_stages))
     if plan.placement == "v":  # the tied embedding and head: both on the first row

@@ -41,14 +41,18 @@ def test_json_output_is_one_object_with_the_documented_keys(profile_path, capsys
     data = json.loads(out)  # exactly one JSON document: anything else would not parse
     for key in KEYS:
         assert key in data
-    assert len(data["stages"]) == 3
+    # auto may choose several stage chunks per rank: the JSON then says how many, and where
+    v = data.get("chunks_per_rank", 1)
+    assert ("placement" in data) == (v > 1)
+    assert len(data["stages"]) == 3 * v
     assert [s["blocks"][0] for s in data["stages"]][0] == 0
     assert data["stages"][-1]["blocks"][1] == 10
     for a, b in zip(data["stages"], data["stages"][1:]):
         assert a["blocks"][1] == b["blocks"][0]
     stage_ms = [s["stage_ms"] for s in data["stages"]]
     assert data["balance"] == pytest.approx(max(stage_ms) / (sum(stage_ms) / len(stage_ms)))
-    assert Plan.from_dict(data).num_stages == 3
+    plan = Plan.from_dict(data)
+    assert (plan.num_ranks, plan.num_stages, plan.chunks_per_rank) == (3, 3 * v, v)
 
 
 def test_table_output_and_format_plan(profile_path, capsys):

@@ -1,6 +1,7 @@
 """The planner with several stage chunks per rank: it picks chunks when the simulator
 predicts them faster and keeps one stage per rank otherwise, gives a slow rank's chunks less
-work, and its plan table says what it chose."""
+work, keeps the user's pins, refuses a model too small for the chunks, its plan table says
+what it chose, and the options reach every schedule by name."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from dataclasses import replace
 import pytest
 
 from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import OptionError, PlanError
+from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner import make_plan
+from lightning_autopipe.planner.generators import AUTO_SCHEDULES, GENERATORS
 from lightning_autopipe.planner.layout import BlockCosts
 from lightning_autopipe.planner.plan import Proposal
 from lightning_autopipe.planner.report import format_plan
@@ -19,7 +23,7 @@ from lightning_autopipe.planner.vcost import ChunkLayout
 from lightning_autopipe.planner.vsearch import chunk_cuts
 from lightning_autopipe.profile import BlockProfile, Profile
 
-ALL = ("1f1b", "zb-h1", "interleaved-1f1b", "zbv")
+ALL = AUTO_SCHEDULES
 
 
 def _profile(n: int = 32, act: int = 10**5) -> Profile:
@@ -125,3 +129,49 @@ def test_the_timeline_picture_and_trace_name_the_chunks(tmp_path):
     names = {e["name"] for e in chrome_trace(res)["traceEvents"] if e.get("ph") == "X"}
     assert {"0F0.0", "7F0.0", "7B0.0", "3F0.0", "4F0.0"} <= names  # both chunks of each rank
     assert {e.stage for e in res.events if e.device == plan.rank_devices(0)[0]} == {0, 7}
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved-1f1b"])
+def test_chunked_plans_keep_the_pinned_microbatches_and_slices(schedule):
+    prof, cl = _profile(), _cluster(4)
+    free = make_plan(prof, cl, 64, num_stages=4, replicas=1, schedules=(schedule,))
+    pins = dict(num_microbatches=4, startup_slices=4, drain_slices=4)
+    # the reference: left free, the search chooses other counts (so the pins are what holds)
+    assert (free.num_microbatches, free.startup_slices, free.drain_slices) != (4, 4, 4)
+    for schedules in ((schedule,), ALL):
+        plan = make_plan(prof, cl, 64, num_stages=4, replicas=1, schedules=schedules, **pins)
+        assert (plan.num_microbatches, plan.startup_slices, plan.drain_slices) == (4, 4, 4)
+    pinned = make_plan(prof, cl, 64, num_stages=4, replicas=1, schedules=(schedule,), **pins)
+    assert (pinned.chunks_per_rank > 1, pinned.schedule) == (True, schedule)
+    assert simulate(pinned, prof, cl).iteration_ms == pytest.approx(pinned.iteration_ms)
+
+
+def test_a_pinned_chunked_schedule_refuses_a_model_with_too_few_blocks():
+    prof, cl = _profile(6), _cluster(4)
+    for schedule in ("zbv", "interleaved-1f1b"):
+        with pytest.raises(PlanError, match=r"4 pipeline ranks \(8 chunks\).* 6 blocks.*"
+                                            r"num_stages <= 3.*'1f1b'"):
+            make_plan(prof, cl, 64, num_stages=4, replicas=1, schedules=(schedule,))
+    # enough blocks at 3 stages (6 chunks); auto falls back to one stage per rank at 4
+    assert make_plan(prof, cl, 48, num_stages=3, replicas=1,
+                     schedules=("zbv",)).chunks_per_rank == 2
+    assert make_plan(prof, cl, 64, num_stages=4, replicas=1, schedules=ALL).chunks_per_rank == 1
+
+
+def test_no_chunks_without_a_pipeline_unless_only_chunked_schedules_are_allowed():
+    prof, cl = _profile(8), _cluster(2)
+    auto = make_plan(prof, cl, 64, num_stages=1, replicas=2, schedules=ALL)
+    assert (auto.chunks_per_rank, auto.num_stages) == (1, 1)
+    only = make_plan(prof, cl, 64, num_stages=1, replicas=2, schedules=("zbv",))
+    assert (only.schedule, only.chunks_per_rank, only.num_ranks) == ("zbv", 2, 1)
+
+
+def test_the_options_take_every_schedule_by_name_and_auto_considers_chunks():
+    for name in GENERATORS:
+        assert AutoPipeOptions(schedule=name).schedules == (name,)
+    assert AutoPipeOptions().schedules == AUTO_SCHEDULES
+    assert {"interleaved-1f1b", "zbv"} <= set(AUTO_SCHEDULES) < set(GENERATORS)
+    with pytest.raises(OptionError, match="schedule must be 'auto' or one of") as err:
+        AutoPipeOptions(schedule="zb-v")
+    for name in GENERATORS:
+        assert repr(name) in str(err.value)

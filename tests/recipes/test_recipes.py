@@ -9,6 +9,8 @@ import pytest
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.profile import Profile
 from lightning_autopipe.zoo.config import CONF_DIR
 from tests.recipes._run import ROOT, losses, run
 
@@ -40,6 +42,15 @@ def test_main_job_pipelines_gpt_on_two_ranks_and_the_loss_goes_down(
     assert last < 0.85 * first, values
     assert "train loss" in proc.stdout
     assert str(pipe_dir / "csv" / "metrics.csv") in proc.stdout
+    # the plan priced the runtime's measured cost per action, which the discovered cluster's
+    # file carries: the simulator on that file gives the plan's step, and more than without it
+    found = pipe_dir / "csv" / "autopipe"
+    cluster, profile = Cluster.load(found / "cluster.yaml"), Profile.load(found / "profile.json")
+    assert cluster.devices[0].spec.overhead_ms > 0
+    assert simulate(plan, profile, cluster).iteration_ms == pytest.approx(plan.iteration_ms)
+    free = Cluster.from_dict(cluster.to_dict() | {"servers": [
+        s | {"device": s["device"] | {"overhead_ms": 0.0}} for s in cluster.to_dict()["servers"]]})
+    assert simulate(plan, profile, free).iteration_ms < plan.iteration_ms
 
     _run_in_process(monkeypatch, capsys, "train_gpt",
                     ["strategy=auto", "trainer.devices=1", "trainer.max_steps=30",
@@ -119,7 +130,7 @@ def test_plan_only_measures_a_small_model_for_the_local_cluster(tmp_path, monkey
                            f"run_dir={tmp_path}"])
     assert "measured" in out
     plan = Plan.load(tmp_path / "plan.json")
-    assert plan.num_stages == 2
+    assert plan.num_ranks == 2  # pipeline depth (each rank may hold several chunks)
     assert sorted(plan.devices) == [f"local:{i}" for i in range(4)]
     assert plan.global_batch_size == 2 * 16  # data.batch_size per replica x 2 replicas
 

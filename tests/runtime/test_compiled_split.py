@@ -28,6 +28,7 @@ from torch import fx, nn
 from lightning_autopipe.errors import OptionError, PlanError
 from lightning_autopipe.graph import split_model
 from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.planner.generators import AUTO_SCHEDULES
 from lightning_autopipe.runtime.compiled_split import split_backward_graph
 from lightning_autopipe.runtime.compiled_stage import CompiledStage, compiled_stage
 from lightning_autopipe.runtime.recompute import Recomputed
@@ -263,11 +264,15 @@ def test_the_weight_half_feeds_gradient_hooks_like_any_backward():
 
 def test_zero_bubble_compiles_with_splittable_backends_and_refuses_others():
     assert AutoPipeOptions(compile=True, schedule="zb-h1").compile_backend == "inductor"
-    assert AutoPipeOptions(compile=True).schedules == ("1f1b", "zb-h1")
-    assert AutoPipeOptions(compile="aot_eager").schedules == ("1f1b", "zb-h1")
-    assert AutoPipeOptions(compile="eager").schedules == ("1f1b",)
-    with pytest.raises(OptionError, match=r"compiled with 'eager'.*one of \('inductor', "):
-        AutoPipeOptions(compile="eager", schedule="zb-h1")
+    assert AutoPipeOptions(compile=True).schedules == AUTO_SCHEDULES
+    assert AutoPipeOptions(compile="aot_eager").schedules == AUTO_SCHEDULES
+    assert AutoPipeOptions(compile="eager").schedules == ("1f1b", "interleaved-1f1b")
+    for split in ("zb-h1", "zbv"):
+        with pytest.raises(OptionError, match=r"compiled with 'eager'.*one of \('inductor', "
+                           r".*'interleaved-1f1b'"):
+            AutoPipeOptions(compile="eager", schedule=split)
+    assert AutoPipeOptions(compile="eager", schedule="interleaved-1f1b").schedules == (
+        "interleaved-1f1b",)
     with pytest.raises(PlanError, match=r"splits each backward.*'eager'"):
         compiled_stage(nn.Linear(2, 2), "zb-h1", "eager", stage_index=1)
     assert compiled_stage(nn.Linear(2, 2), "zb-h1", "aot_eager", stage_index=1).deferral is not None

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.runtime.chunks import RankChunks
 from lightning_autopipe.runtime.discover import SLOWER
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from lightning_autopipe.zoo.models import TinyGPT
@@ -104,7 +105,9 @@ def _check(rank: int, out: Path) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
-    state = {k: v.detach().clone() for k, v in pipe.stage.state_dict().items()}
+    # the planner may give a rank several chunks (auto considers them): keys by original name
+    names = pipe.stage.param_names if isinstance(pipe.stage, RankChunks) else {}
+    state = {names.get(k, k): v.detach().clone() for k, v in pipe.stage.state_dict().items()}
     states: list = [None, None]
     dist.all_gather_object(states, state)
     timings: list = [None, None]
@@ -129,17 +132,19 @@ def _check(rank: int, out: Path) -> None:
                 mismatch.append(name)
     cl = pipe.cluster
     specs = [d.spec for d in cl.devices]
-    work = {st.devices[0]: list(st.blocks) for st in pipe.plan.stages}
     ref_prof = pipe.profile
     block_ms = [b.forward_ms + b.backward_ms for b in ref_prof.blocks]
+    held: dict[str, list[tuple[int, int]]] = {}  # device -> its chunks' block ranges
+    for st in pipe.plan.stages:
+        held.setdefault(st.devices[0], []).append(tuple(st.blocks))
     result = {
         "servers": len(cl.servers),
         "types": sorted({s.name for s in specs}),
         "speeds": [s.speed for s in specs],
         "names": [d.name for d in cl.devices],
         "timing_ratio": timings[0] / timings[1],
-        "work": {d: sum(block_ms[i:j]) for d, (i, j) in work.items()},
-        "blocks": {d: j - i for d, (i, j) in work.items()},
+        "work": {d: sum(sum(block_ms[i:j]) for i, j in r) for d, r in held.items()},
+        "blocks": {d: sum(j - i for i, j in r) for d, r in held.items()},
         "losses": losses,
         "ref_losses": ref_losses,
         "mismatch": mismatch,
@@ -223,8 +228,10 @@ def _alike_worker(rank: int, port: int, out: str) -> None:
             lv = cl.servers[0].levels[0]
             local = Cluster.local(2, device_name=cl.devices[0].spec.name, gbps=lv.gbps,
                                   latency_us=lv.latency_us, memory_gb=cl.devices[0].spec.memory_gb,
-                                  reduce_gbps=cl.devices[0].spec.reduce_gbps)
-            today = search_plan(prof, local, ["local:0", "local:1"], BATCH, num_stages=2)
+                                  reduce_gbps=cl.devices[0].spec.reduce_gbps,
+                                  overhead_ms=cl.devices[0].spec.overhead_ms)
+            today = search_plan(prof, local, ["local:0", "local:1"], BATCH, num_stages=2,
+                                schedules=AutoPipeOptions().schedules)
             result = {
                 "types": sorted({d.spec.name for d in cl.devices}),
                 "cuts": pipe.plan.cuts, "today": today.cuts,

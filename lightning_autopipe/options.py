@@ -17,7 +17,7 @@ from typing import Any
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import OptionError, PlanError
 from lightning_autopipe.planner.compiled import splits_backward
-from lightning_autopipe.planner.generators import AUTO_SCHEDULES, GENERATORS
+from lightning_autopipe.planner.generators import AUTO_SCHEDULES, GENERATORS, SCHEDULES
 from lightning_autopipe.planner.plan import Plan
 
 __all__ = ["AutoPipeOptions", "CHECKPOINT_FORMATS", "NONFINITE_LOSS", "REPLAN", "SPLIT_BACKENDS",
@@ -241,13 +241,22 @@ class AutoPipeOptions:
     def schedules(self) -> tuple[str, ...]:
         """The schedules the planner may choose among: the pinned one, or for ``"auto"``
         :data:`~lightning_autopipe.planner.generators.AUTO_SCHEDULES` (a compile backend whose
-        backward cannot be split: those that do not split it, 1F1B and interleaved 1F1B)."""
+        backward cannot be split: those that do not split it, 1F1B and interleaved 1F1B).
+
+        With ``replan="auto"`` (the default), ``"auto"`` keeps to one stage chunk per rank:
+        live re-planning cannot yet move a layout of several chunks per rank, so a chunked plan
+        would end the closed loop for the whole run, and on CPU ranks its many messages wait
+        longer than the measured link prices (docs/limits.md). With ``replan="off"``, or a
+        schedule named, chunked plans are planned."""
         if self.schedule != "auto":
             return (self.schedule,)
         backend = self.compile_backend
+        schedules = AUTO_SCHEDULES
         if backend and backend not in SPLIT_BACKENDS:
-            return tuple(s for s in AUTO_SCHEDULES if not splits_backward(s))
-        return AUTO_SCHEDULES
+            schedules = tuple(s for s in schedules if not splits_backward(s))
+        if self.replan != "off":
+            schedules = tuple(s for s in schedules if s in SCHEDULES)
+        return schedules
 
     @property
     def compile_backend(self) -> str | None:

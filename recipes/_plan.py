@@ -256,7 +256,8 @@ def plan_only(cfg: Any, run_dir: Path) -> int:
     # the schedules the strategy would consider, and (these processes being the local
     # cluster) the runtime's cost per action measured here, as a training run measures it
     schedules = AutoPipeOptions(schedule=str(strategy.get("schedule", "auto")),
-                                compile=strategy.get("compile", False)).schedules
+                                compile=strategy.get("compile", False),
+                                replan=str(strategy.get("replan", "auto"))).schedules
     if local:
         from lightning_autopipe.runtime.action_overhead import measure_action_overhead
         from lightning_autopipe.runtime.measure import with_overheads

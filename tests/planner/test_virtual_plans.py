@@ -169,7 +169,9 @@ def test_no_chunks_without_a_pipeline_unless_only_chunked_schedules_are_allowed(
 def test_the_options_take_every_schedule_by_name_and_auto_considers_chunks():
     for name in GENERATORS:
         assert AutoPipeOptions(schedule=name).schedules == (name,)
-    assert AutoPipeOptions().schedules == AUTO_SCHEDULES
+    assert AutoPipeOptions(replan="off").schedules == AUTO_SCHEDULES
+    # live re-planning (the default) switches between one-chunk layouts only
+    assert AutoPipeOptions().schedules == ("1f1b", "zb-h1")
     assert {"interleaved-1f1b", "zbv"} <= set(AUTO_SCHEDULES) < set(GENERATORS)
     with pytest.raises(OptionError, match="schedule must be 'auto' or one of") as err:
         AutoPipeOptions(schedule="zb-v")

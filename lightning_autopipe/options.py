@@ -66,9 +66,10 @@ class AutoPipeOptions:
 
     schedule: str = "auto"
     """``"auto"`` (the planner picks among 1F1B, zero-bubble ZB-H1 and, with several stage
-    chunks per rank, interleaved 1F1B and ZB-V, whichever it predicts fastest within memory,
-    the runtime's measured cost per action included) or one schedule: ``"1f1b"``,
-    ``"zb-h1"``, ``"gpipe"``, ``"interleaved-1f1b"`` or ``"zbv"``."""
+    chunks per rank when ``replan="off"`` (:attr:`schedules` says why), interleaved 1F1B and
+    ZB-V, whichever it predicts fastest within memory, the runtime's measured cost per action
+    included) or one schedule: ``"1f1b"``, ``"zb-h1"``, ``"gpipe"``, ``"interleaved-1f1b"``
+    or ``"zbv"``."""
 
     granularity: str = "sub-block"
     """Block granularity of ``split_model`` (``"sub-block"`` or ``"layer"``)."""

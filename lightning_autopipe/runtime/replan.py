@@ -41,7 +41,6 @@ from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.search import search_plan
 from lightning_autopipe.planner.simulate import simulate
-from lightning_autopipe.planner.vsearch import one_chunk
 from lightning_autopipe.runtime.build import LocalPipeline, rebuild_pipeline
 from lightning_autopipe.runtime.failure import FailureBoard, describe
 from lightning_autopipe.runtime.groups import layout_for_rank
@@ -213,8 +212,7 @@ def propose(
     def planner(cluster: Any) -> Plan:
         if not made:
             made.append(search_plan(pipe.profile, cluster, source.names, replica_batch,
-                                    planner=options.planner,
-                                    schedules=one_chunk(options.schedules),
+                                    planner=options.planner, schedules=options.schedules,
                                     **pins))
         return made[0]
 

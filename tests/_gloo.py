@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests import _machine
 from tests._launch import free_port, init_gloo
 
 __all__ = ["GlooWorld", "GlooWorlds"]
@@ -79,6 +80,7 @@ class GlooWorld:
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(rank, world, *args)`` on every rank; the results in rank order."""
+        _machine.need_the_machine()  # the ranks run now: no other shard's test beside them
         if not self._procs:
             self._start()
         for conn in self._conns:

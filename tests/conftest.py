@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests import _machine
 from tests._gloo import GlooWorlds
 from tests._worlds import Worlds, collect_cases
 from tests.suite import LANE_VARIABLE
@@ -55,6 +56,33 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under :mod:`tests.suite`'s side-by-side shards, whatever starts a process first takes
+    the machine for its test (:mod:`tests._machine`)."""
+    if not os.environ.get(_machine.LOCK_VARIABLE):
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def exclusive(start):
+        def wrapped(self, *args, **kwargs):
+            _machine.need_the_machine()
+            return start(self, *args, **kwargs)
+        return wrapped
+
+    subprocess.Popen.__init__ = exclusive(subprocess.Popen.__init__)
+    multiprocessing.process.BaseProcess.start = exclusive(multiprocessing.process.BaseProcess.start)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _machine.begin_test()
+    try:
+        yield
+    finally:
+        _machine.end_test()
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
     """The shared Lightning worlds run in :mod:`tests.suite`'s launch lane."""
     if "worlds" in getattr(item, "fixturenames", ()):
@@ -73,3 +101,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+
+def pytest_runtestloop(session: pytest.Session) -> bool | None:
+    """Under :mod:`tests.suite`'s side-by-side shards every shard collects the whole lane and
+    runs the test files it claims first (:func:`tests._machine.claim`), one file at a time:
+    the shards end together however long each file takes."""
+    if not os.environ.get(_machine.LOCK_VARIABLE) or session.config.option.collectonly:
+        return None
+    files: dict[str, list[pytest.Item]] = {}
+    for item in session.items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def claimed_next() -> list[pytest.Item]:
+        while files:
+            path, items = _pop_first(files)
+            if _machine.claim(path):
+                return items
+        return []
+
+    queue = claimed_next()
+    while queue:
+        item = queue.pop(0)
+        if not queue:  # the next file is claimed as this one's last test starts
+            queue = claimed_next()
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=queue[0] if queue else None)
+        if session.shouldfail:
+            raise session.Failed(session.shouldfail)
+        if session.shouldstop:
+            raise session.Interrupted(session.shouldstop)
+    return True
+
+
+def _pop_first(files: dict[str, list[pytest.Item]]) -> tuple[str, list[pytest.Item]]:
+    path = next(iter(files))
+    return path, files.pop(path)

@@ -182,7 +182,8 @@ def test_a_rank_slowed_by_a_core_neighbour_is_discovered_and_given_less_work(tmp
     if not measured_as_set_up(r):  # a busy machine: another job took a share of a core
         r = run()
     assert r["servers"] == 1
-    assert measured_as_set_up(r), r
+    assert measured_as_set_up(r), (f"types {r['types']}, discovered speeds {r['speeds']}, "
+                                   f"independent timing ratio {r['timing_ratio']:.3f}")
     slow_dev = r["names"][1]
     fast_dev = r["names"][0]
     assert r["work"][slow_dev] < r["work"][fast_dev], r

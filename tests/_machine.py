@@ -12,8 +12,10 @@ The shards share the lane's test files the same way: each collects them all and 
 next one that no shard has claimed (:func:`claim`), so both end together.
 
 The lock is two ``flock`` files named by ``AUTOPIPE_SUITE_LOCK`` (no variable: every call is a
-no-op, as in a plain ``pytest`` run). A writer first takes the turnstile, so a shard running
-one short test after another cannot starve the other shard's process test.
+no-op, as in a plain ``pytest`` run). A test marked ``one_child`` starts one single-threaded
+child at a time, not ranks, and runs beside the other shard's test like any other. A writer
+first takes the turnstile, so a shard running one short test after another cannot starve the
+other shard's process test.
 """
 
 from __future__ import annotations
@@ -22,16 +24,27 @@ import fcntl
 import os
 from typing import IO
 
-__all__ = ["LOCK_VARIABLE", "begin_test", "claim", "end_test", "need_the_machine"]
+__all__ = ["LOCK_VARIABLE", "active", "begin_test", "claim", "configure", "end_test",
+           "need_the_machine"]
 
 LOCK_VARIABLE = "AUTOPIPE_SUITE_LOCK"
 
 _files: dict[str, IO[bytes]] = {}
-_state = {"held": ""}  # "", "shared" or "exclusive"
+_state = {"held": "", "base": "", "beside": ""}  # held: "", "shared" or "exclusive"
+
+
+def configure() -> None:
+    """Take the lock's name out of the environment (pytest_configure): a pytest that a test
+    starts (``benchmarks/gpu_check.sh`` runs one) is not a shard and must not claim files."""
+    _state["base"] = os.environ.pop(LOCK_VARIABLE, "")
+
+
+def active() -> bool:
+    return bool(_state["base"])
 
 
 def _file(suffix: str) -> IO[bytes] | None:
-    base = os.environ.get(LOCK_VARIABLE)
+    base = _state["base"]
     if not base:
         return None
     if suffix not in _files:
@@ -41,7 +54,7 @@ def _file(suffix: str) -> IO[bytes] | None:
 
 def claim(name: str) -> bool:
     """True for the first shard to ask for ``name`` (a test file), False for every other."""
-    base = os.environ.get(LOCK_VARIABLE)
+    base = _state["base"]
     if not base:
         return True
     folder = base + ".claims"
@@ -54,8 +67,11 @@ def claim(name: str) -> bool:
     return True
 
 
-def begin_test() -> None:
-    """Hold the machine shared for one test (after any writer already waiting)."""
+def begin_test(beside: bool = False) -> None:
+    """Hold the machine shared for one test (after any writer already waiting); ``beside``:
+    the test starts one single-threaded child at a time (a fresh interpreter, a CLI run), no
+    ranks, so it keeps the shared hold while its child runs."""
+    _state["beside"] = "yes" if beside else ""
     main, gate = _file(".main"), _file(".gate")
     if main is None or gate is None or os.getpid() != _owner():
         return
@@ -68,7 +84,8 @@ def begin_test() -> None:
 def need_the_machine() -> None:
     """The running test starts processes: hold the machine exclusive until the test ends."""
     main, gate = _file(".main"), _file(".gate")
-    if main is None or gate is None or _state["held"] == "exclusive" or os.getpid() != _owner():
+    if (main is None or gate is None or _state["held"] == "exclusive" or _state["beside"]
+            or os.getpid() != _owner()):
         return
     fcntl.flock(main, fcntl.LOCK_UN)  # a shared hold is given up first (flock converts so)
     fcntl.flock(gate, fcntl.LOCK_EX)

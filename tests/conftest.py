@@ -59,7 +59,8 @@ def _one_thread() -> Iterator[None]:
 def pytest_configure(config: pytest.Config) -> None:
     """Under :mod:`tests.suite`'s side-by-side shards, whatever starts a process first takes
     the machine for its test (:mod:`tests._machine`)."""
-    if not os.environ.get(_machine.LOCK_VARIABLE):
+    _machine.configure()
+    if not _machine.active():
         return
     import multiprocessing.process
     import subprocess
@@ -76,7 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    _machine.begin_test()
+    _machine.begin_test(beside=item.get_closest_marker("one_child") is not None)
     try:
         yield
     finally:
@@ -108,7 +109,7 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     """Under :mod:`tests.suite`'s side-by-side shards every shard collects the whole lane and
     runs the test files it claims first (:func:`tests._machine.claim`), one file at a time:
     the shards end together however long each file takes."""
-    if not os.environ.get(_machine.LOCK_VARIABLE) or session.config.option.collectonly:
+    if not _machine.active() or session.config.option.collectonly:
         return None
     files: dict[str, list[pytest.Item]] = {}
     for item in session.items:

@@ -50,6 +50,7 @@ def cpu_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.one_child  # the script's steps run one after another, each one process
 def test_the_cpu_fallback_writes_profiles_steps_and_a_test_summary(cpu_run):
     out = cpu_run
     log = (out / "gpu_check.log").read_text()

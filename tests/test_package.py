@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# one fresh interpreter at a time, no ranks: beside the other shard (tests/_machine.py)
+pytestmark = pytest.mark.one_child
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -28,6 +28,7 @@ LOSS_RTOL, WEIGHT_ATOL = 2 * 2.0**-11, 2e-4
 @pytest.mark.parametrize(
     "accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "cuda"]
 )
+@pytest.mark.one_child  # one device: one process
 def test_16_mixed_on_one_device_skips_the_overflow_like_grad_scaler(tmp_path, accelerator):
     env = launch_env()
     for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT"):

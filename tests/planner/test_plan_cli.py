@@ -103,6 +103,7 @@ def test_trace_png_and_saved_plan(profile_path, tmp_path, capsys):
     assert Plan.load(out).to_dict() == printed
 
 
+@pytest.mark.one_child
 def test_module_entry_point_prints_exactly_one_json_object(profile_path):
     cmd = [sys.executable, "-m", "lightning_autopipe", "plan", *_args(profile_path, "--json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,

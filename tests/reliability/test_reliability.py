@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightning_autopipe.checkpoint import read_model_state
+from lightning_autopipe.options import AutoPipeOptions
 from tests.reliability import _task as T
 from tests.reliability._run import SOAK, auto_fit
 
@@ -163,13 +164,29 @@ def test_soak_memory_is_flat_and_loss_matches_single_process(runs):
     for rec in runs.records["soak"]:
         rss = np.asarray(rec["rss"], dtype=np.float64) / 1024
         assert len(rss) == 200
-        assert rec["replan_checks"] >= 10  # re-plan checks ran from step 50 on, every 10 steps
+        # re-plan checks ran at every boundary the rule names (from 50 steps after the start
+        # or the last switch, every 10), however many switches the machine's load caused
+        assert rec["replan_checks"] == _boundaries(200, rec["switch_steps"]) >= 4, rec
         slope, jumps = _growth(rss, 100, 200, rec["switch_steps"])  # KiB per step, warm
         assert slope < LEAK_KIB_PER_STEP, (
             f"rank {rec['rank']}: RSS grows {slope:.1f} KiB/step over steps 100-199 between "
             f"switches ({rss[100] / 1024:.1f} -> {rss[-1] / 1024:.1f} MiB; switches after "
             f"steps {rec['switch_steps']}, each a one-off step of {jumps} KiB)"
         )
+
+
+def _boundaries(steps: int, switches: list[int]) -> int:
+    """Re-plan checks in ``steps`` steps by the default options (window 10, 50 steps after
+    the start or a switch), given the steps after which it switched."""
+    options = AutoPipeOptions()
+    last, count = 0, 0
+    for step in range(1, steps + 1):
+        since = step - last
+        if since >= options.replan_min_steps and since % options.replan_window == 0:
+            count += 1
+            if step in switches:
+                last = step
+    return count
 
 
 def _growth(rss: np.ndarray, start: int, end: int, switches: list[int]) -> tuple[float, list]:

@@ -72,6 +72,13 @@ def _whole_model_ms(model: nn.Module, window_s: float = 0.6) -> float:
     return took / runs * 1e3
 
 
+def _ratios(timings: list[tuple[float, float]]) -> list[float]:
+    """Rank 0's time over rank 1's for the reference workload timed just before and just after
+    discovery: a core's share moves over seconds (the scheduler, a VM's other guests), so the
+    reference brackets the moment discovery measured instead of being one point beside it."""
+    return [timings[0][k] / timings[1][k] for k in range(2)]
+
+
 def _broadcast(obj, src):
     box = [obj]
     dist.broadcast_object_list(box, src)
@@ -91,13 +98,14 @@ def _worker(rank: int, port: int, out: str) -> None:
 def _check(rank: int, out: Path) -> None:
     model = Model()
     reference = copy.deepcopy(model)
-    own_ms = _whole_model_ms(copy.deepcopy(model))
+    before_ms = _whole_model_ms(copy.deepcopy(model))
     x, y = _data(0)
     pipe = build_local_pipeline(
         model, (x,), BATCH, AutoPipeOptions(num_stages=2, profile_repeats=3),
         rank=rank, world_size=2, device=torch.device("cpu"), broadcast=_broadcast,
         example_batch=(x, y), run_dir=out / "autopipe",
     )
+    after_ms = _whole_model_ms(copy.deepcopy(reference))
     opt = torch.optim.SGD(pipe.stage.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -111,7 +119,7 @@ def _check(rank: int, out: Path) -> None:
     states: list = [None, None]
     dist.all_gather_object(states, state)
     timings: list = [None, None]
-    dist.all_gather_object(timings, own_ms)
+    dist.all_gather_object(timings, (before_ms, after_ms))
     pipe.executor.close()
     if rank != 0:
         return
@@ -142,7 +150,7 @@ def _check(rank: int, out: Path) -> None:
         "types": sorted({s.name for s in specs}),
         "speeds": [s.speed for s in specs],
         "names": [d.name for d in cl.devices],
-        "timing_ratio": timings[0] / timings[1],
+        "timing_ratios": _ratios(timings),
         "work": {d: sum(sum(block_ms[i:j]) for i, j in r) for d, r in held.items()},
         "blocks": {d: sum(j - i for i, j in r) for d, r in held.items()},
         "losses": losses,
@@ -172,18 +180,20 @@ def test_a_rank_slowed_by_a_core_neighbour_is_discovered_and_given_less_work(tmp
         return json.loads((tmp_path / "result.json").read_text())
 
     def measured_as_set_up(r: dict) -> bool:
-        """Two types, the slowed one at about half speed, in agreement with an independent
-        workload timed on both cores (+-25%)."""
+        """Two types, the slowed one at about half speed, in agreement (+-25%) with an
+        independent workload timed on both cores just before and just after discovery."""
         fast, slow = r["speeds"]
+        low, high = min(r["timing_ratios"]), max(r["timing_ratios"])
         return (len(r["types"]) == 2 and fast == 1.0 and slow < 0.8
-                and slow == pytest.approx(r["timing_ratio"], rel=0.25))
+                and low / 1.25 <= slow <= high * 1.25)
 
     r = run()
     if not measured_as_set_up(r):  # a busy machine: another job took a share of a core
         r = run()
     assert r["servers"] == 1
     assert measured_as_set_up(r), (f"types {r['types']}, discovered speeds {r['speeds']}, "
-                                   f"independent timing ratio {r['timing_ratio']:.3f}")
+                                   f"independent timing ratios before and after "
+                                   f"{r['timing_ratios']}")
     slow_dev = r["names"][1]
     fast_dev = r["names"][0]
     assert r["work"][slow_dev] < r["work"][fast_dev], r
@@ -206,13 +216,14 @@ def _alike_worker(rank: int, port: int, out: str) -> None:
     init_gloo(rank, 2, port, timeout_s=120)
     try:
         x, y = _data(0)
-        timings: list = [None, None]
-        dist.all_gather_object(timings, _whole_model_ms(Model()))
+        before_ms = _whole_model_ms(Model())
         kw = dict(rank=rank, world_size=2, device=torch.device("cpu"), broadcast=_broadcast,
                   example_batch=(x, y))
         pipe = build_local_pipeline(Model(), (x,), BATCH,
                                     AutoPipeOptions(num_stages=2, profile_repeats=3), **kw)
         pipe.executor.close()
+        timings: list = [None, None]
+        dist.all_gather_object(timings, (before_ms, _whole_model_ms(Model())))
         # the same ranks, declared unlike: speed 1.0 and 0.5
         declared = Cluster.local(2).to_dict()
         declared["servers"][0]["devices"] = {1: {"name": "slow", "speed": 0.5, "memory_gb": 16}}
@@ -241,7 +252,7 @@ def _alike_worker(rank: int, port: int, out: str) -> None:
                     today.num_microbatches, today.startup_slices, today.drain_slices,
                     today.schedule],
                 "warnings": [str(w.message) for w in seen],
-                "timing_ratio": timings[0] / timings[1],
+                "timing_ratios": _ratios(timings),
             }
             (Path(out) / "alike.json").write_text(json.dumps(result))
     finally:
@@ -255,16 +266,21 @@ def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_war
         return json.loads((tmp_path / "alike.json").read_text())
 
     def alike(r: dict) -> bool:
-        """The premise, by an independent workload timed on both cores: they run alike."""
-        return 1 / SLOWER < r["timing_ratio"] < SLOWER
+        """The premise, by an independent workload timed on both cores just before and just
+        after discovery: they run alike, with half of discovery's margin to spare (cores that
+        time 1.15x apart are alike for the test and may measure 1.21x a second later)."""
+        margin = 1 + (SLOWER - 1) / 2
+        return all(1 / margin < t < margin for t in r["timing_ratios"])
 
     r = run()
-    if len(r["types"]) != 1:  # a busy machine: another job slowed one core while profiling
+    if len(r["types"]) != 1 or not alike(r):  # a busy machine: a core slowed while profiling
         r = run()
     if not alike(r):  # e.g. a VM whose second vCPU shares its physical core with other guests
         pytest.skip(f"the two cores do not run alike here (an independent workload timed "
-                    f"{r['timing_ratio']:.2f}x on core 0 against core 1): no alike ranks to test")
-    assert len(r["types"]) == 1, r
+                    f"{r['timing_ratios']}x on core 0 against core 1 around discovery): no "
+                    f"alike ranks to test")
+    assert len(r["types"]) == 1, (f"types {r['types']}, independent timing ratios before and "
+                                  f"after discovery {r['timing_ratios']}")
     assert r["cuts"] == r["today"]
     assert r["same"]
     said = [w for w in r["warnings"] if "contradicts the measurement" in w]

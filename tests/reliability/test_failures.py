@@ -1,9 +1,10 @@
 """A failing rank ends the whole Lightning job, and the user is told which rank and why.
 
 Each case is one 2-rank launch (2 stages) of ``tests/reliability/_run.py`` in which rank ``r``
-fails at global step 2: an exception in its stage's forward, SIGKILL, or a hang. The job must
-end (every rank's process gone) with a non-zero status, within the strategy timeout of the
-failure (a hang can only be noticed when the timeout expires, so there: shortly after it).
+fails at global step 2: an exception in its stage's forward, SIGKILL, or a hang (the three
+launches run side by side). The job must end (every rank's process gone) with a non-zero
+status, within the strategy timeout of the failure (a hang can only be noticed when the timeout
+expires, so there: shortly after it).
 """
 
 from __future__ import annotations
@@ -34,34 +35,77 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run_failure(tmp_path: Path, case: str) -> tuple[int, str, float]:
-    """Launch ``case``; returns (exit status, all output, seconds from failure to job end)."""
-    log = tmp_path / "output.log"
-    with open(log, "w") as f:  # a file, not a pipe: lingering children must not block us
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "2", case],
-                                cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=300)
-        finally:
-            proc.kill()
-    pids = [int((tmp_path / f"pid.rank{r}").read_text()) for r in range(2)]
-    deadline = time.monotonic() + 60
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+#: Each test's launch: ``fail_<how>_rank<r>``.
+CASES = ("fail_raise_rank1", "fail_kill_rank0", "fail_hang_rank1")
+HANG = "fail_hang_rank1"
+
+
+class _Launch:
+    """One failure case's 2-rank launch, watched until every one of its processes is gone."""
+
+    def __init__(self, out: Path, case: str) -> None:
+        self.out, self.case = out, case
+        self.log = out / "output.log"
+        with open(self.log, "w") as f:  # a file, not a pipe: lingering children must not block
+            self.proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), "2", case],
+                                         cwd=ROOT, env=launch_env(), stdout=f,
+                                         stderr=subprocess.STDOUT)
+        self.started = time.monotonic()
+        self.exited: float | None = None  # monotonic, when the launcher was seen gone
+        self.ended: float | None = None  # wall clock when the launcher and its ranks were gone
+        self.lingering: list[int] = []
+
+    def _pids(self) -> list[int]:
+        files = [self.out / f"pid.rank{r}" for r in range(2)]
+        return [int(f.read_text()) for f in files if f.exists() and f.read_text()]
+
+    def poll(self) -> bool:
+        """True once ended (the launcher exited and no rank outlives it by more than 60 s)."""
+        if self.ended is not None:
+            return True
+        if self.proc.poll() is None and time.monotonic() - self.started < 300:
+            return False
+        self.proc.kill()  # a no-op when it exited; a launcher past 300 s ends here
+        self.proc.wait()
+        if self.exited is None:
+            self.exited = time.monotonic()
+        alive = [p for p in self._pids() if _alive(p)]
+        if alive and time.monotonic() - self.exited < 60:
+            return False
+        self.ended, self.lingering = time.time(), alive
+        for p in alive:
+            psutil.Process(p).kill()
+        return True
+
+    def result(self) -> tuple[int, str, float]:
+        """(exit status, all output, seconds from the failure to the job's end)."""
+        out = self.log.read_text()
+        assert not self.lingering, f"ranks {self.lingering} outlived the job:\n{out[-3000:]}"
+        marker = self.out / "injected_at"
+        assert marker.exists(), f"the job ended before the failure was injected:\n{out[-3000:]}"
+        return self.proc.returncode, out, self.ended - float(marker.read_text())
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Launch]:
+    """The three failure launches side by side: most of a hang's launch is its timeout, in
+    which its ranks sleep, so the other two start when the hang is injected and start up in
+    that idle time. Each launch's time to end is taken from its own failure and each is
+    watched on its own (polled together), so one that ends first is timed when it ends."""
+    hang = _Launch(tmp_path_factory.mktemp(HANG), HANG)
+    # the others start once the hang is injected: their start-up fills its timeout's idle cores
+    while not (hang.out / "injected_at").exists() and not hang.poll():
         time.sleep(0.2)
-    ended = time.time()
-    lingering = [p for p in pids if _alive(p)]
-    for p in lingering:
-        psutil.Process(p).kill()
-    assert not lingering, f"ranks {lingering} outlived the job:\n{log.read_text()[-3000:]}"
-    marker = tmp_path / "injected_at"
-    assert marker.exists(), (
-        f"the job ended before the failure was injected:\n{log.read_text()[-3000:]}")
-    injected = float(marker.read_text())
-    return rc, log.read_text(), ended - injected
+    launches = {case: _Launch(tmp_path_factory.mktemp(case), case)
+                for case in CASES if case != HANG}
+    launches[HANG] = hang
+    while not all([launch.poll() for launch in launches.values()]):
+        time.sleep(0.2)
+    return launches
 
 
-def test_exception_in_a_stage_forward_ends_the_job_naming_rank_and_cause(tmp_path):
-    rc, out, took = _run_failure(tmp_path, "fail_raise_rank1")
+def test_exception_in_a_stage_forward_ends_the_job_naming_rank_and_cause(failures):
+    rc, out, took = failures["fail_raise_rank1"].result()
     assert rc != 0
     assert took < FAIL_TIMEOUT["raise"], f"the job ended {took:.1f} s after the failure"
     original = "ValueError: injected failure in the stage's forward"
@@ -74,16 +118,16 @@ def test_exception_in_a_stage_forward_ends_the_job_naming_rank_and_cause(tmp_pat
     assert "because rank 1 (stage 1, replica 0) failed in forward 1F0.0" in out
 
 
-def test_sigkill_of_a_rank_ends_the_job(tmp_path):
-    rc, out, took = _run_failure(tmp_path, "fail_kill_rank0")
+def test_sigkill_of_a_rank_ends_the_job(failures):
+    rc, out, took = failures["fail_kill_rank0"].result()
     assert rc != 0  # the launching rank itself was killed
     assert took < FAIL_TIMEOUT["kill"], f"the job ended {took:.1f} s after the kill"
     assert "rank 1 (stage 1, replica 0): receive of activations 1RF0.0 with rank 0 failed" in out
     assert "rank 0 has probably died or hung" in out
 
 
-def test_a_hung_rank_is_timed_out_and_the_job_ends(tmp_path):
-    rc, out, took = _run_failure(tmp_path, "fail_hang_rank1")
+def test_a_hung_rank_is_timed_out_and_the_job_ends(failures):
+    rc, out, took = failures["fail_hang_rank1"].result()
     timeout = FAIL_TIMEOUT["hang"]
     assert rc != 0
     assert timeout <= took < timeout + AFTER_TIMEOUT_S, f"the job ended {took:.1f} s after"

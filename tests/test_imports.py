@@ -199,3 +199,37 @@ def test_no_import_cycles_inside_the_package():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: Lines past which a module says in its docstring why it is one module (the house style).
+LONG_MODULE_LINES = 400
+
+
+def _long_modules_without_a_reason(modules: dict[str, Path]) -> list[str]:
+    """Modules over :data:`LONG_MODULE_LINES` lines whose docstring does not say why (by
+    naming the ~400 lines it passes)."""
+    bad = []
+    for name, path in modules.items():
+        text = path.read_text()
+        if text.count("\n") <= LONG_MODULE_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if "400 lines" not in " ".join(doc.split()):
+            bad.append(f"{name} ({text.count(chr(10))} lines)")
+    return bad
+
+
+def test_a_module_over_400_lines_says_why_in_its_docstring():
+    bad = _long_modules_without_a_reason(MODULES)
+    assert not bad, (f"modules over {LONG_MODULE_LINES} lines with no reason in their "
+                     f"docstring (split them, or say why they are one module): {bad}")
+
+
+def test_the_length_check_finds_a_long_module_without_a_reason(tmp_path):
+    short, said, unsaid = (tmp_path / f"{n}.py" for n in ("short", "said", "unsaid"))
+    body = "x = 1\n" * (LONG_MODULE_LINES + 1)
+    short.write_text('"""Short."""\nx = 1\n')
+    said.write_text('"""Long, past ~400\nlines: one invariant."""\n' + body)
+    unsaid.write_text('"""Long."""\n' + body)
+    found = _long_modules_without_a_reason({"short": short, "said": said, "unsaid": unsaid})
+    assert found == [f"unsaid ({LONG_MODULE_LINES + 2} lines)"]

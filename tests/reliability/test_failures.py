@@ -35,16 +35,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-#: Each test's launch: ``fail_<how>_rank<r>``.
-CASES = ("fail_raise_rank1", "fail_kill_rank0", "fail_hang_rank1")
+#: Each test's launch, ``fail_<how>_rank<r>``: the hang, then the two started beside it.
 HANG = "fail_hang_rank1"
+BESIDE_THE_HANG = ("fail_raise_rank1", "fail_kill_rank0")
 
 
 class _Launch:
     """One failure case's 2-rank launch, watched until every one of its processes is gone."""
 
     def __init__(self, out: Path, case: str) -> None:
-        self.out, self.case = out, case
+        self.out = out
         self.log = out / "output.log"
         with open(self.log, "w") as f:  # a file, not a pipe: lingering children must not block
             self.proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), "2", case],
@@ -56,8 +56,9 @@ class _Launch:
         self.lingering: list[int] = []
 
     def _pids(self) -> list[int]:
-        files = [self.out / f"pid.rank{r}" for r in range(2)]
-        return [int(f.read_text()) for f in files if f.exists() and f.read_text()]
+        texts = [f.read_text() for f in (self.out / f"pid.rank{r}" for r in range(2))
+                 if f.exists()]
+        return [int(t) for t in texts if t]
 
     def poll(self) -> bool:
         """True once ended (the launcher exited and no rank outlives it by more than 60 s)."""
@@ -96,8 +97,7 @@ def failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Launch]:
     # the others start once the hang is injected: their start-up fills its timeout's idle cores
     while not (hang.out / "injected_at").exists() and not hang.poll():
         time.sleep(0.2)
-    launches = {case: _Launch(tmp_path_factory.mktemp(case), case)
-                for case in CASES if case != HANG}
+    launches = {case: _Launch(tmp_path_factory.mktemp(case), case) for case in BESIDE_THE_HANG}
     launches[HANG] = hang
     while not all([launch.poll() for launch in launches.values()]):
         time.sleep(0.2)

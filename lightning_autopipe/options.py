@@ -244,11 +244,14 @@ class AutoPipeOptions:
         :data:`~lightning_autopipe.planner.generators.AUTO_SCHEDULES` (a compile backend whose
         backward cannot be split: those that do not split it, 1F1B and interleaved 1F1B).
 
-        With ``replan="auto"`` (the default), ``"auto"`` keeps to one stage chunk per rank:
-        live re-planning cannot yet move a layout of several chunks per rank, so a chunked plan
-        would end the closed loop for the whole run, and on CPU ranks its many messages wait
-        longer than the measured link prices (docs/limits.md). With ``replan="off"``, or a
-        schedule named, chunked plans are planned."""
+        With ``replan="auto"`` (the default), ``"auto"`` keeps to one stage chunk per rank,
+        and re-planning with it: a switch expects the measured step times the two plans'
+        predicted ratio, which cancels the prediction error the two plans share, and on CPU
+        ranks a chunked plan's many messages wait longer than the measured link prices
+        (docs/limits.md), an error a one-chunk plan does not share: such a loop would switch to
+        a chunked plan on its prediction and never measure its way back. With a chunked
+        schedule named, the plan and every re-plan are chunked (live re-planning moves one
+        chunked layout to another); with ``replan="off"``, ``"auto"`` plans chunks too."""
         if self.schedule != "auto":
             return (self.schedule,)
         backend = self.compile_backend

@@ -202,11 +202,9 @@ def propose(
     plan, source = pipe.plan, pipe.source
     if pipe.profile is None or pipe.cluster is None or source is None:
         return SwitchMessage(step, False, "no profile to re-plan from (a given plan is kept)")
-    if getattr(plan, "chunks_per_rank", 1) > 1:
-        return SwitchMessage(step, False, "live re-planning keeps a plan with several chunks "
-                             "per rank (re-planning one is not supported; restart to re-plan)")
     replica_batch = plan.global_batch_size // plan.replicas
-    pins = {**options.pins, "num_stages": plan.num_stages}
+    # the pipeline's depth in ranks (a chunked plan's stages are its p v chunks)
+    pins = {**options.pins, "num_stages": plan.num_ranks}
     made: list[Plan] = []
 
     def planner(cluster: Any) -> Plan:
@@ -225,9 +223,6 @@ def propose(
         first = decide_replan(summaries, plan, pipe.cluster, planner, switch_cost_ms=0.0, **kw)
         if first.candidate is None or not first.switch:
             return SwitchMessage.of(step, first)
-        if getattr(first.candidate, "chunks_per_rank", 1) > 1:
-            return SwitchMessage(step, False, "the re-planned layout holds several chunks per "
-                                 "rank, which live re-planning does not switch to; kept")
         cost, nbytes = switch_cost(pipe, first.candidate, optimizer_ratio=optimizer_ratio,
                                    overhead_ms=overhead_ms)
         decision = decide_replan(summaries, plan, pipe.cluster, planner, switch_cost_ms=cost,

@@ -15,6 +15,9 @@ first plan is balanced and rank 1 then measures slow):
 * ``compiled``: ``auto`` with ``compile="aot_eager"`` (Dynamo over each stage, no code
   generation): the new stage after a switch must be compiled afresh; records the running
   stage's class and the graphs it compiled;
+* ``chunked``: ``auto`` with the schedule pinned to interleaved 1F1B (several chunks per rank)
+  and rank 1's forwards slowed in proportion to their time (:class:`SlowerRank1`): the switch
+  moves a chunked layout to another chunked layout;
 * ``fail``: ``auto`` with rank 1 failing as it loads its new stage (the rebind module's
   ``load_stage_tensors`` replaced in this process only); records each rank's error and when.
 """
@@ -37,9 +40,11 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_autopipe  # noqa: E402
 import lightning_autopipe.runtime.replan as replan_mod  # noqa: E402
 from lightning_autopipe.cluster import Cluster  # noqa: E402
+from lightning_autopipe.runtime.chunks import RankChunks  # noqa: E402
 from tests.runtime import _cases as C  # noqa: E402
 
 SLOW_FORWARD_S = 0.02
+SLOWER_FORWARD = 6.0  # the chunked case's rank 1: each forward 7x its own time
 STEPS = 8
 LR = 1e-2
 # Adam's eps: with the default 1e-8 a gradient that is rounding noise gets a full lr-sized step,
@@ -91,6 +96,42 @@ class SlowRank1(pl.Callback):
             self.hooked = executor
 
 
+class Verdicts(pl.Callback):
+    """Rank 0's re-plan verdict at every check (the reason a plan was kept, too)."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+        self.seen = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        verdict = trainer.strategy._replanner.last_verdict
+        if verdict is not None and verdict is not self.seen:
+            self.seen = verdict
+            self.reasons.append(f"after step {verdict.step}: {verdict.reason}")
+
+
+class SlowerRank1(pl.Callback):
+    """Rank 1's every chunk forward ``SLOWER_FORWARD`` times its own time slower: a device at
+    a fraction of the speed, as the planner models one (a fixed delay per forward would stay
+    whatever blocks a chunk holds, and a chunked layout keeps a chunk count per rank)."""
+
+    def __init__(self) -> None:
+        self.hooked = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        executor = trainer.strategy.pipeline.executor
+        if trainer.global_rank != 1 or executor is self.hooked:
+            return
+        stage = executor.stage
+        for module in (stage.chunks.values() if isinstance(stage, RankChunks) else [stage]):
+            began: list[float] = []
+            module.register_forward_pre_hook(
+                lambda *_, began=began: began.append(time.perf_counter()))
+            module.register_forward_hook(lambda *_, began=began: time.sleep(
+                SLOWER_FORWARD * (time.perf_counter() - began.pop())))
+        self.hooked = executor
+
+
 def _inject_failure(record: dict) -> None:
     def failing(*args, **kwargs):
         record["injected_at"] = time.time()
@@ -100,10 +141,13 @@ def _inject_failure(record: dict) -> None:
 
 
 def _strategy(case: str, world: int, **pins) -> lightning_autopipe.AutoPipeStrategy:
+    schedule = "zbv" if case == "chunked" else "1f1b"
     return lightning_autopipe.AutoPipeStrategy(
-        num_stages=2, schedule="1f1b", profile_repeats=1, timeout=TIMEOUT,
+        num_stages=2, schedule=schedule, profile_repeats=1, timeout=TIMEOUT,
         cluster=Cluster.local(world), replan="off" if case == "off" else "auto",
-        replan_window=2, replan_min_steps=2, replan_threshold=0.05, **pins,
+        replan_window=2, replan_min_steps=2,
+        # the chunked case's slowed rank can shed one block of three (the V keeps its chunks)
+        replan_threshold=0.01 if case == "chunked" else 0.05, **pins,
     )
 
 
@@ -138,7 +182,9 @@ def run_case(case: str, world: int, out: Path) -> dict:
         strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[SlowRank1()], default_root_dir=str(out / f"root-{case}"),
+        callbacks=[SlowerRank1() if case == "chunked" else SlowRank1(),
+                   verdicts := Verdicts()],
+        default_root_dir=str(out / f"root-{case}"),
     )
     record: dict = {"case": case}
     original = replan_mod.load_stage_tensors
@@ -156,6 +202,7 @@ def run_case(case: str, world: int, out: Path) -> dict:
         losses=task.step_losses,
         switches=[dict(vars(s)) for s in strategy.switches],
         checks=strategy._replanner.checks,
+        verdicts=verdicts.reasons,
         plan=strategy.plan.to_json() if strategy.plan is not None else None,
     )
     if case == "compiled":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.plan import Plan
 from tests.lightning import _fp16 as F16
 from tests.lightning import _replan_run as R
@@ -18,7 +19,7 @@ from tests.runtime import _cases as C
 
 MODULE = "tests.lightning._replan_run"
 WORLD_CASES = {2: [f"{MODULE}:{case}" for case in ("auto", "off", "fp16", "compiled",
-                                                          "fail")]}
+                                                          "chunked", "fail")]}
 WORLD_ORDER = 90  # last in the world: the failing case leaves its ranks after a failed switch
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -98,6 +99,39 @@ def test_a_compiled_stage_is_compiled_again_for_its_new_layout_and_equals_one_pr
             torch.testing.assert_close(value, state[key], rtol=RTOL, atol=ATOL,
                                        msg=lambda m, key=key: f"{key}: {m}")
     assert ranks[0]["switches"][-1]["plan"] == ranks[1]["plan"]
+
+
+def test_a_chunked_layout_switches_to_another_and_equals_one_process(worlds, reference):
+    """A pinned chunked schedule (interleaved 1F1B) is re-planned within chunked layouts: the
+    switch moves the chunks of both ranks (tied embedding and head included) in memory."""
+    ranks = _ranks(worlds, "chunked")
+    losses, state = reference
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+    steps = [[s["step"] for s in rec["switches"]] for rec in ranks]
+    assert steps[0], ("rank 1 was slowed on purpose but no switch happened; the checks: "
+                      f"{ranks[0]['verdicts']}")
+    assert all(s == steps[0] for s in steps), steps
+    plans = [Plan.from_json(ranks[0]["switches"][0]["plan"]), Plan.from_json(ranks[0]["plan"])]
+    first = Plan.load(worlds.folder(2, MODULE) / "root-chunked" / "autopipe" / "plans"
+                      / "plan-0.json")
+    assert first.chunks_per_rank > 1
+    assert all(p.chunks_per_rank > 1 and p.schedule == "zbv" for p in plans)
+    slowed = Cluster.local(2).devices[1].name  # the device rank 1 drives
+
+    def rank1_blocks(p: Plan) -> int:  # the slowed rank's blocks, over its chunks
+        return sum(s.blocks[1] - s.blocks[0] for s in p.stages if s.devices[0] == slowed)
+
+    # the slowed rank holds less of the model after the switch than before
+    assert rank1_blocks(plans[-1]) < rank1_blocks(first), (first.cuts, plans[-1].cuts)
+    held = set()
+    for rec in ranks:
+        torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=RTOL, atol=ATOL)
+        for key, value in rec["state"].items():
+            torch.testing.assert_close(value, state[key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, key=key: f"{key}: {m}")
+        held |= set(rec["state"])
+    assert held == set(state)
 
 
 def test_a_checkpoint_after_the_switch_loads_into_the_plain_model(worlds, reference):

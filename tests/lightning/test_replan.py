@@ -55,7 +55,6 @@ def _ranks(worlds, case):
 
 def test_auto_switches_on_every_rank_at_the_same_step_and_equals_one_process(worlds, reference):
     ranks = _ranks(worlds, "auto")
-    losses, state = reference
     for rec in ranks:
         assert "error" not in rec, rec.get("error")
     steps = [[s["step"] for s in rec["switches"]] for rec in ranks]
@@ -69,14 +68,7 @@ def test_auto_switches_on_every_rank_at_the_same_step_and_equals_one_process(wor
     assert abs(first["bytes"] - first["bytes_moved"]) <= 0.05 * first["bytes_moved"], first
     final = Plan.from_json(ranks[0]["plan"])
     assert final.to_json() == ranks[0]["switches"][-1]["plan"] == ranks[1]["plan"]
-    held = set()
-    for rec in ranks:
-        torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=RTOL, atol=ATOL)
-        for key, value in rec["state"].items():
-            torch.testing.assert_close(value, state[key], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, key=key: f"{key}: {m}")
-        held |= set(rec["state"])
-    assert held == set(state)  # together the ranks hold the whole model after the switch
+    _assert_equals_one_process(ranks, reference)
     # the plan history: the first plan and one per switch, plan.json the running one
     files = ranks[0]["plan_files"]
     assert files == sorted(["plan.json", "plans/plan-0.json",
@@ -110,7 +102,6 @@ def test_a_chunked_layout_switches_to_another_and_equals_one_process(worlds, ref
     chunks too (rank 0 measures below its declared speed as well), so the test asserts that
     blocks changed rank, not which."""
     ranks = _ranks(worlds, "chunked")
-    losses, state = reference
     for rec in ranks:
         assert "error" not in rec, rec.get("error")
     steps = [[s["step"] for s in rec["switches"]] for rec in ranks]
@@ -136,14 +127,7 @@ def test_a_chunked_layout_switches_to_another_and_equals_one_process(worlds, ref
     # blocks changed rank: the switch moved parameters (and Adam's state) between the ranks
     assert held_blocks(plans[-1]) != held_blocks(first), (first.cuts, plans[-1].cuts)
     assert ranks[0]["switches"][0]["bytes_moved"] > 0
-    held = set()
-    for rec in ranks:
-        torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=RTOL, atol=ATOL)
-        for key, value in rec["state"].items():
-            torch.testing.assert_close(value, state[key], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, key=key: f"{key}: {m}")
-        held |= set(rec["state"])
-    assert held == set(state)
+    _assert_equals_one_process(ranks, reference)
 
 
 def test_a_checkpoint_after_the_switch_loads_into_the_plain_model(worlds, reference):
@@ -200,3 +184,17 @@ def test_a_rank_failing_mid_switch_ends_every_rank_with_its_error_fast(worlds):
         assert "rank 1" in text, text
         # well inside the strategy's timeout: no rank waited for a peer that had failed
         assert rec["error_at"] - injected_at < R.TIMEOUT / 3
+
+
+def _assert_equals_one_process(ranks: list[dict], reference) -> None:
+    """Every rank's losses and final stage weights are one process's, and together the ranks
+    hold the whole model after the switch."""
+    losses, state = reference
+    held = set()
+    for rec in ranks:
+        torch.testing.assert_close(torch.tensor(rec["losses"]), losses, rtol=RTOL, atol=ATOL)
+        for key, value in rec["state"].items():
+            torch.testing.assert_close(value, state[key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, key=key: f"{key}: {m}")
+        held |= set(rec["state"])
+    assert held == set(state)

@@ -89,8 +89,8 @@ class SlowRank1(pl.Callback):
     """Rank 1's every forward ``SLOW_FORWARD_S`` slower, on whatever stage it holds (each of
     its chunks' forwards, with several chunks per rank). A delay far above the tiny stages'
     own milliseconds: on CPU the per-action overhead of tiny chunks makes even an unslowed
-    rank measure well below its profiled speed, and a slowdown in proportion to a chunk's
-    time (tried: 7x, 21x) sometimes left the plan for the measured speeds the running one."""
+    rank measure well below its profiled speed, so a slowdown in proportion to a chunk's time
+    (even 21x) can leave the plan for the measured speeds the running one."""
 
     def __init__(self) -> None:
         self.hooked = None
@@ -175,8 +175,7 @@ def run_case(case: str, world: int, out: Path) -> dict:
         strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[SlowRank1(),
-                   verdicts := Verdicts()],
+        callbacks=[SlowRank1(), verdicts := Verdicts()],
         default_root_dir=str(out / f"root-{case}"),
     )
     record: dict = {"case": case}

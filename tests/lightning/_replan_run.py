@@ -41,7 +41,6 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_autopipe  # noqa: E402
 import lightning_autopipe.runtime.replan as replan_mod  # noqa: E402
 from lightning_autopipe.cluster import Cluster  # noqa: E402
-from lightning_autopipe.runtime.chunks import RankChunks  # noqa: E402
 from lightning_autopipe.runtime.speeds import measured_cluster  # noqa: E402
 from tests.runtime import _cases as C  # noqa: E402
 
@@ -99,8 +98,7 @@ class SlowRank1(pl.Callback):
         executor = trainer.strategy.pipeline.executor
         if trainer.global_rank != 1 or executor is self.hooked:
             return
-        stage = executor.stage
-        for module in (stage.chunks.values() if isinstance(stage, RankChunks) else [stage]):
+        for module in executor.chunks.values():  # the modules its actions run
             module.register_forward_hook(lambda *_: time.sleep(SLOW_FORWARD_S))
         self.hooked = executor
 

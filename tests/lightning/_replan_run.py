@@ -85,11 +85,10 @@ class Task(pl.LightningModule):
 
 
 class SlowRank1(pl.Callback):
-    """Rank 1's every forward ``SLOW_FORWARD_S`` slower, on whatever stage it holds (each of
-    its chunks' forwards, with several chunks per rank). A delay far above the tiny stages'
-    own milliseconds: on CPU the per-action overhead of tiny chunks makes even an unslowed
-    rank measure well below its profiled speed, so a slowdown in proportion to a chunk's time
-    (even 21x) can leave the plan for the measured speeds the running one."""
+    """Rank 1's every forward ``SLOW_FORWARD_S`` slower, on whatever it holds: each module
+    its executor's actions run (one stage, or each of several chunks). A delay far above the
+    tiny stages' own milliseconds, so the slowed rank measures slow even where the per-action
+    overhead of tiny chunks makes an unslowed rank measure below its profiled speed too."""
 
     def __init__(self) -> None:
         self.hooked = None

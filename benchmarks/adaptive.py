@@ -16,8 +16,9 @@ layout a switch must keep is the pipeline's), each run launched afresh, one afte
   starts the neighbour at the start of step ``--drift[0]`` and kills it at the start of step
   ``--drift[1]``, of ``--drift[2]``.
 
-Re-planning checks every ``--window`` steps, no sooner than ``--window`` steps after a switch
-(``replan_window`` = ``replan_min_steps``), threshold ``--threshold``. A step's time is the
+Re-planning checks every ``--window`` steps after a plan's first (warm-up) step, so first
+``--window`` + 1 steps after the start or a switch (``replan_window`` = ``replan_min_steps``),
+threshold ``--threshold``. A step's time is the
 wall time between two ends of a training batch on rank 0 (a switch made in that step's
 ``optimizer_step`` included); where it went on each rank (compute, receive waits, the tail)
 comes from the strategy's step monitor. The report is :mod:`benchmarks.adaptive_report`.
@@ -114,7 +115,7 @@ class StepLog(pl.Callback):
         now = time.perf_counter()
         strategy = trainer.strategy
         mon = telemetry.monitor_of(strategy)
-        row = mon.records[-1].measured.as_dict() if mon is not None and mon.records else {}
+        row = mon.last.measured.as_dict() if mon is not None and mon.last else {}
         self.rows.append({"wall": (now - self._last) * 1e3, "switches": len(strategy.switches),
                           "load": os.getloadavg()[0], **row})
         self._last = now

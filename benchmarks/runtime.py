@@ -175,7 +175,7 @@ def pipeline_step(pipe: Any, batch: Any, opt: Any) -> Any:
             pipe.executor.train_step(batch)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step.stats = mon.records[-1].measured.as_dict()  # type: ignore[attr-defined]
+        step.stats = mon.last.measured.as_dict()  # type: ignore[attr-defined]
 
     step.monitor = mon  # type: ignore[attr-defined]
     return step

@@ -138,7 +138,8 @@ class AutoPipeOptions:
 
     replan_window: int = 10
     """Training steps each rank's measured speed is taken over (their median, so one slow step
-    does not trigger a switch)."""
+    does not trigger a switch), and the steps between two checks; a plan's first step is kept
+    out of the window (see ``runtime.monitor.WARMUP_STEPS``)."""
 
     replan_min_steps: int = 50
     """Training steps at least between two switches (and before the first)."""

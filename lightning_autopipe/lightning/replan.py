@@ -2,8 +2,9 @@
 
 The boundary is the end of the strategy's ``optimizer_step`` (after ``super()``: the optimizer
 and any gradient scaler have stepped, no gradients are in flight, Lightning has not counted the
-step yet). With ``replan="auto"`` and automatic optimization, every ``replan_window`` steps and
-no sooner than ``replan_min_steps`` after the last switch (or the start), every rank's telemetry
+step yet). With ``replan="auto"`` and automatic optimization, every ``replan_window`` steps after a
+plan's first (warm-up) step and no sooner than ``replan_min_steps`` after the last switch (or
+the start) (:func:`~lightning_autopipe.runtime.speeds.check_due`), every rank's telemetry
 window is gathered; rank 0 decides (:func:`~lightning_autopipe.runtime.replan.propose`), every
 rank receives its verdict (:func:`~lightning_autopipe.runtime.replan.agree_switch`) and on a
 switch every rank moves to the new plan in memory (the strategy's ``_switch_to``). Rank 0 then
@@ -32,6 +33,7 @@ from lightning_autopipe.runtime.replan import (
     optimizer_state_ratio,
     propose,
 )
+from lightning_autopipe.runtime.speeds import check_due
 
 __all__ = ["Replanner", "SwitchRecord", "write_plan"]
 
@@ -81,7 +83,7 @@ class Replanner:
             return
         self.steps += 1
         since = self.steps - self.last_switch
-        if since < options.replan_min_steps or since % options.replan_window:
+        if not check_due(since, options):
             return
         monitor = telemetry.monitor_of(strategy)
         if monitor is None or not monitor.records:

@@ -46,6 +46,7 @@ __all__ = [
     "StepBreakdown",
     "StepMonitor",
     "StepRecord",
+    "WARMUP_STEPS",
     "breakdown",
     "gather_summaries",
     "predict_rank",
@@ -54,6 +55,15 @@ __all__ = [
 ]
 
 _KINDS = ("F", "B", "W", "RF", "RB", "SF", "SB")
+
+#: Steps at the start of every plan (the run's first, and the first after each switch) that a
+#: :class:`StepMonitor` measures but keeps out of its window. Such a step pays one-time work that
+#: the steps after it do not: lazily made state (autograd and autocast caches, a gradient
+#: scaler's tensors), the allocator growing to the step's peak, the first message between two
+#: ranks, a compiled stage's first graphs. Medians are robust to one slow step only when the
+#: window is long; with a short one (2 steps) the first step alone could make a rank that runs at
+#: its planned pace measure at a tenth of it, and so ask for a switch that nothing explains.
+WARMUP_STEPS = 1
 
 
 @dataclass(frozen=True)
@@ -209,9 +219,10 @@ class RankSummary:
 
 
 def summarise(records: Sequence[StepRecord], prediction: Prediction, rank: int, stage: int,
-              replica: int = 0) -> RankSummary:
+              replica: int = 0, steps: int | None = None) -> RankSummary:
     """Medians of a window of :class:`StepRecord` (robust to one slow step) and the speed they
-    imply (see :class:`RankSummary`).
+    imply (see :class:`RankSummary`); ``steps`` overrides the count it reports (default: how
+    many records).
 
     Raises:
         ValueError: no records.
@@ -226,7 +237,8 @@ def summarise(records: Sequence[StepRecord], prediction: Prediction, rank: int, 
     ratios = [prediction.compute_ms / m.compute_ms for m in ms if m.compute_ms > 0]
     speed = prediction.speed * med(ratios) if ratios else math.nan  # NaN stays NaN
     return RankSummary(
-        rank=rank, stage=stage, replica=replica, steps=len(records),
+        rank=rank, stage=stage, replica=replica,
+        steps=len(records) if steps is None else int(steps),
         step_ms=med([m.step_ms for m in ms]),
         compute_ms=med([m.compute_ms for m in ms]),
         forward_ms=med([m.forward_ms for m in ms]),
@@ -245,7 +257,12 @@ def summarise(records: Sequence[StepRecord], prediction: Prediction, rank: int, 
 
 
 class StepMonitor:
-    """Measures every training step of one rank and keeps the last ``window`` of them.
+    """Measures every training step of one rank and keeps the last ``window`` of them, after
+    its first ``warmup`` steps (:data:`WARMUP_STEPS`; a monitor is made afresh for every plan).
+
+    Attributes:
+        records: the window (at most ``window`` steps, none of the first ``warmup``).
+        last: the step measured last, warm-up or not (None before the first).
 
     Args:
         executor: the rank's executor (its ``timeline`` is read after each step).
@@ -253,18 +270,24 @@ class StepMonitor:
         rank, stage, replica: this rank's global rank, stage and replica.
         device: the torch device the stage runs on (CUDA: events and the allocator's peak).
         window: how many recent steps :meth:`summary` reduces.
+        warmup: how many first steps stay out of the window.
     """
 
     def __init__(self, executor: Any, prediction: Prediction, *, rank: int, stage: int,
-                 replica: int = 0, device: torch.device | str = "cpu", window: int = 10
-                 ) -> None:
+                 replica: int = 0, device: torch.device | str = "cpu", window: int = 10,
+                 warmup: int = WARMUP_STEPS) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 step, got {window}")
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0 steps, got {warmup}")
         self.executor = executor
         self.prediction = prediction
         self.rank, self.stage, self.replica = rank, stage, replica
         self.device = torch.device(device)
         self.records: deque[StepRecord] = deque(maxlen=window)
+        self.warmup = warmup
+        self.last: StepRecord | None = None
+        self._warm: list[StepRecord] = []
         self._count = 0
 
     @classmethod
@@ -312,14 +335,27 @@ class StepMonitor:
         else:
             peak = _resident_peak_bytes()
         measured = breakdown(self.executor.timeline, t0, t1, step_ms)
-        self.records.append(StepRecord(self._count if number is None else int(number),
-                                       measured, peak))
+        self.add(StepRecord(self._count if number is None else int(number), measured, peak))
+
+    def add(self, record: StepRecord) -> None:
+        """Count one measured step: into the window once the warm-up steps are past."""
+        (self._warm if self._count < self.warmup else self.records).append(record)
+        self.last = record
         self._count += 1
 
     def summary(self) -> RankSummary:
-        """This rank's recent window, reduced (see :func:`summarise`)."""
-        return summarise(list(self.records), self.prediction, self.rank, self.stage,
-                         self.replica)
+        """This rank's recent window, reduced (see :func:`summarise`). Before the window has a
+        step, the warm-up steps reduced, reporting 0 steps (a logging step that early still
+        has figures; a re-plan check sees no window).
+
+        Raises:
+            ValueError: no step measured yet.
+        """
+        if self.records:
+            return summarise(list(self.records), self.prediction, self.rank, self.stage,
+                             self.replica)
+        return summarise(self._warm, self.prediction, self.rank, self.stage, self.replica,
+                         steps=0)
 
 
 def gather_summaries(summary: RankSummary, timeout: float | timedelta, group: Any = None

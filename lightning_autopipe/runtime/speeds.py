@@ -21,9 +21,10 @@ from typing import Any
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.hardware import DeviceSpec
 from lightning_autopipe.profile import Profile
+from lightning_autopipe.runtime.monitor import WARMUP_STEPS
 
-__all__ = ["ReplanDecision", "decide_replan", "measured_cluster", "measured_speeds",
-           "scaled_profile", "same_layout"]
+__all__ = ["ReplanDecision", "check_due", "decide_replan", "measured_cluster",
+           "measured_speeds", "scaled_profile", "same_layout"]
 
 _SAME = 0.05  # speed ratios within 5% of each other (or of 1) are one device type
 
@@ -139,6 +140,20 @@ class ReplanDecision:
     switch_cost_ms: float = 0.0
     remaining_steps: int = 0
     speeds: Mapping[str, float] | None = None
+
+
+def check_due(steps_since_switch: int, options: Any, warmup: int | None = None) -> bool:
+    """Is the step boundary ``steps_since_switch`` steps into a plan a re-plan check?
+
+    Every ``options.replan_window`` steps counted after the plan's ``warmup`` steps
+    (:data:`~lightning_autopipe.runtime.monitor.WARMUP_STEPS`, which the monitor keeps out of
+    its window), so each check sees a window of steps that none before it saw, and no sooner
+    than ``options.replan_min_steps`` steps into the plan.
+    """
+    measured = steps_since_switch - (WARMUP_STEPS if warmup is None else warmup)
+    window = options.replan_window
+    return (options.replan != "off" and steps_since_switch >= options.replan_min_steps
+            and measured >= window and measured % window == 0)
 
 
 def decide_replan(

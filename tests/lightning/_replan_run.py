@@ -6,12 +6,14 @@ A tied-embedding GPT trained with Adam on 2 planned stages while rank 1's every 
 ``SLOW_FORWARD_S`` slower on purpose (from the first training step, after profiling, so the
 first plan is balanced and rank 1 then measures slow):
 
-* ``auto``: ``replan="auto"`` (window 2, at least 2 steps between switches); records the
-  losses, the switches, the final state and writes ``auto.ckpt`` after training;
+* ``auto``: ``replan="auto"`` (window 2, at least 2 steps between switches: the first check
+  after step 3, a plan's first step being kept out of the window); records the losses, the
+  switches, the final state and writes ``auto.ckpt`` after training;
 * ``off``: the same with ``replan="off"``;
-* ``fp16``: the fp16 loss-scaling net of :mod:`tests.lightning._fp16` (an overflow at step 2,
-  right after the switch at step 2, which only the carried-over scale gives), ``16-mixed``,
-  norm clipping, per-step records of :class:`tests.lightning._fp16_run.Record`;
+* ``fp16``: the fp16 loss-scaling net of :mod:`tests.lightning._fp16` (an overflow at step 3,
+  the last before the switch after step 3, whose backed-off scale then grows under the new
+  plan), ``16-mixed``, norm clipping, per-step records of
+  :class:`tests.lightning._fp16_run.Record`;
 * ``compiled``: ``auto`` with ``compile="aot_eager"`` (Dynamo over each stage, no code
   generation): the new stage after a switch must be compiled afresh; records the running
   stage's class and the graphs it compiled;

@@ -17,6 +17,7 @@ import torch
 
 from lightning_autopipe.checkpoint import read_model_state
 from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.runtime.speeds import check_due
 from tests.reliability import _task as T
 from tests.reliability._run import SOAK, auto_fit
 
@@ -181,8 +182,7 @@ def _boundaries(steps: int, switches: list[int]) -> int:
     options = AutoPipeOptions()
     last, count = 0, 0
     for step in range(1, steps + 1):
-        since = step - last
-        if since >= options.replan_min_steps and since % options.replan_window == 0:
+        if check_due(step - last, options):
             count += 1
             if step in switches:
                 last = step

@@ -10,6 +10,7 @@ hand with the slowed device's speed.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +21,9 @@ from lightning_autopipe.planner.search import search_plan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import BlockProfile, Profile
 from lightning_autopipe.runtime.monitor import (
+    WARMUP_STEPS,
     RankSummary,
+    StepMonitor,
     StepRecord,
     breakdown,
     predict_rank,
@@ -28,6 +31,7 @@ from lightning_autopipe.runtime.monitor import (
     summarise,
 )
 from lightning_autopipe.runtime.speeds import (
+    check_due,
     decide_replan,
     measured_cluster,
     measured_speeds,
@@ -131,6 +135,51 @@ def test_the_speed_estimate_recovers_a_known_slowdown_despite_one_slow_step(slow
     assert measured_speeds(summ, plan) == pytest.approx({"local:0": 1.0, "local:1": slow})
 
 
+def test_a_plans_first_step_is_measured_but_kept_out_of_the_window():
+    """A rank at its planned pace whose first step paid one-time work (20x slower) measures at
+    its planned speed once the window has steps; before that its summary still has figures
+    (a logging step) but reports no window (a check refuses it)."""
+    cluster = _cluster()
+    plan = _plan(cluster)
+    sim = simulate(plan, _profile(), cluster)
+    device = plan.stages[1].devices[0]
+    pred = predict_rank(plan, _profile(), cluster, device, sim)
+    mon = StepMonitor(SimpleNamespace(timeline=[]), pred, rank=1, stage=1, window=2)
+
+    def record(i: int, stretch: float) -> StepRecord:
+        tl, end = _timeline(sim, device, stretch)
+        return StepRecord(i, breakdown(tl, 99.0, end + 0.002), 1 << 20)
+
+    assert WARMUP_STEPS == mon.warmup == 1
+    mon.add(record(0, 20.0))
+    early = mon.summary()
+    assert early.steps == 0
+    assert early.speed_ratio == pytest.approx(1 / 20)
+    refused = _decide([early, early], plan, cluster, _Planner(), replan_window=1,
+                      replan_min_steps=1, replan_threshold=0.0)
+    assert not refused.switch
+    assert "0 steps measured, fewer than replan_window=1" in refused.reason
+    for i in (1, 2):
+        mon.add(record(i, 1.0))
+    summ = mon.summary()
+    assert (summ.steps, mon.steps_seen, mon.last.step) == (2, 3, 2)
+    assert summ.speed_ratio == pytest.approx(1.0, rel=1e-9)
+    with pytest.raises(ValueError, match="warmup must be >= 0"):
+        StepMonitor(SimpleNamespace(timeline=[]), pred, rank=1, stage=1, warmup=-1)
+
+
+def test_checks_fall_every_window_after_the_warm_up_step_and_the_minimum():
+    options = AutoPipeOptions(replan_window=2, replan_min_steps=2)
+    assert [s for s in range(1, 10) if check_due(s, options)] == [3, 5, 7, 9]
+    defaults = AutoPipeOptions()
+    assert [s for s in range(1, 80) if check_due(s, defaults)] == [51, 61, 71]
+    late = AutoPipeOptions(replan_window=4, replan_min_steps=10)
+    assert [s for s in range(1, 20) if check_due(s, late)] == [13, 17]
+    assert [s for s in range(1, 10) if check_due(s, options, warmup=0)] == [2, 4, 6, 8]
+    off = AutoPipeOptions(replan="off", replan_window=2, replan_min_steps=2)
+    assert not any(check_due(s, off) for s in range(1, 50))
+
+
 def test_summaries_round_trip_through_the_gathered_tensor():
     cluster = _cluster()
     plan = _plan(cluster)
@@ -200,7 +249,7 @@ def _predict(plan, cluster) -> float:
 
 
 def _decide(summ, plan, cluster, planner, cost_ms=0.0, remaining=1000, since=100, **opts):
-    options = AutoPipeOptions(replan_window=10, replan_min_steps=20, **opts)
+    options = AutoPipeOptions(**{"replan_window": 10, "replan_min_steps": 20, **opts})
     return decide_replan(summ, plan, cluster, planner, predict=_predict, options=options,
                          switch_cost_ms=cost_ms, remaining_steps=remaining,
                          steps_since_switch=since)

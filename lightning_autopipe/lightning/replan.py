@@ -83,10 +83,10 @@ class Replanner:
             return
         self.steps += 1
         since = self.steps - self.last_switch
-        if not check_due(since, options):
-            return
         monitor = telemetry.monitor_of(strategy)
-        if monitor is None or not monitor.records:
+        if monitor is None or not check_due(since, options, monitor.warmup):
+            return
+        if not monitor.records:
             return
         self.checks += 1
         rows = gather_summaries(monitor.summary(), options.timeout)

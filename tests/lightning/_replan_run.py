@@ -10,10 +10,11 @@ first plan is balanced and rank 1 then measures slow):
   after step 3, a plan's first step being kept out of the window); records the losses, the
   switches, the final state and writes ``auto.ckpt`` after training;
 * ``off``: the same with ``replan="off"``;
-* ``fp16``: the fp16 loss-scaling net of :mod:`tests.lightning._fp16` (an overflow at step 3,
-  the last before the switch after step 3, whose backed-off scale then grows under the new
-  plan), ``16-mixed``, norm clipping, per-step records of
-  :class:`tests.lightning._fp16_run.Record`;
+* ``fp16``: the fp16 loss-scaling net of :mod:`tests.lightning._fp16` with a window of 1 step
+  (so the first check, after the warm-up step and one more, switches after step 2, and the
+  overflow the settings put at the third step, ``OVERFLOW_STEP = 2`` counted from 0, comes
+  right after the switch, which only the carried-over scale gives), ``16-mixed``, norm
+  clipping, per-step records of :class:`tests.lightning._fp16_run.Record`;
 * ``compiled``: ``auto`` with ``compile="aot_eager"`` (Dynamo over each stage, no code
   generation): the new stage after a switch must be compiled afresh; records the running
   stage's class and the graphs it compiled;
@@ -128,7 +129,8 @@ def _inject_failure(record: dict) -> None:
     replan_mod.load_stage_tensors = failing
 
 
-def _strategy(case: str, world: int, **pins) -> lightning_autopipe.AutoPipeStrategy:
+def _strategy(case: str, world: int, window: int = 2, **pins
+              ) -> lightning_autopipe.AutoPipeStrategy:
     schedule, cluster = "1f1b", Cluster.local(world)
     if case == "chunked":
         schedule = "zbv"
@@ -136,7 +138,7 @@ def _strategy(case: str, world: int, **pins) -> lightning_autopipe.AutoPipeStrat
     return lightning_autopipe.AutoPipeStrategy(
         num_stages=2, schedule=schedule, profile_repeats=1, timeout=TIMEOUT,
         cluster=cluster, replan="off" if case == "off" else "auto",
-        replan_window=2, replan_min_steps=2,
+        replan_window=window, replan_min_steps=2,
         # the chunked case: any gain switches (its 8 steps leave little to pay a switch with,
         # and what it asserts is the migration of chunks, not the threshold's rule)
         replan_threshold=0.0 if case == "chunked" else 0.05, **pins,
@@ -148,7 +150,7 @@ def fp16_case(world: int, out: Path) -> dict:
     from tests.lightning._fp16_run import Record
 
     record = Record()
-    strategy = _strategy("fp16", world, num_microbatches=F16.MICROBATCHES,
+    strategy = _strategy("fp16", world, window=1, num_microbatches=F16.MICROBATCHES,
                          startup_slices=F16.STARTUP_SLICES, drain_slices=F16.DRAIN_SLICES)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, plugins=[F16.plugin()],

@@ -157,13 +157,13 @@ def test_replan_off_never_gathers_nor_switches(worlds, reference):
 
 
 def test_fp16_loss_scaling_carries_over_the_switch(worlds):
-    """The scaler's state moves with the switch after step 3 (the first check: a window of 2
-    steps after the plan's first): the overflow the settings put at step 3 backs the scale off
-    just before it, the scale then grows under the new plan from the backed-off value on every
-    rank, and training equals one process (tolerances as in tests/lightning/test_fp16.py)."""
+    """The scaler's state moves with the switch after step 2 (the first check of a 1-step
+    window: the plan's warm-up step, then one measured): the overflow the settings put at the
+    next step (``OVERFLOW_STEP``, counted from 0) happens there on every rank, and training
+    equals one process (tolerances as in tests/lightning/test_fp16.py)."""
     ranks = worlds.results(2, MODULE, "fp16", weights_only=False)
     steps = [[s["step"] for s in rec["switches"]] for rec in ranks]
-    assert steps[0] == steps[1] == [3]
+    assert steps[0] == steps[1] == [2]
     batches = [tuple(row["batch"]) for row in ranks[0]["rows"]]
     ref = F16.reference(batches)
     assert ref["skipped"][F16.OVERFLOW_STEP]

@@ -177,8 +177,8 @@ def test_soak_memory_is_flat_and_loss_matches_single_process(runs):
 
 
 def _boundaries(steps: int, switches: list[int]) -> int:
-    """Re-plan checks in ``steps`` steps by the default options (window 10, 50 steps after
-    the start or a switch), given the steps after which it switched."""
+    """Re-plan checks in ``steps`` steps by the default options (window 10, the first 51 steps
+    after the start or a switch), given the steps after which it switched."""
     options = AutoPipeOptions()
     last, count = 0, 0
     for step in range(1, steps + 1):

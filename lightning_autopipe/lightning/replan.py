@@ -2,10 +2,11 @@
 
 The boundary is the end of the strategy's ``optimizer_step`` (after ``super()``: the optimizer
 and any gradient scaler have stepped, no gradients are in flight, Lightning has not counted the
-step yet). With ``replan="auto"`` and automatic optimization, every ``replan_window`` steps after a
-plan's first (warm-up) step and no sooner than ``replan_min_steps`` after the last switch (or
-the start) (:func:`~lightning_autopipe.runtime.speeds.check_due`), every rank's telemetry
-window is gathered; rank 0 decides (:func:`~lightning_autopipe.runtime.replan.propose`), every
+step yet). With ``replan="auto"`` and automatic optimization, every ``replan_window`` steps
+after a plan's first (warm-up) step and no sooner than ``replan_min_steps`` after the last
+switch or the start of the ``fit`` (:func:`~lightning_autopipe.runtime.speeds.check_due`;
+each ``fit`` measures afresh, :meth:`Replanner.start_fit`), every rank's telemetry window is
+gathered; rank 0 decides (:func:`~lightning_autopipe.runtime.replan.propose`), every
 rank receives its verdict (:func:`~lightning_autopipe.runtime.replan.agree_switch`) and on a
 switch every rank moves to the new plan in memory (the strategy's ``_switch_to``). Rank 0 then
 prints the plan table again with the reason, and keeps every plan beside ``cluster.yaml``:
@@ -72,6 +73,13 @@ class Replanner:
     checks: int = 0
     switches: list[SwitchRecord] = field(default_factory=list)
     last_verdict: SwitchMessage | None = None
+
+    def start_fit(self, strategy: Any) -> None:
+        """At every ``fit``'s setup (every rank): the fit's steps are measured afresh (a new
+        monitor, its first step a warm-up) and its checks count from its start, as after a
+        switch, whether the pipeline is the one kept from an earlier call or a new one."""
+        telemetry.forget_monitor(strategy)
+        self.last_switch = self.steps
 
     def after_optimizer_step(self, strategy: Any) -> None:
         """At the boundary (every rank): maybe re-plan; see the module docstring."""

@@ -201,6 +201,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         if fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._check_optimizers()
+            self._replanner.start_fit(self)
         self.setup_precision_plugin()
         self._install_executor()
         if fn == TrainerFn.FITTING:

@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning_autopipe.runtime.monitor import RankSummary, StepMonitor, gather_summaries
 
-__all__ = ["metrics_of", "monitor_of", "training_step"]
+__all__ = ["forget_monitor", "metrics_of", "monitor_of", "training_step"]
 
 _ATTR = "_autopipe_monitor"  # where the strategy's monitor is kept (rebuilt with its pipeline)
 
@@ -33,6 +33,13 @@ _ATTR = "_autopipe_monitor"  # where the strategy's monitor is kept (rebuilt wit
 def monitor_of(strategy: Any) -> StepMonitor | None:
     """The strategy's step monitor (None before its first training step)."""
     return getattr(strategy, _ATTR, None)
+
+
+def forget_monitor(strategy: Any) -> None:
+    """Drop the strategy's step monitor: the next training step starts a new one, whose first
+    step is a warm-up again (a ``fit`` after another: the stage moved back from the CPU)."""
+    if hasattr(strategy, _ATTR):
+        delattr(strategy, _ATTR)
 
 
 @contextmanager

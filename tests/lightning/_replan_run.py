@@ -22,6 +22,7 @@ first plan is balanced and rank 1 then measures slow):
   declares rank 1 twice as fast as rank 0 (so the first plan gives it most blocks,
   whatever the one-pass profile's noise) and each of rank 1's chunk forwards slowed by a fixed delay
   (:class:`SlowRank1`): the switch moves a chunked layout to another chunked layout;
+* ``refit``: ``auto`` fitted for 2 steps, then again up to step 7 (:func:`refit_case`);
 * ``fail``: ``auto`` with rank 1 failing as it loads its new stage (the rebind module's
   ``load_stage_tensors`` replaced in this process only); records each rank's error and when.
 """
@@ -166,9 +167,42 @@ def fp16_case(world: int, out: Path) -> dict:
             "rank": trainer.global_rank}
 
 
+REFIT_STEPS = (2, 7)  # the refit case: the first fit's max_steps, then the second's
+
+
+def refit_case(world: int, out: Path) -> dict:
+    """``auto`` fitted for 2 steps, then fitted again up to step 7 by the same Trainer (the
+    pipeline kept between the calls); records every check's step on this rank."""
+    strategy = _strategy("refit", world, num_microbatches=4)
+    checks: list[int] = []
+
+    class Checks(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            verdict = trainer.strategy._replanner.last_verdict
+            if verdict is not None and (not checks or checks[-1] != verdict.step):
+                checks.append(verdict.step)
+
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=REFIT_STEPS[0],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[SlowRank1(), Checks()], default_root_dir=str(out / "root-refit"),
+    )
+    task = Task()
+    trainer.fit(task)
+    first = list(checks)
+    trainer.fit_loop.epoch_loop.max_steps = REFIT_STEPS[1]
+    trainer.fit(task)
+    return {"rank": trainer.global_rank, "first_fit_checks": first, "checks": checks,
+            "steps": strategy._replanner.steps, "global_step": trainer.global_step,
+            "switches": [s.step for s in strategy.switches]}
+
+
 def run_case(case: str, world: int, out: Path) -> dict:
     if case == "fp16":
         return fp16_case(world, out)
+    if case == "refit":
+        return refit_case(world, out)
     pins = {"compile": "aot_eager"} if case == "compiled" else {}
     strategy = _strategy(case, world, num_microbatches=4, **pins)
     task = Task()

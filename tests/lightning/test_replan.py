@@ -19,7 +19,7 @@ from tests.runtime import _cases as C
 
 MODULE = "tests.lightning._replan_run"
 WORLD_CASES = {2: [f"{MODULE}:{case}" for case in ("auto", "off", "fp16", "compiled",
-                                                          "chunked", "fail")]}
+                                                          "chunked", "refit", "fail")]}
 WORLD_ORDER = 90  # last in the world: the failing case leaves its ranks after a failed switch
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -176,6 +176,24 @@ def test_fp16_loss_scaling_carries_over_the_switch(worlds):
                                    torch.tensor(ref["losses"]), rtol=2 * u, atol=0)
         for name, value in rows[-1]["state"].items():
             torch.testing.assert_close(value, ref["states"][-1][name], rtol=0, atol=2e-4)
+
+
+def test_a_second_fit_measures_afresh_and_checks_from_its_own_start(worlds):
+    """A fit after another (the pipeline kept between them) is measured as a new plan: its
+    first step, paying the stage's move back from the CPU, stays out of the window, and its
+    first check falls a warm-up step and a window (3 steps) into it, on every rank alike.
+    Counting on from the first fit would have checked after step 3, on a window holding the
+    first fit's last step and the second's first."""
+    ranks = _ranks(worlds, "refit")
+    first, total = R.REFIT_STEPS
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+        assert (rec["steps"], rec["global_step"]) == (total, total)
+        assert rec["first_fit_checks"] == []
+        assert rec["checks"], "the second fit never checked"
+        assert rec["checks"][0] == first + 3, rec
+    assert ranks[0]["checks"] == ranks[1]["checks"]
+    assert ranks[0]["switches"] == ranks[1]["switches"]
 
 
 def test_a_rank_failing_mid_switch_ends_every_rank_with_its_error_fast(worlds):

@@ -8,7 +8,8 @@ contend for shared cores and memory bandwidth, so a profile taken while the othe
 be optimistic), and a rank whose profiling fails stops every rank with its error.
 
 A cluster measured here (discovered, or the local one of a single process) also carries the
-runtime's own cost per compute action, timed on every rank right after its profile
+runtime's own cost per compute action, timed on every rank right after its profile by the
+process's first fit
 (:func:`~lightning_autopipe.runtime.action_overhead.measure_action_overhead`): the planner adds
 it to every F, B and W, so a plan of many small actions (several chunks per rank, slices) is
 priced at what it costs to run. A cluster file's ``overhead_ms`` stands as declared (rank 0
@@ -120,10 +121,7 @@ def measure(
             mine = profile_for(options.compile_backend, _profile(
                 blocks, example, example_batch, loss_fn, device, options.profile_repeats),
                 blocks, example, device)
-            # as the profile: while every rank does the same
-            from lightning_autopipe.runtime.action_overhead import measure_action_overhead
-
-            overhead = measure_action_overhead(device)
+            overhead = _action_overhead(device)  # as the profile: while every rank does it
         except Exception as exc:
             if distributed:
                 _stop_everywhere(exc, rank)
@@ -151,6 +149,24 @@ def measure(
     if planning and failure is None and not discovering:
         cluster = _priced_actions(cluster, overhead, options.cluster is None, distributed, rank)
     return Measurement(cluster=cluster, names=names, profile=profile, failure=failure)
+
+
+#: The runtime's cost per compute action, per device, once per process (:func:`_action_overhead`).
+_OVERHEADS: dict[str, float] = {}
+
+
+def _action_overhead(device: torch.device) -> float:
+    """:func:`~lightning_autopipe.runtime.action_overhead.measure_action_overhead` on
+    ``device``, timed by the first fit of this process and reused by every later one (a
+    notebook, a sweep, a second ``fit``): it is the cost of the runtime's own code on that
+    device, which a later fit of the same process runs unchanged, and timing it takes a
+    third of a second of every rank's start-up."""
+    key = str(device)
+    if key not in _OVERHEADS:
+        from lightning_autopipe.runtime.action_overhead import measure_action_overhead
+
+        _OVERHEADS[key] = measure_action_overhead(device)
+    return _OVERHEADS[key]
 
 
 def with_overheads(cluster: Cluster, per_rank: Sequence[float]) -> Cluster:

@@ -34,7 +34,7 @@ from lightning_autopipe.runtime.materialize import _give_back_host_memory  # noq
 from lightning_autopipe.zoo.models import TinyGPT  # noqa: E402
 from tests.runtime import _cases as C  # noqa: E402
 
-SIZES = {"vocab": 512, "seq_len": 16, "d_model": 1024, "n_layers": 8, "n_heads": 8}
+SIZES = {"vocab": 512, "seq_len": 4, "d_model": 1024, "n_layers": 8, "n_heads": 8}
 TINY = {"vocab": C.VOCAB, "seq_len": C.SEQ, "d_model": 16, "n_layers": 2, "n_heads": 2}
 BATCH = 4
 

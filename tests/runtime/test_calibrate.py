@@ -22,6 +22,7 @@ from lightning_autopipe.runtime.calibrate import (
     measure_reduce,
 )
 from lightning_autopipe.runtime.pipeline import resolve_cluster
+from tests._gloo import forked_context
 from tests._launch import free_port, init_gloo
 
 CPU = torch.device("cpu")
@@ -201,4 +202,6 @@ def _timeout_worker(rank: int, port: int) -> None:
 
 
 def test_a_missing_peer_fails_instead_of_hanging():
-    mp.spawn(_timeout_worker, args=(free_port(),), nprocs=2, join=True)
+    forked_context()  # the fork server, its imports preloaded
+    mp.start_processes(_timeout_worker, args=(free_port(),), nprocs=2, join=True,
+                       start_method="forkserver")

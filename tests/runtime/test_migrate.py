@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_autopipe.errors import PlanError
@@ -25,6 +24,7 @@ from lightning_autopipe.graph import split_model
 from lightning_autopipe.runtime.migrate import StateLayout, plan_transfers, transfer_bytes
 from lightning_autopipe.runtime.optim_state import named_optimizer_state
 from lightning_autopipe.runtime.rebind import load_stage_tensors, rebind_optimizer, stage_tensors
+from tests._gloo import forked_context
 from tests.runtime import _migrate_world as W
 from tests.runtime._migrate_world import Case, Layout
 
@@ -156,7 +156,7 @@ def _port() -> int:
 
 
 def _launch(size: int, cases: list[Case], out: Path, died: dict[int, int]) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = forked_context()
     port = _port()
     procs = [ctx.Process(target=W.world, args=(r, size, port, str(out), cases))
              for r in range(size)]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from lightning_autopipe.errors import InputError
 from lightning_autopipe.zoo.data import (
     StdlibMLMDataModule,
     StdlibTextDataModule,
@@ -144,3 +146,15 @@ def test_training_order_is_what_a_one_replica_distributed_sampler_gives(monkeypa
         assert list(loader.sampler) == list(reference)
     x, _ = next(iter(loader))
     assert torch.equal(x[1], dm.train_set[list(reference)[1]][0])
+
+
+def test_bad_sizes_are_input_errors_naming_the_value(tmp_path):
+    tokens = torch.arange(64) % VOCAB_SIZE
+    with pytest.raises(InputError, match="block_size=1 must be >= 2"):
+        CausalLMDataset(tokens, block_size=1)
+    with pytest.raises(InputError, match=r"mask_prob=1\.5 must lie in \(0, 1\)"):
+        MaskedLMDataset(tokens, block_size=8, mask_prob=1.5)
+    with pytest.raises(InputError, match="max_bytes=10 is too small"):
+        load_stdlib_tokens(max_bytes=10)
+    with pytest.raises(InputError, match="no .py files under .*pass root="):
+        load_stdlib_tokens(root=tmp_path)

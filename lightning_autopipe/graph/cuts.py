@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import fx, nn
 
+from lightning_autopipe.errors import OptionError
 from lightning_autopipe.graph.analysis import GraphInfo
 
 __all__ = ["Block", "GRANULARITIES", "choose_blocks"]
@@ -221,7 +222,7 @@ def _merge_group(segs: list[_Seg], costs: list[tuple[int, int, int]], whole: boo
 def choose_blocks(info: GraphInfo, granularity: str = "sub-block") -> list[Block]:
     """Split ``info``'s anchored nodes into an ordered chain of blocks (see module docstring)."""
     if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        raise OptionError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     nodes = info.anchored
     if not nodes:
         return []

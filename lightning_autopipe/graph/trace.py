@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_autopipe.errors import InputError, TraceError
+from lightning_autopipe.errors import InputError, OptionError, TraceError
 
 __all__ = ["TRACE_LOGS_ENV", "Inputs", "Traced", "has_meta", "normalize_inputs", "on_meta",
            "trace"]
@@ -398,7 +398,8 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
         InputError: ``example_inputs`` do not fit the model's forward signature or shapes.
     """
     if tracer not in TRACERS:
-        raise ValueError(f"tracer must be one of {TRACERS}, got {tracer!r}")
+        raise OptionError(f"tracer must be one of {TRACERS}, got {tracer!r}; pass one of them "
+                          "(\"auto\" tries torch.fx, then torch.export)")
     if example_inputs is None:
         raise InputError(
             "split_model needs example_inputs (a tuple of positional tensors or a dict of keyword "

@@ -17,6 +17,8 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+from lightning_autopipe.errors import InputError
+
 __all__ = [
     "EOS",
     "IGNORE_INDEX",
@@ -85,7 +87,7 @@ def load_stdlib_tokens(max_bytes: int = 2_000_000, root: str | Path | None = Non
         ValueError: ``max_bytes`` is too small or the directory has no ``.py`` files.
     """
     if max_bytes < 1024:
-        raise ValueError(f"max_bytes={max_bytes} is too small for a corpus; use >= 1024")
+        raise InputError(f"max_bytes={max_bytes} is too small for a corpus; use >= 1024")
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
     chunks: list[torch.Tensor] = []
     total = 0
@@ -99,7 +101,7 @@ def load_stdlib_tokens(max_bytes: int = 2_000_000, root: str | Path | None = Non
         if total >= max_bytes:
             break
     if not chunks:
-        raise ValueError(f"no .py files under {base}; pass root= pointing at Python sources")
+        raise InputError(f"no .py files under {base}; pass root= pointing at Python sources")
     return torch.cat(chunks)[:max_bytes]
 
 
@@ -108,7 +110,7 @@ class CausalLMDataset(Dataset):
 
     def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
         if block_size < 2:
-            raise ValueError(f"block_size={block_size} must be >= 2")
+            raise InputError(f"block_size={block_size} must be >= 2")
         self.tokens = tokens
         self.block_size = block_size
 
@@ -134,9 +136,9 @@ class MaskedLMDataset(Dataset):
         self, tokens: torch.Tensor, block_size: int, mask_prob: float = 0.15, seed: int = 0
     ) -> None:
         if not 0.0 < mask_prob < 1.0:
-            raise ValueError(f"mask_prob={mask_prob} must lie in (0, 1)")
+            raise InputError(f"mask_prob={mask_prob} must lie in (0, 1)")
         if block_size < 2:
-            raise ValueError(f"block_size={block_size} must be >= 2")
+            raise InputError(f"block_size={block_size} must be >= 2")
         self.tokens = tokens
         self.block_size = block_size
         self.mask_prob = mask_prob
@@ -180,7 +182,7 @@ class SyntheticImages(Dataset):
         seed: int = 0,
     ) -> None:
         if num_samples < 1 or num_classes < 2 or image_size < 4 or channels < 1:
-            raise ValueError(
+            raise InputError(
                 f"SyntheticImages needs num_samples >= 1, num_classes >= 2, image_size >= 4, "
                 f"channels >= 1; got {num_samples}, {num_classes}, {image_size}, {channels}"
             )

@@ -69,6 +69,8 @@ def test_wrong_arity_and_types() -> None:
         split_model(model, None)
     with pytest.raises(OptionError, match="granularity"):
         split_model(model, (ids,), granularity="layers")
+    with pytest.raises(OptionError, match=r"tracer must be one of \('auto', 'fx', 'export'\)"):
+        split_model(model, (ids,), tracer="jit")
 
 
 def test_later_inputs_must_match_the_traced_structure() -> None:

@@ -44,8 +44,7 @@ def forked_context() -> Any:
     pytest process that has imported torch and the runtime (and started no thread, process
     group or device), instead of spawned as fresh interpreters that import them again: a
     world of 4 then starts in a tenth of a second instead of five, and a world replaced
-    after a failed case costs nothing. (Tests that time processes against each other spawn
-    theirs: a forked rank shares the server's pages.)"""
+    after a failed case costs nothing."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx

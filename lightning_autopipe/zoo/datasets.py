@@ -84,7 +84,7 @@ def load_stdlib_tokens(max_bytes: int = 2_000_000, root: str | Path | None = Non
         A 1-D int16 tensor of at most ``max_bytes`` tokens.
 
     Raises:
-        ValueError: ``max_bytes`` is too small or the directory has no ``.py`` files.
+        InputError: ``max_bytes`` is too small or the directory has no ``.py`` files.
     """
     if max_bytes < 1024:
         raise InputError(f"max_bytes={max_bytes} is too small for a corpus; use >= 1024")

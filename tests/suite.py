@@ -20,6 +20,7 @@ Usage: ``python tests/suite.py [pytest arguments]`` (passed to every lane, e.g. 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: tests._machine importable
 
-from tests._machine import LOCK_VARIABLE  # noqa: E402
+from tests._machine import BEHIND_VARIABLE, LOCK_VARIABLE  # noqa: E402
 
 #: (name, marks, shards run side by side)
 LANES = (("launch", "launch and not serial", 1), ("rest", "not launch and not serial", 2),
@@ -50,12 +51,15 @@ def _report(name: str, log: Path, status: int, seconds: float) -> None:
     print(log.read_text(), end="", flush=True)
 
 
-def _run_lane(name: str, marks: str, shards: int, args: list[str], root: Path) -> list[int]:
-    """The lane's shards side by side; each one's log is printed when all have ended."""
+def _start_lane(name: str, marks: str, shards: int, args: list[str], root: Path,
+                behind: Path | None = None) -> list[tuple[str, Path, subprocess.Popen]]:
+    """The lane's shards, started side by side (``behind``: the file the launch lane holds,
+    :data:`tests._machine.BEHIND_VARIABLE`)."""
     env = {**os.environ, LANE_VARIABLE: name}
     if shards > 1:
         env[LOCK_VARIABLE] = str(root / f"{name}.lock")
-    start = time.monotonic()
+    if behind is not None:
+        env[BEHIND_VARIABLE] = str(behind)
     running = []
     for i in range(shards):
         label = name if shards == 1 else f"{name} {i + 1}/{shards}"
@@ -64,6 +68,11 @@ def _run_lane(name: str, marks: str, shards: int, args: list[str], root: Path) -
             proc = subprocess.Popen(_pytest(marks, args, root / f"{name}{i}"), cwd=ROOT,
                                     env=env, stdout=out, stderr=subprocess.STDOUT)
         running.append((label, log, proc))
+    return running
+
+
+def _wait(running: list[tuple[str, Path, subprocess.Popen]], start: float) -> list[int]:
+    """Each shard's exit status; its log is printed as it ends."""
     statuses = []
     for label, log, proc in running:
         status = proc.wait()
@@ -74,11 +83,18 @@ def _run_lane(name: str, marks: str, shards: int, args: list[str], root: Path) -
 
 def main(args: list[str]) -> int:
     """Run the lanes; 0 when every lane passed (pytest's 5, nothing selected, counts as passed)."""
-    statuses = []
+    (launch, launch_marks, _), (rest, rest_marks, shards), (serial, serial_marks, _) = LANES
     with tempfile.TemporaryDirectory(prefix="autopipe-suite-") as tmp:
         root = Path(tmp)
-        for name, marks, shards in LANES:
-            statuses += _run_lane(name, marks, shards, args, root)
+        behind = root / "launch.running"
+        with open(behind, "wb") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # until the launch lane has ended
+            start = time.monotonic()
+            first = _start_lane(launch, launch_marks, 1, args, root)
+            second = _start_lane(rest, rest_marks, shards, args, root, behind)
+            statuses = _wait(first, start)
+        statuses += _wait(second, start)
+        statuses += _wait(_start_lane(serial, serial_marks, 1, args, root), time.monotonic())
     failed = [s for s in statuses if s not in (0, 5)]
     return failed[0] if failed else 0
 

@@ -217,3 +217,23 @@ def test_median_profile_takes_each_time_field_blockwise() -> None:
     assert (med.blocks[0].param_bytes, med.fingerprint, med.micro_batch_size) == (10, "fp", 4)
     with pytest.raises(ValueError, match="same split model"):
         median_profile([prof(1.0), prof(1.0, mbs=8)])
+
+
+@pytest.mark.parametrize("in_chain", [True, False], ids=["in-chain", "isolated"])
+def test_a_half_batch_probe_that_fails_prints_nothing(
+        in_chain: bool, capfd: pytest.CaptureFixture[str]) -> None:
+    """With as many samples as tokens the position embedding's output (tokens x width) looks
+    batched, so a half-batch probe of the fixed-cost fit fails: the profile is still made,
+    and the failure is not printed (an fx graph prints its code and failing line to stderr
+    before it raises: a traceback on every rank of a healthy run)."""
+    from lightning_autopipe.zoo.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, seq_len=4, d_model=16, n_layers=1, n_heads=2)
+    tokens = torch.randint(0, 64, (4, 4))
+    blocks = split_model(model, (tokens,))
+    capfd.readouterr()
+    prof = profile_blocks(blocks, (tokens,), repeats=1, in_chain=in_chain)
+    assert capfd.readouterr().err == ""
+    assert len(prof) == len(blocks)
+    assert all(b.forward_ms > 0 and b.backward_ms > 0 for b in prof.blocks)

@@ -4,7 +4,8 @@ threads competing with other processes make every op wait for the slower thread.
 launch per world size (``worlds``, :mod:`tests._worlds`), cases on gloo without Lightning one
 set of processes per size (``gloo``, :mod:`tests._gloo`).
 
-``make test`` runs :mod:`tests.suite`: three pytest lanes one after another. The ``launch``
+``make test`` runs :mod:`tests.suite`: three pytest lanes, the ``rest`` lane behind the
+``launch`` lane (on the cores its ranks leave idle), then the ``serial`` lane. The ``launch``
 lane holds the shared Lightning worlds and the tests marked ``launch`` (recipes, torchrun nodes,
 elastic restarts, failing ranks: what starts Lightning ranks of its own and takes long); the
 ``rest`` lane holds the rest (the gloo worlds and the shorter launches included). ``serial`` tests

@@ -1,18 +1,19 @@
-"""The whole test suite as ``make test`` runs it: three pytest lanes, one after another.
+"""The whole test suite as ``make test`` runs it: three pytest lanes.
 
 The ``launch`` lane holds the shared Lightning worlds and the tests marked ``launch`` (what
 starts Lightning ranks of its own: recipes, torchrun nodes, elastic restarts, failing ranks),
 the ``rest`` lane everything else (the gloo worlds and the planner included), the ``serial``
-lane the tests that time processes against each other. The lanes run one at a time: on 2 cores
-the two first lanes side by side took 1296 s of CI wall time, while each alone takes 441 s and
-312 s on a 2-core machine, because a launch's 2-4 ranks wait on each other in
-every collective and a rank that the other lane's process pushes off its core stalls them all.
+lane the tests that time processes against each other; it runs last, alone.
 
-The ``rest`` lane runs as two pytest shards side by side, one per core, each running the next
-test file that neither has begun: most of its tests stay in one single-threaded process and
-run beside each other, while a test that starts processes takes the machine for itself
-(:mod:`tests._machine`: the other shard finishes its running test and waits), so no rank
-shares its core with a test.
+The ``rest`` lane runs *behind* the launch lane, started with it: its two pytest shards run at
+the ``SCHED_IDLE`` policy (:mod:`tests._machine`), so their single-threaded tests take only a
+core that the launch lane's ranks leave idle (a rank waiting on its peer, a launcher on its
+children) and give it back as soon as a rank wakes. At the ordinary policy the two lanes side
+by side took 1296 s of CI wall time against 441 s and 312 s one after the other: a rank pushed
+off its core stalls every peer in every collective. Each shard runs the next test file that
+neither has begun, those that stay in their own process first; a test that starts processes
+waits until the launch lane has ended and then takes the machine for itself (the other shard
+finishes its running test and waits), so no rank ever shares its core with a test.
 
 Usage: ``python tests/suite.py [pytest arguments]`` (passed to every lane, e.g. ``-x`` or
 ``--durations=20``); the exit status is the first failing lane's.

@@ -4,12 +4,11 @@
 
 Every rank imports torch and Lightning once and then, for each spec in order, calls
 ``MODULE.run_case(CASE, WORLD, OUT / MODULE)``; a returned dict is saved as
-``<that folder>/<CASE>.rank<r>.pt``. Every rank runs every case. The launching process
-imports torch, Lightning and the package, then forks the other ranks with the variables
-Lightning's popen launcher would set (``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``/``MASTER_PORT``): no rank imports them a second time (seconds of CPU each on a
-2-core machine), and a process group is only ever made after the fork. Every rank waits at a
-start barrier before the first case. It ends with a non-zero status when a rank did, and no
+``<that folder>/<CASE>.rank<r>.pt``. Every rank runs every case. The launching process starts
+the other ranks itself, as Lightning's popen launcher would (``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT`` set), and every rank waits until all have imported torch and
+Lightning before the first case, so the first case's process-group timeout never has to cover
+the others' start-up on a busy machine. It ends with a non-zero status when a rank did, and no
 rank outlives it. A case that raises is written to
 ``<folder>/<CASE>.error.rank<r>.txt`` and the next case runs (its peers end the case through
 the strategy's failure handling or its timeout), so one broken case fails its own tests only.
@@ -23,8 +22,8 @@ from __future__ import annotations
 import gc
 import importlib
 import os
-import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -44,8 +43,6 @@ def _import_the_stack() -> None:
     global torch
     import lightning.pytorch  # noqa: F401
     import torch
-
-    import lightning_autopipe  # noqa: F401
 
     torch.set_num_threads(1)
     gc.freeze()
@@ -67,21 +64,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fork_others(world: int) -> list[int] | None:
-    """In the launching process, once torch and Lightning are imported: become rank 0 of
-    ``world`` and fork ranks 1.. (each inherits the imported modules: no rank imports them a
-    second time). Returns the children's pids in rank 0, None in a child."""
+def _start_others(world: int) -> list[subprocess.Popen]:
+    """In the launching process: become rank 0 of ``world`` and start ranks 1.. as children."""
     ports = {"MASTER_PORT": str(_free_port()), "AUTOPIPE_WORLD_READY_PORT": str(_free_port())}
     common = {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(world), "NODE_RANK": "0", **ports}
-    children = []
-    for r in range(1, world):
-        pid = os.fork()
-        if pid == 0:
-            os.environ.update(common, LOCAL_RANK=str(r))
-            return None
-        children.append(pid)
     os.environ.update(common, LOCAL_RANK="0")
-    return children
+    return [subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, **common,
+                                                               "LOCAL_RANK": str(r)})
+            for r in range(1, world)]
 
 
 def _wait_for_every_rank(world: int) -> None:
@@ -99,45 +89,24 @@ def _wait_for_every_rank(world: int) -> None:
     del store
 
 
-def _finish(children: list[int]) -> int:
+def _finish(children: list[subprocess.Popen]) -> int:
     """Rank 0, after its cases: the others' exit status (any still running after a grace
     period is killed)."""
-    status, deadline = 0, time.monotonic() + 120
-    for pid in children:
-        while True:
-            done, code = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = status or os.waitstatus_to_exitcode(code)
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                status = status or 1
-                break
-            time.sleep(0.1)
+    status = 0
+    for child in children:
+        try:
+            status = status or child.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            status = status or 1
     return status
 
 
 def main() -> None:
     out, world = Path(sys.argv[1]), int(sys.argv[2])
+    # the other ranks start before this one imports anything heavy: the imports overlap
+    children = _start_others(world) if "LOCAL_RANK" not in os.environ else []
     _import_the_stack()
-    # started by a launcher of its own (every rank has LOCAL_RANK): nothing to fork
-    children = _fork_others(world) if "LOCAL_RANK" not in os.environ else []
-    if children is None:
-        try:  # a forked rank: it leaves by os._exit, never through rank 0's own exit path
-            _run_cases(out, world)
-        except BaseException:  # noqa: BLE001 - its trace on stderr, a failing status
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    _run_cases(out, world)
-    sys.exit(_finish(children))
-
-
-def _run_cases(out: Path, world: int) -> None:
     _wait_for_every_rank(world)
     for spec in sys.argv[3:]:
         module_name, _, case = spec.partition(":")
@@ -164,6 +133,7 @@ def _run_cases(out: Path, world: int) -> None:
             torch.save(record, folder / f"{case}.rank{_rank()}.pt")
         print(f"[world {world}] rank {_rank()}: {spec} done in {time.monotonic() - start:.1f} s",
               file=sys.stderr, flush=True)
+    sys.exit(_finish(children))
 
 
 if __name__ == "__main__":

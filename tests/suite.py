@@ -59,6 +59,9 @@ def _start_lane(name: str, marks: str, shards: int, args: list[str], root: Path,
     env = {**os.environ, LANE_VARIABLE: name}
     if shards > 1:
         env[LOCK_VARIABLE] = str(root / f"{name}.lock")
+        # inductor compiles in the test's own process, one g++ at a time (a ``one_child``
+        # test), not in a pool of worker processes that would need the machine
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     if behind is not None:
         env[BEHIND_VARIABLE] = str(behind)
     running = []

@@ -37,6 +37,9 @@ from tests.reliability import _task as T
 SIZES = (4, 2, 1, 3)
 RTOL, ATOL = 1e-5, 1e-6
 
+# inductor's g++, one at a time under tests/suite.py (TORCHINDUCTOR_COMPILE_THREADS=1)
+pytestmark = pytest.mark.one_child
+
 
 class SkipOut(nn.Module):
     """Outputs ``(h, lin2(h))``: ``h`` crosses to the next stage and feeds ``lin2`` here."""

@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 MODELS, PRECISIONS = ("gpt2", "bert_base", "resnet50"), ("fp32", "bf16")
 
+# bash, and the script's steps one after another, each one process (tests/_machine.py)
+pytestmark = pytest.mark.one_child
+
 
 def test_the_gpu_check_script_is_valid_bash():
     proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
@@ -50,7 +53,6 @@ def cpu_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.one_child  # the script's steps run one after another, each one process
 def test_the_cpu_fallback_writes_profiles_steps_and_a_test_summary(cpu_run):
     out = cpu_run
     log = (out / "gpu_check.log").read_text()

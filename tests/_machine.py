@@ -20,68 +20,27 @@ other shard's process test.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 from typing import IO
 
-__all__ = ["BEHIND_VARIABLE", "LOCK_VARIABLE", "active", "begin_test", "behind", "claim",
-           "configure", "end_test", "need_the_machine"]
+__all__ = ["LOCK_VARIABLE", "active", "begin_test", "claim", "configure", "end_test",
+           "need_the_machine"]
 
 LOCK_VARIABLE = "AUTOPIPE_SUITE_LOCK"
-#: A file that :mod:`tests.suite` holds locked while the launch lane runs: a shard started
-#: with its name runs *behind* that lane (see :func:`configure`).
-BEHIND_VARIABLE = "AUTOPIPE_SUITE_BEHIND"
 
 _files: dict[str, IO[bytes]] = {}
-_state = {"held": "", "base": "", "beside": "", "behind": ""}  # held: "", "shared", "exclusive"
+_state = {"held": "", "base": "", "beside": ""}  # held: "", "shared" or "exclusive"
 
 
 def configure() -> None:
     """Take the lock's name out of the environment (pytest_configure): a pytest that a test
-    starts (``benchmarks/gpu_check.sh`` runs one) is not a shard and must not claim files.
-
-    A shard behind the launch lane runs as ``SCHED_IDLE``: on a core the launch lane's ranks
-    leave idle (one waits on its peer, a launcher waits on its children) and preempted as soon
-    as one of them wakes, so its tests use the lane's idle time without stalling its ranks;
-    a test of its own that starts processes waits until that lane has ended
-    (:func:`need_the_machine`)."""
+    starts (``benchmarks/gpu_check.sh`` runs one) is not a shard and must not claim files."""
     _state["base"] = os.environ.pop(LOCK_VARIABLE, "")
-    _state["behind"] = os.environ.pop(BEHIND_VARIABLE, "")
-    if _state["behind"]:
-        _policy("SCHED_IDLE")
-
-
-def _policy(name: str) -> None:
-    """This process's scheduling policy (and its later children's); where the system has no
-    such policy or refuses the change, the shard runs as it is (slower, never wrong)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setscheduler(0, getattr(os, name), os.sched_param(0))
-
-
-def _launch_lane_ended(wait: bool) -> bool:
-    """True once the launch lane this shard runs behind has ended (then this process runs at
-    the ordinary policy again); ``wait``: block until it has."""
-    path = _state["behind"]
-    if not path:
-        return True
-    with open(path, "ab") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH if wait else fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-    _policy("SCHED_OTHER")
-    _state["behind"] = ""
-    return True
 
 
 def active() -> bool:
     return bool(_state["base"])
-
-
-def behind() -> bool:
-    """This shard runs behind the launch lane, which has not ended yet."""
-    return bool(_state["behind"])
 
 
 def _file(suffix: str) -> IO[bytes] | None:
@@ -116,7 +75,6 @@ def begin_test(beside: bool = False) -> None:
     main, gate = _file(".main"), _file(".gate")
     if main is None or gate is None or os.getpid() != _owner():
         return
-    _launch_lane_ended(wait=False)
     fcntl.flock(gate, fcntl.LOCK_EX)
     fcntl.flock(gate, fcntl.LOCK_UN)
     fcntl.flock(main, fcntl.LOCK_SH)
@@ -129,7 +87,6 @@ def need_the_machine() -> None:
     if (main is None or gate is None or _state["held"] == "exclusive" or _state["beside"]
             or os.getpid() != _owner()):
         return
-    _launch_lane_ended(wait=True)  # the other shard runs its tests meanwhile
     fcntl.flock(main, fcntl.LOCK_UN)  # a shared hold is given up first (flock converts so)
     fcntl.flock(gate, fcntl.LOCK_EX)
     try:

@@ -4,8 +4,7 @@ threads competing with other processes make every op wait for the slower thread.
 launch per world size (``worlds``, :mod:`tests._worlds`), cases on gloo without Lightning one
 set of processes per size (``gloo``, :mod:`tests._gloo`).
 
-``make test`` runs :mod:`tests.suite`: three pytest lanes, the ``rest`` lane behind the
-``launch`` lane (on the cores its ranks leave idle), then the ``serial`` lane. The ``launch``
+``make test`` runs :mod:`tests.suite`: three pytest lanes one after another. The ``launch``
 lane holds the shared Lightning worlds and the tests marked ``launch`` (recipes, torchrun nodes,
 elastic restarts, failing ranks: what starts Lightning ranks of its own and takes long); the
 ``rest`` lane holds the rest (the gloo worlds and the shorter launches included). ``serial`` tests
@@ -14,10 +13,7 @@ time processes against each other and must have the machine to themselves."""
 from __future__ import annotations
 
 import os
-import re
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -118,8 +114,6 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     files: dict[str, list[pytest.Item]] = {}
     for item in session.items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    if _machine.behind():  # what can run beside the launch lane first (tests/_machine.py)
-        files = dict(sorted(files.items(), key=lambda kv: _starts_processes(kv[1])))
 
     def claimed_next() -> list[pytest.Item]:
         while files:
@@ -139,29 +133,6 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
         if session.shouldstop:
             raise session.Interrupted(session.shouldstop)
     return True
-
-
-#: Words in a test file (or a local helper module it imports) that start processes.
-_LAUNCHERS = re.compile(r"\b(subprocess|multiprocessing|start_processes|run_script|Popen|"
-                        r"inductor|gloo|torchrun)\b")
-
-
-def _starts_processes(items: list[pytest.Item]) -> int:
-    """0: the file's tests stay in this process; 1: one child at a time (``one_child``); 2: they
-    probably start ranks (the file or a ``tests`` helper it imports names a launcher). Only the
-    order of the files depends on it: a wrong guess costs time, never a result."""
-    if any(item.get_closest_marker("one_child") is not None for item in items):
-        return 1
-    module = getattr(items[0], "module", None)
-    if module is None or module.__file__ is None:
-        return 2
-    sources = [Path(module.__file__)]
-    for value in vars(module).values():
-        name = getattr(value, "__module__", None) or getattr(value, "__name__", "")
-        helper = sys.modules.get(name) if isinstance(name, str) else None
-        if name.startswith("tests.") and getattr(helper, "__file__", None):
-            sources.append(Path(helper.__file__))
-    return 2 if any(_LAUNCHERS.search(p.read_text()) for p in set(sources)) else 0
 
 
 def _pop_first(files: dict[str, list[pytest.Item]]) -> tuple[str, list[pytest.Item]]:

@@ -91,6 +91,7 @@ class StepLog(pl.Callback):
         self.events: list[tuple[str, int, float]] = []
         self.verdicts: list[dict[str, Any]] = []
         self.first_plan = ""
+        self.discovered: dict[str, float] = {}
         self._created = self._last = time.perf_counter()
         self.setup_s = 0.0
 
@@ -98,6 +99,8 @@ class StepLog(pl.Callback):
         self._last = time.perf_counter()
         self.setup_s = self._last - self._created  # launch, discovery, planning, build
         self.first_plan = trainer.strategy.pipeline.plan.to_json()
+        # discovery's speeds (a switch or a re-calibration gives the pipeline measured ones)
+        self.discovered = {d.name: d.spec.speed for d in trainer.strategy.cluster.devices}
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
         if not self.drift or trainer.global_rank != 0:
@@ -159,7 +162,8 @@ def _rank_main(rank: int, port: int, cores: list[int], run: dict, out: str) -> N
     record = {
         "rank": rank, "rows": log.rows, "events": log.events, "verdicts": log.verdicts,
         "first_plan": log.first_plan, "setup_s": log.setup_s,
-        "speeds": {d.name: d.spec.speed for d in strategy.cluster.devices},
+        "speeds": log.discovered,
+        "recalibrations": [dict(vars(r)) for r in strategy._replanner.recalibrations],
         "switches": [dict(vars(s)) for s in strategy.switches],
         "stage": strategy.pipeline.layout.stage,
     }

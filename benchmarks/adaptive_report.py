@@ -10,7 +10,6 @@ switch. Step 0 (lazy initialisation) is left out of every median.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -30,9 +29,11 @@ CONDITIONS = ("alone", "neighbour", "alone again")
 
 
 class Segment(dict):
-    """Steps of one plan under one condition: ``run``, ``phase``, ``plan`` (index), ``steps``
-    (step indices, the switching step and step 0 left out), ``ms`` (median wall),
-    ``ranks`` (per rank: median compute / wait / tail / step of the monitor)."""
+    """Steps of one plan under one condition and one calibration: ``run``, ``phase``,
+    ``plan`` (index), ``recal`` (re-calibrations of the plan before these steps), ``steps``
+    (step indices, the switching step and step 0 left out), ``walls`` (their wall times),
+    ``ms`` (median wall), ``ranks`` (per rank: median compute / wait / tail / step of the
+    monitor)."""
 
 
 def plan_of_step(rows: Sequence[dict], i: int) -> int:
@@ -57,12 +58,14 @@ def segments(run: Sequence[dict], name: str, drift: Sequence[int] | None) -> lis
     for i in range(1, len(rows)):
         if _switching(rows, i):
             continue
-        key = (_phase(i, drift), plan_of_step(rows, i))
-        if not out or (out[-1]["phase"], out[-1]["plan"]) != key:
-            out.append(Segment(run=name, phase=key[0], plan=key[1], steps=[]))
+        plan = plan_of_step(rows, i)
+        key = (_phase(i, drift), plan, len(_recalibrations(run, plan, i)))
+        if not out or (out[-1]["phase"], out[-1]["plan"], out[-1]["recal"]) != key:
+            out.append(Segment(run=name, phase=key[0], plan=key[1], recal=key[2], steps=[]))
         out[-1]["steps"].append(i)
     for seg in out:
-        seg["ms"] = statistics.median(rows[i]["wall"] for i in seg["steps"])
+        seg["walls"] = [rows[i]["wall"] for i in seg["steps"]]
+        seg["ms"] = statistics.median(seg["walls"])
         seg["ranks"] = [_rank_medians(r["rows"], seg["steps"]) for r in run]
     return out
 
@@ -88,10 +91,28 @@ def steps_lost(off: Sequence[dict], auto: Sequence[dict], per_step_ms: float,
     return [x / per_step_ms for x in (*lost, sum(lost))]
 
 
-def _predicted(run: Sequence[dict], plan: int) -> float:
-    if plan == 0:
+def _recalibrations(run: Sequence[dict], plan: int, i: int) -> list[dict]:
+    """The re-calibrations of plan ``plan`` in force at step ``i`` (each ends the step
+    ``step`` counts, as a switch does: step indices from ``step`` on run after it)."""
+    start = run[0]["switches"][plan - 1]["step"] if plan else 0
+    return [r for r in run[0].get("recalibrations", []) if start < r["step"] <= i]
+
+
+def _predicted(run: Sequence[dict], seg: Segment) -> float:
+    """The step the run's telemetry predicted for the segment: the plan's at the speeds it was
+    made for, or those of its last re-calibration before the segment."""
+    recal = _recalibrations(run, seg["plan"], seg["steps"][0])
+    if recal:
+        return float(recal[-1]["predicted_ms"])
+    if seg["plan"] == 0:
         return Plan.from_json(run[0]["first_plan"]).iteration_ms
-    return float(run[0]["switches"][plan - 1]["predicted_step_ms"])
+    return float(run[0]["switches"][seg["plan"] - 1]["predicted_step_ms"])
+
+
+def _label(run: Sequence[dict], seg: Segment) -> str:
+    recal = _recalibrations(run, seg["plan"], seg["steps"][0])
+    return f"plan {seg['plan']}" + (f", re-calibrated after step {recal[-1]['step']}"
+                                    if recal else "")
 
 
 def _layout(run: Sequence[dict], plan: int) -> str:
@@ -162,17 +183,12 @@ def _slowed(runs: dict[str, Any], segs: dict[str, list[Segment]], single: float)
         lines.append(_seg_row(seg, runs[seg["run"]], _near(runs, seg["run"], single)))
     last = segs["slowed-auto"][-1]
     x = _near(runs, "slowed-auto", single) / last["ms"]
-    ratio = last["ms"] / _predicted(sa, last["plan"])
+    ratio = last["ms"] / _predicted(sa, last)
     off_x = _near(runs, "slowed-off", single) / segs["slowed-off"][-1]["ms"]
     lines += ["", f"targets: auto after its last switch {x:.3f}x one process (>= {TARGET_X}: "
               f"{_mark(x >= TARGET_X)}; off: {off_x:.3f}x); measured / predicted {ratio:.3f} "
-              f"(within {TARGET_PRED:.0%}: {_mark(abs(ratio - 1) <= TARGET_PRED)})"]
-    repriced = _repriced(sa)
-    if repriced is not None:
-        step, pred, meas = repriced
-        lines.append(f"(the running plan re-priced on the speeds measured at the check after "
-                     f"step {step}: predicted {pred:.0f} ms, measured {meas:.0f} ms, measured / "
-                     f"predicted {meas / pred:.3f})")
+              f"(within {TARGET_PRED:.0%}: {_mark(abs(ratio - 1) <= TARGET_PRED)}; the "
+              f"prediction its telemetry made for steps {_span(last)}: {_label(sa, last)})"]
     if "single-near" in runs:
         lines.append("(x one process: against one process timed just before and after each "
                      "run, " + ", ".join(f"{k} {_near(runs, k, single):.0f} ms"
@@ -186,30 +202,13 @@ def _slowed(runs: dict[str, Any], segs: dict[str, list[Segment]], single: float)
     return lines + _switch_table({"slowed-auto": sa}, segs, None, None)
 
 
-def _repriced(run: Sequence[dict]) -> tuple[int, float, float] | None:
-    """(step, predicted, measured ms) of the last re-plan check that priced the running plan
-    itself on the measured speeds after the last switch (its verdict: the plan for them is the
-    running one), or
-    None: the closed loop's own prediction of the step, beside the one made at plan time."""
-    every = run[0].get("verdicts", [])
-    last_switch = max((v["step"] for v in every if v["switch"]), default=-1)
-    verdicts = [v for v in every if v["step"] > last_switch
-                and "is the running one" in v.get("reason", "")
-                and math.isfinite(v.get("candidate_ms", math.nan))]
-    if not verdicts:
-        return None
-    v = verdicts[-1]
-    return v["step"], v["candidate_ms"], v["measured_ms"]
-
-
 def _drift(runs: dict[str, Any], segs: dict[str, list[Segment]], drift: Sequence[int],
            slowed: bool) -> list[str]:
     da, do = runs["drift-auto"], runs["drift-off"]
     # a plan made fresh for a condition: the faster of the two runs' first plans, each
     # discovered and planned under it (the neighbour's: the slowed runs', when they ran)
-    fresh_alone = min(next(s["ms"] for s in segs[k] if s["phase"] == 0)
-                      for k in ("drift-auto", "drift-off"))
-    fresh_neighbour = (min(segs[k][0]["ms"] for k in ("slowed-auto", "slowed-off"))
+    fresh_alone = min(_plan_ms(segs[k], 0, 0) for k in ("drift-auto", "drift-off"))
+    fresh_neighbour = (min(_plan_ms(segs[k], 0, 1) for k in ("slowed-auto", "slowed-off"))
                        if slowed else float("nan"))
     lines = [
         "", f"## Drift: the neighbour from step {drift[0]} to step {drift[1]} of {drift[2]}", "",
@@ -219,8 +218,9 @@ def _drift(runs: dict[str, Any], segs: dict[str, list[Segment]], drift: Sequence
     for seg in segs["drift-auto"] + segs["drift-off"]:
         run = runs[seg["run"]]
         ranks = _ranks(seg)
-        lines.append(f"| {seg['run']} | {CONDITIONS[seg['phase']]} | {_span(seg)} | "
-                     f"{seg['ms']:.0f} | {_predicted(run, seg['plan']):.0f} | "
+        lines.append(f"| {seg['run']}, {_label(run, seg)} | {CONDITIONS[seg['phase']]} | "
+                     f"{_span(seg)} | "
+                     f"{seg['ms']:.0f} | {_predicted(run, seg):.0f} | "
                      f"{_layout(run, seg['plan'])} | {ranks} |")
     lines += ["", "Each drift switch against a plan made fresh for its conditions, the faster "
               f"first plan of the two runs discovered under them (neighbour: the slowed runs', "
@@ -233,6 +233,13 @@ def _drift(runs: dict[str, Any], segs: dict[str, list[Segment]], drift: Sequence
     return lines
 
 
+def _plan_ms(segs: Sequence[Segment], plan: int, phase: int) -> float:
+    """The median step of plan ``plan`` in condition ``phase``, over its segments (one plan
+    re-calibrated keeps its layout: its steps are one sample)."""
+    walls = [w for s in segs if (s["plan"], s["phase"]) == (plan, phase) for w in s["walls"]]
+    return statistics.median(walls) if walls else float("nan")
+
+
 def _ranks(seg: Segment) -> str:
     return "; ".join(f"{r}: {d['compute']:.0f} / {d['wait']:.0f} / {d['tail']:.0f}"
                      for r, d in enumerate(seg["ranks"]))
@@ -243,9 +250,9 @@ def _span(seg: Segment) -> str:
 
 
 def _seg_row(seg: Segment, run: Sequence[dict], single: float) -> str:
-    pred = _predicted(run, seg["plan"])
+    pred = _predicted(run, seg)
     load = statistics.mean(run[0]["rows"][i]["load"] for i in seg["steps"])
-    return (f"| {seg['run']}, plan {seg['plan']} | {_span(seg)} | {BATCH / seg['ms'] * 1e3:.2f}"
+    return (f"| {seg['run']}, {_label(run, seg)} | {_span(seg)} | {BATCH / seg['ms'] * 1e3:.2f}"
             f" | {single / seg['ms']:.3f} | {seg['ms']:.0f} | {pred:.0f} | "
             f"{seg['ms'] / pred:.3f} | {_layout(run, seg['plan'])} | {load:.2f} | "
             f"{_ranks(seg)} |")

@@ -84,7 +84,7 @@ def test_report_marks_the_targets_from_the_measured_figures():
     assert text.startswith("command: cmd")
     # after the last switch 1000 ms vs one process 1500 ms: 1.5x, predicted 1000 ms
     assert "auto after its last switch 1.500x one process (>= 1.4: met; off: 1.250x)" in text
-    assert "measured / predicted 1.000 (within 5%: met)" in text
+    assert "measured / predicted 1.000 (within 5%: met; " in text
     # drift switch 1 -> neighbour under plan 1 (1500 ms) against slowed-off's 1200 ms: 1.25x
     assert "| drift-auto | 6 | faster | 1100 | 1500 | 1.250 (MISSED) |" in text
     # switch 2 -> alone again (1000 ms) against the first plan's 1000 ms; cost 0.1 step
@@ -96,7 +96,7 @@ def test_report_marks_the_targets_from_the_measured_figures():
 def test_report_misses_a_slow_step_and_a_costly_switch():
     text = report(_runs(1300.0, 5000.0), "cmd", (4, 8, 12))
     assert "1.154x one process (>= 1.4: MISSED" in text
-    assert "measured / predicted 1.300 (within 5%: MISSED)" in text
+    assert "measured / predicted 1.300 (within 5%: MISSED; " in text
     assert "| 50 / 5000 | 5.00 (MISSED) |" in text
 
 
@@ -113,3 +113,23 @@ def test_a_slowed_only_report_uses_the_one_process_timed_beside_each_run():
     # discovery of slowed-auto saw two alike ranks: its rows are flagged, slowed-off's are not
     assert "INVALID: slowed-auto's discovery did not see the neighbour" in text
     assert "INVALID: slowed-off" not in text
+
+
+def test_a_recalibrated_plan_is_measured_against_its_new_prediction():
+    """No switch, one re-calibration after step 3 (index 2 ends it): the steps before it are
+    measured against the plan-time prediction, those after against the re-calibrated one,
+    in segments of their own; the drift reference is still the whole first plan."""
+    runs = _runs(1000.0, 100.0)
+    slowed = _run([3000, 1600, 1500, 1010, 1000, 990], first_ms=1500.0)
+    for rank in slowed:
+        rank["recalibrations"] = [{"step": 3, "speeds": {"vm:0": 1.5}, "predicted_before_ms":
+                                   1500.0, "predicted_ms": 1000.0, "measured_step_ms": 1550.0}]
+    runs["slowed-auto"] = slowed
+    segs = segments(slowed, "slowed-auto", None)
+    assert [(s["plan"], s["recal"], s["steps"]) for s in segs] == [(0, 0, [1, 2]),
+                                                                  (0, 1, [3, 4, 5])]
+    text = report(runs, "cmd", (4, 8, 12))
+    assert "| slowed-auto, plan 0 | 1-2 (2) |" in text
+    assert "| slowed-auto, plan 0, re-calibrated after step 3 | 3-5 (3) |" in text
+    assert ("measured / predicted 1.000 (within 5%: met; the prediction its telemetry made "
+            "for steps 3-5 (3): plan 0, re-calibrated after step 3)") in text

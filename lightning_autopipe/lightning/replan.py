@@ -13,6 +13,13 @@ prints the plan table again with the reason, and keeps every plan beside ``clust
 ``plan.json`` is the running one, ``plans/plan-<step>.json`` the history (``plan-0`` the
 first). ``replan="off"`` never gathers nor switches. A manual-optimization module is never
 re-planned (its ``optimizer.step`` calls need not end the step).
+
+A pipeline carries the cluster its plan was priced on: after a switch, the cluster with the
+speeds measured at that check; when a check keeps the plan but a rank measures more than 5%
+away from its planned speed (discovery timed every rank profiling flat out, training shares
+the machine otherwise), the pipeline is re-calibrated to the measured speeds (no migration, no
+new plan: :class:`Recalibration`). Its telemetry then predicts the step for the speeds it
+runs at, and the next check measures against them.
 """
 
 from __future__ import annotations
@@ -30,13 +37,13 @@ from lightning_autopipe.runtime.monitor import gather_summaries
 from lightning_autopipe.runtime.replan import (
     SwitchMessage,
     agree_switch,
-    measured_table_cluster,
     optimizer_state_ratio,
     propose,
+    verdict_cluster,
 )
-from lightning_autopipe.runtime.speeds import check_due
+from lightning_autopipe.runtime.speeds import check_due, speeds_moved
 
-__all__ = ["Replanner", "SwitchRecord", "write_plan"]
+__all__ = ["Recalibration", "Replanner", "SwitchRecord", "write_plan"]
 
 _UNKNOWN_REMAINING = 1000  # steps assumed left when the Trainer cannot say (no max_steps)
 
@@ -58,6 +65,18 @@ class SwitchRecord:
     plan: str
 
 
+@dataclass(frozen=True)
+class Recalibration:
+    """A check that kept the running plan but moved the speeds it is priced at to the
+    measured ones: the step predicted before and after, and the one measured."""
+
+    step: int
+    speeds: dict[str, float]
+    predicted_before_ms: float
+    predicted_ms: float
+    measured_step_ms: float
+
+
 @dataclass
 class Replanner:
     """One strategy's re-planning state (kept across its ``fit`` calls).
@@ -66,12 +85,14 @@ class Replanner:
         steps: optimizer steps counted at the boundary so far.
         checks: boundaries at which the ranks gathered their telemetry and rank 0 decided.
         switches: every switch made, in order.
+        recalibrations: every check that kept the plan at measured speeds, in order.
     """
 
     steps: int = 0
     last_switch: int = 0
     checks: int = 0
     switches: list[SwitchRecord] = field(default_factory=list)
+    recalibrations: list[Recalibration] = field(default_factory=list)
     last_verdict: SwitchMessage | None = None
 
     def start_fit(self, strategy: Any) -> None:
@@ -112,11 +133,12 @@ class Replanner:
                                broadcast=strategy.broadcast)
         self.last_verdict = message
         if not message.switch:
+            self._recalibrate(strategy, message)
             return
         start = time.perf_counter()
         old = pipe
         plan = message.new_plan()
-        stats = strategy._switch_to(plan, self.steps)
+        stats = strategy._switch_to(plan, self.steps, verdict_cluster(old, message))
         cost_ms = (time.perf_counter() - start) * 1e3
         if stats is not None:  # the next switch's rebuild: this one's whole local part
             strategy.pipeline.build_ms = max(cost_ms - stats.seconds * 1e3, 0.0)
@@ -128,6 +150,33 @@ class Replanner:
         self.switches.append(record)
         if strategy.global_rank == 0:
             _report(strategy, old, plan, message, record)
+
+
+    def _recalibrate(self, strategy: Any, message: SwitchMessage) -> None:
+        """Every rank, on a verdict that keeps the plan: when it priced the running plan and a
+        rank measured away from its planned speed, the pipeline takes the measured speeds."""
+        pipe = strategy.pipeline
+        if not (math.isfinite(message.running_step_ms) and speeds_moved(dict(message.speeds))):
+            return
+        cluster = verdict_cluster(pipe, message)
+        if cluster is None:
+            return
+        before = telemetry.monitor_of(strategy)
+        was = before.prediction.step_ms if before is not None else math.nan
+        pipe.cluster = cluster
+        telemetry.reprice_monitor(strategy)
+        record = Recalibration(self.steps, dict(message.speeds), float(was),
+                               float(message.running_step_ms), float(message.measured_step_ms))
+        self.recalibrations.append(record)
+        if strategy.global_rank == 0:
+            from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+            speeds = ", ".join(f"{d} x{r:.2f}" for d, r in message.speeds)
+            rank_zero_info(
+                f"autopipe: after step {record.step} the plan is kept at the measured speeds "
+                f"({speeds} of planned): predicted {record.predicted_ms:.1f} ms per step "
+                f"(was {record.predicted_before_ms:.1f} ms), measured "
+                f"{record.measured_step_ms:.1f} ms")
 
 
 def write_plan(run_dir: Path, plan: Plan, step: int) -> None:
@@ -165,7 +214,7 @@ def _report(strategy: Any, old: Any, plan: Plan, message: SwitchMessage,
         f"  switch: {record.bytes_moved / 2**20:.2f} MiB moved (predicted "
         f"{record.bytes / 2**20:.2f}), predicted {record.predicted_cost_ms:.0f} ms, took "
         f"{record.cost_ms:.0f} ms",
-        plan_table(plan, strategy.pipeline.profile, measured_table_cluster(old, message)),
+        plan_table(plan, strategy.pipeline.profile, strategy.pipeline.cluster),
     ]
     rank_zero_info("\n".join(lines))
     run_dir = strategy._plan_dir()

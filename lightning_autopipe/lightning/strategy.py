@@ -289,8 +289,9 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         self._replanner.after_optimizer_step(self)
         return out
 
-    def _switch_to(self, plan: Plan, step: int) -> Any:
-        """Every rank: this rank's state migrated in memory to ``plan``'s layout (collective).
+    def _switch_to(self, plan: Plan, step: int, cluster: Any = None) -> Any:
+        """Every rank: this rank's state migrated in memory to ``plan``'s layout (collective);
+        the new pipeline carries ``cluster`` (the measured speeds ``plan`` was made for).
 
         The new pipeline is held as soon as it is built (a failure later releases it with the
         run); the old pipeline's process groups are destroyed on every rank together.
@@ -304,7 +305,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         _, migrated = switch_pipeline(
             self._pipe, plan, self.optimizers, scaler=scaler, step=step,
             timeout=self.options.timeout_delta,
-            on_built=lambda new: self._adopt(new, module, runner),
+            on_built=lambda new: self._adopt(new, module, runner), cluster=cluster,
         )
         destroy_pipeline_groups(old.groups)  # on every rank at once
         if self._bn is not None:  # BatchNorm's step work, on the new stage

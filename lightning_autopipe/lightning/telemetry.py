@@ -6,7 +6,9 @@ window summaries and rank 0 hands these metrics to every logger of the Trainer (
 TensorBoard ...), at the Trainer's global step:
 
 * ``autopipe/step_ms`` (the slowest rank's median step over the window) and
-  ``autopipe/step_ms_predicted`` (the simulator's step for the plan);
+  ``autopipe/step_ms_predicted`` (the simulator's step for the running plan at the speeds it
+  assumes: those it was planned with, until a re-plan check re-calibrates them to the
+  measured ones, :mod:`~lightning_autopipe.lightning.replan`);
 * ``autopipe/bubble`` (1 - mean compute / step) and ``autopipe/bubble_predicted``;
 * per rank ``r``: ``autopipe/speed/rank<r>`` (the device speed its compute implies, in the
   cluster's units) and ``autopipe/speed_planned/rank<r>``, ``autopipe/compute_ms/rank<r>``,
@@ -23,9 +25,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lightning_autopipe.runtime.monitor import RankSummary, StepMonitor, gather_summaries
+from lightning_autopipe.runtime.monitor import (
+    RankSummary,
+    StepMonitor,
+    gather_summaries,
+    pipeline_prediction,
+)
 
-__all__ = ["forget_monitor", "metrics_of", "monitor_of", "training_step"]
+__all__ = ["forget_monitor", "metrics_of", "monitor_of", "reprice_monitor", "training_step"]
 
 _ATTR = "_autopipe_monitor"  # where the strategy's monitor is kept (rebuilt with its pipeline)
 
@@ -40,6 +47,15 @@ def forget_monitor(strategy: Any) -> None:
     step is a warm-up again (a ``fit`` after another: the stage moved back from the CPU)."""
     if hasattr(strategy, _ATTR):
         delattr(strategy, _ATTR)
+
+
+def reprice_monitor(strategy: Any) -> None:
+    """The running pipeline's cluster was re-calibrated to measured speeds: its monitor
+    predicts from it from now on (``step_ms_predicted``, ``speed_planned`` ...). The window is
+    kept: a summary reduces its steps against the prediction it is taken with."""
+    mon = monitor_of(strategy)
+    if mon is not None and mon.executor is strategy.pipeline.executor:
+        mon.prediction = pipeline_prediction(strategy.pipeline)
 
 
 @contextmanager

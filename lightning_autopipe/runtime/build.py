@@ -257,7 +257,7 @@ def build_pipeline(
 
 
 def rebuild_pipeline(pipe: LocalPipeline, plan: Plan, profile: Profile | None = None,
-                     ) -> LocalPipeline:
+                     cluster: Any = None) -> LocalPipeline:
     """This rank's pipeline for another ``plan`` over the blocks ``pipe`` was built from.
 
     Nothing is traced, profiled or planned again; collective (every rank calls it at the same
@@ -273,6 +273,9 @@ def rebuild_pipeline(pipe: LocalPipeline, plan: Plan, profile: Profile | None = 
     :func:`~lightning_autopipe.runtime.groups.destroy_groups`) and builds its optimizer over
     the new stage's parameters.
 
+    ``profile`` and ``cluster`` default to ``pipe``'s (a live switch passes the cluster with
+    the measured speeds the new plan was made for).
+
     Raises:
         PipelineRuntimeError: ``pipe`` was not made by :func:`build_pipeline`.
     """
@@ -282,7 +285,7 @@ def rebuild_pipeline(pipe: LocalPipeline, plan: Plan, profile: Profile | None = 
             "cannot be rebuilt for another plan; build it with build_local_pipeline"
         )
     return build_pipeline(pipe.source, plan, profile if profile is not None else pipe.profile,
-                          pipe.cluster, fresh=False)
+                          cluster if cluster is not None else pipe.cluster, fresh=False)
 
 
 def _create_unsaved_buffers(source: StageSource, parts: Any, device: torch.device) -> None:

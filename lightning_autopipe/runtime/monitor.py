@@ -49,6 +49,7 @@ __all__ = [
     "WARMUP_STEPS",
     "breakdown",
     "gather_summaries",
+    "pipeline_prediction",
     "predict_rank",
     "predicted_compute",
     "summarise",
@@ -159,6 +160,23 @@ def predict_rank(plan: Any, profile: Any, cluster: Any, device: str, sim: Any = 
     return Prediction(device, float(sim.iteration_ms), comp["F"], comp["B"], comp["W"],
                       float(sim.bubble_fraction), int(plan.peak_memory_bytes.get(device, 0)),
                       float(speed))
+
+
+def pipeline_prediction(pipe: Any) -> Prediction:
+    """This rank's :class:`Prediction` for a
+    :class:`~lightning_autopipe.runtime.build.LocalPipeline`: its plan simulated on its profile
+    and cluster, or the plan's own figures without a profile."""
+    lay = pipe.layout
+    device = pipe.plan.stages[lay.stage].devices[lay.replica]
+    if pipe.profile is not None and pipe.cluster is not None:
+        return predict_rank(pipe.plan, pipe.profile, pipe.cluster, device)
+    speed = math.nan
+    if pipe.cluster is not None:
+        try:
+            speed = float(pipe.cluster.device(device).spec.speed)
+        except ClusterError:  # a plan for other device names than the cluster's
+            speed = math.nan
+    return Prediction.unknown(device, pipe.plan, speed)
 
 
 @dataclass(frozen=True)
@@ -294,18 +312,7 @@ class StepMonitor:
     def for_pipeline(cls, pipe: Any, window: int = 10) -> StepMonitor:
         """The monitor of a :class:`~lightning_autopipe.runtime.pipeline.LocalPipeline`."""
         lay = pipe.layout
-        device = pipe.plan.stages[lay.stage].devices[lay.replica]
-        if pipe.profile is not None and pipe.cluster is not None:
-            prediction = predict_rank(pipe.plan, pipe.profile, pipe.cluster, device)
-        else:
-            speed = math.nan
-            if pipe.cluster is not None:
-                try:
-                    speed = float(pipe.cluster.device(device).spec.speed)
-                except ClusterError:  # a plan for other device names than the cluster's
-                    speed = math.nan
-            prediction = Prediction.unknown(device, pipe.plan, speed)
-        return cls(pipe.executor, prediction, rank=lay.rank, stage=lay.stage,
+        return cls(pipe.executor, pipeline_prediction(pipe), rank=lay.rank, stage=lay.stage,
                    replica=lay.replica, device=pipe.executor.device, window=window)
 
     @property

@@ -58,7 +58,7 @@ from lightning_autopipe.runtime.state_layout import plan_transfers, transfer_byt
 __all__ = [
     "SwitchMessage",
     "agree_switch",
-    "measured_table_cluster",
+    "verdict_cluster",
     "optimizer_state_ratio",
     "propose",
     "same_data_layout",
@@ -81,6 +81,8 @@ class SwitchMessage:
             plan's predicted one.
         switch_cost_ms: the switch's predicted cost; ``switch_bytes`` what it moves.
         speeds: device -> measured / planned speed.
+        running_step_ms: the running plan's step predicted on the measured speeds (NaN when
+            the check priced nothing: too few steps measured, no profile).
     """
 
     step: int
@@ -92,6 +94,7 @@ class SwitchMessage:
     switch_cost_ms: float = 0.0
     switch_bytes: int = 0
     speeds: tuple[tuple[str, float], ...] = ()
+    running_step_ms: float = math.nan
 
     @classmethod
     def of(cls, step: int, decision: ReplanDecision, switch_bytes: int = 0) -> SwitchMessage:
@@ -99,7 +102,8 @@ class SwitchMessage:
         return cls(step, bool(decision.switch), decision.reason, plan,
                    float(decision.measured_step_ms), float(decision.candidate_step_ms),
                    float(decision.switch_cost_ms), int(switch_bytes),
-                   tuple(sorted((decision.speeds or {}).items())))
+                   tuple(sorted((decision.speeds or {}).items())),
+                   float(decision.running_predicted_ms))
 
     def new_plan(self) -> Plan:
         assert self.plan is not None
@@ -238,8 +242,14 @@ def propose(
     return SwitchMessage.of(step, decision, nbytes)
 
 
-def measured_table_cluster(pipe: LocalPipeline, message: SwitchMessage) -> Any:
-    """The pipeline's cluster with the message's measured speeds (to label the new table)."""
+def verdict_cluster(pipe: LocalPipeline, message: SwitchMessage) -> Any:
+    """The cluster the verdict priced plans on: the pipeline's, with the measured speeds.
+
+    A switch's new pipeline carries it (its telemetry then predicts the step the new plan was
+    chosen for, and the next check measures speeds against the ones it was planned with), and
+    so does a kept pipeline whose ranks measure away from their planned speeds
+    (:func:`~lightning_autopipe.runtime.speeds.speeds_moved`): the closed loop's prediction of
+    the running plan. The same on every rank (one message, one cluster). None without one."""
     return measured_cluster(pipe.cluster, dict(message.speeds)) if pipe.cluster else None
 
 
@@ -258,7 +268,7 @@ def agree_switch(message: SwitchMessage | None, *, rank: int, step: int,
 def switch_pipeline(
     pipe: LocalPipeline, plan: Plan, optimizers: Sequence[Any], *, scaler: Any = None,
     step: int | None = None, timeout: timedelta = timedelta(seconds=60),
-    on_built: Callable[[LocalPipeline], None] | None = None,
+    on_built: Callable[[LocalPipeline], None] | None = None, cluster: Any = None,
 ) -> tuple[LocalPipeline, Migrated]:
     """Every rank: move this rank's training state to ``plan``'s layout and return its new
     pipeline (collective; call on every rank at the same step boundary).
@@ -268,6 +278,8 @@ def switch_pipeline(
     migrated (rank 0's) state. ``on_built`` receives the new pipeline as soon as it exists,
     so a caller can release it should a later part fail. The old pipeline's executor is
     closed; its process groups are the caller's to destroy (on every rank together).
+    ``cluster``: the one ``plan`` was made for (:func:`verdict_cluster`); default the old
+    pipeline's.
 
     Raises:
         PipelineRuntimeError: a rank failed in its part; every rank raises, naming it.
@@ -305,7 +317,7 @@ def switch_pipeline(
                   scaler=scaler.state_dict() if scaler is not None else None,
                   device=source.device, timeout=timeout, failures=board, step=step)
     wire = time.perf_counter() - wire
-    new = rebuild_pipeline(pipe, plan)
+    new = rebuild_pipeline(pipe, plan, cluster=cluster)
     if on_built is not None:
         on_built(new)
 

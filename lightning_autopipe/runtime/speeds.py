@@ -13,6 +13,7 @@ planner call, whether a plan for the measured speeds would pay for switching to 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -24,9 +25,10 @@ from lightning_autopipe.profile import Profile
 from lightning_autopipe.runtime.monitor import WARMUP_STEPS
 
 __all__ = ["ReplanDecision", "check_due", "decide_replan", "measured_cluster",
-           "measured_speeds", "scaled_profile", "same_layout"]
+           "measured_speeds", "same_layout", "scaled_profile", "speeds_moved"]
 
 _SAME = 0.05  # speed ratios within 5% of each other (or of 1) are one device type
+_SCALED = re.compile(r"(.+) x(\d+(?:\.\d+)?)")  # a type measured at a ratio of its base
 
 
 def measured_speeds(summaries: Sequence[Any], plan: Any) -> dict[str, float]:
@@ -90,6 +92,12 @@ def measured_cluster(cluster: Cluster, ratios: Mapping[str, float]) -> Cluster:
                    network_latency_us=cluster.network_latency_us, servers=servers)
 
 
+def speeds_moved(ratios: Mapping[str, float]) -> bool:
+    """Does a device measure more than 5% away from the speed its plan assumed (so that
+    :func:`measured_cluster` changes its type)?"""
+    return any(math.isfinite(r) and abs(r - 1.0) > _SAME for r in ratios.values())
+
+
 def _groups(members: list[tuple[float, str]]) -> list[list[tuple[float, str]]]:
     """Sorted (ratio, device) pairs cut where a ratio exceeds its group's first by over 5%."""
     out: list[list[tuple[float, str]]] = []
@@ -102,8 +110,15 @@ def _groups(members: list[tuple[float, str]]) -> list[list[tuple[float, str]]]:
 
 
 def _scaled_spec(spec: DeviceSpec, ratio: float) -> DeviceSpec:
+    """``spec`` ``ratio`` times as fast, named ``"<type> x<ratio>"``: a type already scaled
+    (a pipeline re-planned or re-calibrated before) keeps its base name, with the product of
+    its ratios, so measuring again does not lengthen the name."""
     profile = scaled_profile(spec.profile, ratio) if spec.profile is not None else None
-    return replace(spec, name=f"{spec.name} x{ratio:.2f}", speed=spec.speed * ratio,
+    base, total = spec.name, ratio
+    found = _SCALED.fullmatch(spec.name)
+    if found is not None:
+        base, total = found[1], float(found[2]) * ratio
+    return replace(spec, name=f"{base} x{total:.2f}", speed=spec.speed * ratio,
                    overhead_ms=spec.overhead_ms / ratio, profile=profile, profile_path=None)
 
 

@@ -22,6 +22,8 @@ first plan is balanced and rank 1 then measures slow):
   declares rank 1 twice as fast as rank 0 (so the first plan gives it most blocks,
   whatever the one-pass profile's noise) and each of rank 1's chunk forwards slowed by a fixed delay
   (:class:`SlowRank1`): the switch moves a chunked layout to another chunked layout;
+* ``uniform``: ``auto`` with both ranks slowed alike: the plan for the measured speeds is the
+  running one (or gains nothing), so it is kept and re-calibrated to them;
 * ``refit``: ``auto`` fitted for 2 steps, then again up to step 7 (:func:`refit_case`);
 * ``fail``: ``auto`` with rank 1 failing as it loads its new stage (the rebind module's
   ``load_stage_tensors`` replaced in this process only); records each rank's error and when.
@@ -45,6 +47,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_autopipe  # noqa: E402
 import lightning_autopipe.runtime.replan as replan_mod  # noqa: E402
 from lightning_autopipe.cluster import Cluster  # noqa: E402
+from lightning_autopipe.lightning import telemetry  # noqa: E402
 from lightning_autopipe.runtime.speeds import measured_cluster  # noqa: E402
 from tests.runtime import _cases as C  # noqa: E402
 
@@ -92,14 +95,16 @@ class SlowRank1(pl.Callback):
     """Rank 1's every forward ``SLOW_FORWARD_S`` slower, on whatever it holds: each module
     its executor's actions run (one stage, or each of several chunks). A delay far above the
     tiny stages' own milliseconds, so the slowed rank measures slow even where the per-action
-    overhead of tiny chunks makes an unslowed rank measure below its profiled speed too."""
+    overhead of tiny chunks makes an unslowed rank measure below its profiled speed too.
+    ``ranks``: the ranks slowed (the ``uniform`` case: every rank)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: tuple[int, ...] = (1,)) -> None:
         self.hooked = None
+        self.ranks = ranks
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         executor = trainer.strategy.pipeline.executor
-        if trainer.global_rank != 1 or executor is self.hooked:
+        if trainer.global_rank not in self.ranks or executor is self.hooked:
             return
         for module in executor.chunks.values():  # the modules its actions run
             module.register_forward_hook(lambda *_: time.sleep(SLOW_FORWARD_S))
@@ -210,7 +215,7 @@ def run_case(case: str, world: int, out: Path) -> dict:
         strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[SlowRank1(), verdicts := Verdicts()],
+        callbacks=[SlowRank1((0, 1) if case == "uniform" else (1,)), verdicts := Verdicts()],
         default_root_dir=str(out / f"root-{case}"),
     )
     record: dict = {"case": case}
@@ -228,10 +233,14 @@ def run_case(case: str, world: int, out: Path) -> dict:
         rank=trainer.global_rank,
         losses=task.step_losses,
         switches=[dict(vars(s)) for s in strategy.switches],
+        recalibrations=[dict(vars(r)) for r in strategy._replanner.recalibrations],
         checks=strategy._replanner.checks,
         verdicts=verdicts.reasons,
         plan=strategy.plan.to_json() if strategy.plan is not None else None,
     )
+    monitor = telemetry.monitor_of(strategy)
+    if monitor is not None:  # what the telemetry predicts for the running plan at the end
+        record["predicted_step_ms"] = monitor.prediction.step_ms
     if case == "compiled":
         stage = strategy.pipeline.executor.stage
         record["compiled_class"] = type(stage).__name__

@@ -19,7 +19,8 @@ from tests.runtime import _cases as C
 
 MODULE = "tests.lightning._replan_run"
 WORLD_CASES = {2: [f"{MODULE}:{case}" for case in ("auto", "off", "fp16", "compiled",
-                                                          "chunked", "refit", "fail")]}
+                                                          "chunked", "uniform", "refit",
+                                                          "fail")]}
 WORLD_ORDER = 90  # last in the world: the failing case leaves its ranks after a failed switch
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -73,6 +74,36 @@ def test_auto_switches_on_every_rank_at_the_same_step_and_equals_one_process(wor
     files = ranks[0]["plan_files"]
     assert files == sorted(["plan.json", "plans/plan-0.json",
                             *(f"plans/plan-{s}.json" for s in steps[0])])
+    _assert_the_telemetry_predicts_for_the_measured_speeds(ranks)
+
+
+def _assert_the_telemetry_predicts_for_the_measured_speeds(ranks) -> None:
+    """Every rank's telemetry ends predicting the step the last switch or re-calibration
+    priced on the measured speeds (not the running plan on the speeds of the first one)."""
+    for rec in ranks:
+        events = sorted([(s["step"], s["predicted_step_ms"]) for s in rec["switches"]]
+                        + [(r["step"], r["predicted_ms"]) for r in rec["recalibrations"]])
+        assert events, rec["verdicts"]
+        assert rec["predicted_step_ms"] == pytest.approx(events[-1][1], rel=1e-9), events
+    assert ([r["step"] for r in ranks[0]["recalibrations"]]
+            == [r["step"] for r in ranks[1]["recalibrations"]])
+
+
+def test_a_plan_kept_at_other_speeds_is_re_calibrated_to_them_on_every_rank(worlds, reference):
+    """Both ranks slowed alike: no plan pays for a switch, and the kept plan's prediction moves
+    from the profiled speeds to the measured ones, towards the measured step."""
+    ranks = _ranks(worlds, "uniform")
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+        assert rec["switches"] == [], rec["verdicts"]
+        assert rec["recalibrations"], rec["verdicts"]
+    first = ranks[0]["recalibrations"][0]
+    assert all(r < 0.95 for r in first["speeds"].values()), first  # both measured slow
+    assert first["predicted_ms"] > first["predicted_before_ms"]
+    measured = first["measured_step_ms"]
+    assert abs(measured - first["predicted_ms"]) < abs(measured - first["predicted_before_ms"])
+    _assert_the_telemetry_predicts_for_the_measured_speeds(ranks)
+    _assert_equals_one_process(ranks, reference)
 
 
 def test_a_compiled_stage_is_compiled_again_for_its_new_layout_and_equals_one_process(

@@ -36,6 +36,7 @@ from lightning_autopipe.runtime.speeds import (
     measured_cluster,
     measured_speeds,
     same_layout,
+    speeds_moved,
 )
 
 BATCH = 16
@@ -215,6 +216,25 @@ def test_a_measured_type_with_its_own_profile_gets_the_profile_scaled():
     slowed = measured.device("local:1").spec.profile
     assert slowed.blocks[0].forward_ms == pytest.approx(6.0)
     assert measured.device("local:0").spec.profile.blocks[0].forward_ms == 3.0
+
+
+def test_measuring_a_measured_cluster_again_multiplies_the_ratios():
+    """A pipeline keeps the cluster it was last priced on (after a switch or a
+    re-calibration): ratios measured against it compose with the earlier ones, pricing as
+    the product measured at once, and a type's name keeps its base with the product."""
+    fast = _cluster()
+    once = measured_cluster(fast, {"local:0": 1.3, "local:1": 0.5})
+    twice = measured_cluster(once, {"local:0": 1.0, "local:1": 1.6})
+    direct = measured_cluster(fast, {"local:0": 1.3, "local:1": 0.8})
+    base = fast.device("local:1").spec.name
+    assert twice.device("local:1").spec.name == f"{base} x0.80"
+    for name in ("local:0", "local:1"):
+        assert twice.device(name).spec.speed == pytest.approx(direct.device(name).spec.speed)
+    for p in (_plan(fast), _plan(direct)):
+        assert simulate(p, _profile(), twice).iteration_ms == pytest.approx(
+            simulate(p, _profile(), direct).iteration_ms, rel=1e-9)
+    assert not speeds_moved({"local:0": 1.04, "local:1": 0.96})
+    assert speeds_moved({"local:0": 1.0, "local:1": 1.06})
 
 
 # ------------------------------------------------------------------------------- decision

@@ -144,6 +144,12 @@ class AutoPipeOptions:
     replan_min_steps: int = 50
     """Training steps at least between two switches (and before the first)."""
 
+    optimizer_state: float | str = "auto"
+    """Bytes of optimizer state per parameter byte that the planner counts in each stage's
+    memory (Adam 2, SGD with momentum 1, plain SGD 0), or ``"auto"``: measured from the
+    module's ``configure_optimizers`` before planning (each optimizer made again on a probe
+    tensor and stepped once), 2 where that cannot be done."""
+
     def __post_init__(self) -> None:
         if self.start_method not in START_METHODS:
             raise OptionError(
@@ -189,6 +195,7 @@ class AutoPipeOptions:
                 "compile=False"
             )
         _check_replan(self)
+        _check_optimizer_state(self.optimizer_state)
         for name, value in (
             ("replan_threshold", float(self.replan_threshold)),
             ("timeout", seconds),
@@ -235,6 +242,12 @@ class AutoPipeOptions:
         return Plan.load(self.plan)
 
     @property
+    def optimizer_factor(self) -> float:
+        """``optimizer_state`` as the planner counts it: the number, or 2 (Adam) while it is
+        still ``"auto"`` (nothing measured it)."""
+        return 2.0 if self.optimizer_state == "auto" else float(self.optimizer_state)
+
+    @property
     def pins(self) -> dict[str, int | None]:
         """The four plan counts as the planner takes them: an int, or None for ``"auto"``."""
         return {name: _auto_or_positive(name, getattr(self, name)) for name in _PINS}
@@ -279,6 +292,16 @@ class AutoPipeOptions:
     def bucket_bytes(self) -> int:
         """``bucket_mb`` in bytes."""
         return int(self.bucket_mb * 2**20)
+
+
+def _check_optimizer_state(value: Any) -> None:
+    if value == "auto":
+        return
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+    if not ok or value != value:  # NaN
+        raise OptionError(
+            f"optimizer_state must be 'auto' or the bytes of optimizer state per parameter byte "
+            f"(Adam 2, SGD with momentum 1, plain SGD 0), not {value!r}")
 
 
 def _check_replan(o: AutoPipeOptions) -> None:

@@ -81,6 +81,8 @@ def test_an_unknown_option_is_named_with_the_close_one():
         ({"replan_threshold": -0.1}, OptionError, r"replan_threshold .* not -0.1"),
         ({"replan_window": 0}, OptionError, r"replan_window must be a positive .* not 0"),
         ({"replan_min_steps": 2.5}, OptionError, r"replan_min_steps .* not 2.5"),
+        ({"optimizer_state": -1}, OptionError, r"optimizer_state must be 'auto' or .* not -1"),
+        ({"optimizer_state": "adam"}, OptionError, r"plain SGD 0\), not 'adam'"),
     ],
 )
 def test_bad_options_fail_at_construction_with_the_value_and_the_fix(options, error, match):

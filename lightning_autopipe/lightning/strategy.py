@@ -47,6 +47,7 @@ from lightning_autopipe.lightning.held_pipeline import (
     destroy_pipeline_groups,
     destroy_released_groups,
 )
+from lightning_autopipe.lightning.optimizer_state import with_measured_optimizer_state
 from lightning_autopipe.lightning.precision import install_loss_scaling
 from lightning_autopipe.lightning.prelaunch import (
     check_trainer,
@@ -225,6 +226,8 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         example, batch_size, example_batch = _example(trainer, module)
         batch_size = elastic_replica_batch(trainer, self.options, self.world_size, batch_size)
         options = reproducible_options(self.options, batch_size)  # deterministic=True: fixed
+        options = with_measured_optimizer_state(options, module,
+                                                trainer.state.fn == TrainerFn.FITTING)
         pins = options.pins
         check_microbatches(
             batch_size,

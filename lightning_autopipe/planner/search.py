@@ -265,15 +265,15 @@ def search_plan(
     planner: str = "autopipe",
     num_stages: int | None = None,
     num_microbatches: int | None = None,
-    startup_slices: int | None = None,
-    drain_slices: int | None = None,
+    startup_slices: int | None = None, drain_slices: int | None = None,
     schedules: Sequence[str] = ("1f1b", "zb-h1"),
+    optimizer_factor: float = 2.0,
 ) -> Plan:
     """The plan with the most samples/s that uses every launched device.
 
     The dataloader's batch is one replica's (as with DDP), so a layout with ``R`` replicas
     trains a global batch of ``replica_batch * R``; each pipeline depth dividing the world size
-    (or the pinned one) is planned and the fastest per sample wins.
+    (or the pinned one) is planned and the fastest per sample wins (:func:`make_plan`'s args).
     """
     world = len(devices)
     if num_stages is not None and world % num_stages:
@@ -293,7 +293,7 @@ def search_plan(
                 replicas=replicas, num_microbatches=num_microbatches,
                 startup_slices=startup_slices, drain_slices=drain_slices,
                 devices=list(devices), uniform_replicas=True, use_all_devices=True,
-                schedules=schedules,
+                schedules=schedules, optimizer_factor=optimizer_factor,
             )
         except PlanError as exc:
             failures.append(f"{depth} stages x {replicas} replicas: {exc}")

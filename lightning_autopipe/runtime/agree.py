@@ -136,7 +136,8 @@ def _plan_on_rank0(
     if options.plan is None:
         plan = search_plan(
             measured.profile, measured.cluster, measured.names, replica_batch,
-            planner=options.planner, schedules=options.schedules, **options.pins
+            planner=options.planner, schedules=options.schedules,
+            optimizer_factor=options.optimizer_factor, **options.pins
         )
         check_fingerprint(plan, blocks)
         return plan

@@ -16,9 +16,11 @@ from torch import nn
 
 from lightning_autopipe.errors import PlanError
 
-__all__ = ["NAMES", "named_optimizer_state", "numbered_state", "param_names_by_id", "unwrap"]
+__all__ = ["NAMES", "named_optimizer_state", "numbered_state", "param_names_by_id",
+           "state_bytes_per_param_byte", "unwrap"]
 
 NAMES = "param_names"  # key of the names per group (top level of a numbered state, or per group)
+_PROBE = 256  # elements of the probe tensor an optimizer's state is measured on
 
 
 def param_names_by_id(module: nn.Module) -> dict[int, str]:
@@ -85,3 +87,36 @@ def numbered_state(
         out_groups.append({**{k: v for k, v in group.items() if k != NAMES}, "params": ids})
         all_names.append(names)
     return {"state": out_state, "param_groups": out_groups, NAMES: all_names}
+
+
+def state_bytes_per_param_byte(optimizers: Sequence[Any]) -> float | None:
+    """Bytes of per-parameter state ``optimizers`` will keep per byte of the parameters they
+    train (Adam 2, SGD with momentum 1, plain SGD 0), before any of them has stepped.
+
+    Measured, not looked up: each parameter group's optimizer class is made again over one
+    probe tensor with the group's settings and stepped once (state such as Adam's moments is
+    made lazily at the first step), its per-element state counted; the groups are weighted by
+    their parameters' bytes. None when a group's optimizer cannot be made again from its
+    settings alone (a constructor that needs more) or its step fails on the probe.
+    """
+    total = kept = 0.0
+    for opt in optimizers:
+        opt = unwrap(opt)
+        for group in opt.param_groups:
+            nbytes = sum(p.numel() * p.element_size() for p in group["params"])
+            if not nbytes:
+                continue
+            probe = torch.zeros(_PROBE, requires_grad=True)
+            settings = {k: v for k, v in group.items() if k != "params"}
+            try:
+                clone = type(opt)([{**settings, "params": [probe]}])
+                probe.grad = torch.full_like(probe, 1e-3)
+                clone.step()
+            except Exception:  # noqa: BLE001 - any failure: not measurable this way
+                return None
+            state = clone.state.get(probe, {})
+            per_element = sum(v.numel() * v.element_size() for v in state.values()
+                              if isinstance(v, torch.Tensor) and v.shape == probe.shape)
+            kept += per_element / (probe.numel() * probe.element_size()) * nbytes
+            total += nbytes
+    return kept / total if total else 0.0

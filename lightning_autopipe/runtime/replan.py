@@ -215,6 +215,7 @@ def propose(
         if not made:
             made.append(search_plan(pipe.profile, cluster, source.names, replica_batch,
                                     planner=options.planner, schedules=options.schedules,
+                                    optimizer_factor=source.options.optimizer_factor,
                                     **pins))
         return made[0]
 

@@ -154,6 +154,11 @@ def run_case(case: str, world: int, out: Path) -> None:
         logged=logger.rows,
         plan=st.plan.to_json() if st.plan is not None else None,
         state={k: v.detach().clone() for k, v in task.state_dict().items()},
+        # the memory meter's step-2 reading of every rank (predicted beside measured)
+        readings=[vars(r) for r in (st.pipeline.executor.memory.readings or [])]
+        if st.pipeline is not None and st.pipeline.executor.memory is not None else [],
+        optimizer_state=st.pipeline.source.options.optimizer_state
+        if st.pipeline is not None and st.pipeline.source is not None else None,
     )
     torch.save(record, out / f"{case}.rank{trainer.global_rank}.pt")
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.runtime.optim_state import state_bytes_per_param_byte
 from lightning_autopipe.runtime.replan import (
     SwitchMessage,
     agree_switch,
@@ -51,6 +52,53 @@ def test_optimizer_state_ratio_counts_the_state_per_parameter_byte():
     params = sum(p.numel() for p in net.parameters())
     assert ratio == pytest.approx(2.0 + 2 / params)  # two moments and a scalar step each
     assert optimizer_state_ratio([sgd], list(net.parameters())) == 0.0
+
+
+def _per_element_state(optimizers, params) -> float:
+    """Reference: after a real step on the real parameters, the per-element state bytes (a
+    scalar step counter left out) per parameter byte."""
+    want = {id(p): p for p in params}
+    kept = sum(v.numel() * v.element_size() for opt in optimizers
+               for p, st in opt.state.items() if id(p) in want
+               for v in st.values() if isinstance(v, torch.Tensor) and v.shape == p.shape)
+    return kept / sum(p.numel() * p.element_size() for p in params)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: [torch.optim.Adam(ps)],
+    lambda ps: [torch.optim.AdamW(ps, weight_decay=0.1)],
+    lambda ps: [torch.optim.SGD(ps, lr=0.1)],
+    lambda ps: [torch.optim.SGD(ps, lr=0.1, momentum=0.9)],
+    lambda ps: [torch.optim.RMSprop(ps, momentum=0.5)],
+    lambda ps: [torch.optim.Adagrad(ps)],
+    # groups with and without momentum, and two optimizers: weighted by their parameter bytes
+    lambda ps: [torch.optim.SGD([{"params": ps[:1], "momentum": 0.9}, {"params": ps[1:]}],
+                                lr=0.1)],
+    lambda ps: [torch.optim.Adam(ps[:1]), torch.optim.SGD(ps[1:], lr=0.1)],
+], ids=["adam", "adamw", "sgd", "sgd-momentum", "rmsprop-momentum", "adagrad", "groups",
+        "two-optimizers"])
+def test_the_optimizer_state_measured_before_a_step_is_what_a_real_step_keeps(make):
+    net = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 1))
+    params = list(net.parameters())
+    measured = make(params)
+    before = state_bytes_per_param_byte(measured)  # nothing stepped: measured on a probe
+    optimizers = make(params)
+    net(torch.randn(4, 16)).sum().backward()
+    for opt in optimizers:
+        opt.step()
+    assert before == pytest.approx(_per_element_state(optimizers, params))
+    # the probe leaves the measured optimizers alone: state of the model's parameters only
+    mine = {id(p) for p in params}
+    assert all({id(p) for p in opt.state} <= mine for opt in measured)
+
+
+def test_an_optimizer_that_cannot_be_made_from_its_groups_is_not_measured():
+    class Needs(torch.optim.SGD):
+        def __init__(self, params, extra):
+            super().__init__(params, lr=0.1)
+
+    assert state_bytes_per_param_byte([Needs(nn.Linear(2, 2).parameters(), 1)]) is None
+    assert state_bytes_per_param_byte([]) == 0.0
 
 
 def test_every_rank_gets_rank0_s_verdict_and_a_stale_one_is_refused():

@@ -90,7 +90,7 @@ def _assert_the_telemetry_predicts_for_the_measured_speeds(ranks) -> None:
 
 
 def test_a_plan_kept_at_other_speeds_is_re_calibrated_to_them_on_every_rank(worlds, reference):
-    """Both ranks slowed alike: no plan pays for a switch, and the kept plan's prediction moves
+    """Both ranks slowed alike (a 50% threshold: no switch): the kept plan's prediction moves
     from the profiled speeds to the measured ones, towards the measured step."""
     ranks = _ranks(worlds, "uniform")
     for rec in ranks:

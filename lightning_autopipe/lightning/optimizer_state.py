@@ -7,7 +7,7 @@ stage's parameters). So, once per build for a ``fit``, ``configure_optimizers`` 
 whole module and its optimizers are measured on a probe
 (:func:`~lightning_autopipe.runtime.optim_state.state_bytes_per_param_byte`), then dropped.
 Assuming Adam's 2 bytes per parameter byte for a plain SGD run over-predicted a stage's peak
-by 15-20% on a GPT whose activations are five times its weights (benchmarks/adaptive.py), and
+by 14-25% on a GPT whose activations are five times its weights (benchmarks/adaptive.py), and
 by far more where the weights dominate.
 """
 

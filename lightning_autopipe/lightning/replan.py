@@ -151,7 +151,6 @@ class Replanner:
         if strategy.global_rank == 0:
             _report(strategy, old, plan, message, record)
 
-
     def _recalibrate(self, strategy: Any, message: SwitchMessage) -> None:
         """Every rank, on a verdict that keeps the plan: when it priced the running plan and a
         rank measured away from its planned speed, the pipeline takes the measured speeds."""

@@ -298,7 +298,7 @@ def _check_optimizer_state(value: Any) -> None:
     if value == "auto":
         return
     ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
-    if not ok or value != value:  # NaN
+    if not ok:  # NaN fails ``value >= 0`` too
         raise OptionError(
             f"optimizer_state must be 'auto' or the bytes of optimizer state per parameter byte "
             f"(Adam 2, SGD with momentum 1, plain SGD 0), not {value!r}")

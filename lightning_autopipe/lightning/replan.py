@@ -157,12 +157,9 @@ class Replanner:
         pipe = strategy.pipeline
         if not (math.isfinite(message.running_step_ms) and speeds_moved(dict(message.speeds))):
             return
-        cluster = verdict_cluster(pipe, message)
-        if cluster is None:
-            return
         before = telemetry.monitor_of(strategy)
         was = before.prediction.step_ms if before is not None else math.nan
-        pipe.cluster = cluster
+        pipe.cluster = verdict_cluster(pipe, message)  # priced: the pipeline has a cluster
         telemetry.reprice_monitor(strategy)
         record = Recalibration(self.steps, dict(message.speeds), float(was),
                                float(message.running_step_ms), float(message.measured_step_ms))

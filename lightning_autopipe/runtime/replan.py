@@ -58,13 +58,13 @@ from lightning_autopipe.runtime.state_layout import plan_transfers, transfer_byt
 __all__ = [
     "SwitchMessage",
     "agree_switch",
-    "verdict_cluster",
     "optimizer_state_ratio",
     "propose",
     "same_data_layout",
     "state_layouts",
     "switch_cost",
     "switch_pipeline",
+    "verdict_cluster",
 ]
 
 

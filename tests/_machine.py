@@ -16,27 +16,95 @@ no-op, as in a plain ``pytest`` run). A test marked ``one_child`` starts one sin
 child at a time, not ranks, and runs beside the other shard's test like any other. A writer
 first takes the turnstile, so a shard running one short test after another cannot starve the
 other shard's process test.
+
+While the ``launch`` lane runs, the ``rest`` lane's shards run beside it at idle priority
+(``SCHED_IDLE``: a core goes to them only when no launch rank wants it, and a waking rank takes
+it back at once), so that the launch lane's idle cores (ranks importing one after another, a
+hang's timeout) run the rest lane's single-process tests. A test that starts ranks or asserts
+on its own timings (marked ``quiet``; the ``gloo`` fixture implies it) must not run beside the
+launch lane: its shard takes the files without such tests first, then waits until the launch
+lane has ended (``AUTOPIPE_SUITE_BESIDE`` names a file the suite holds locked until then) and
+goes back to normal priority. A test that starts processes without the mark waits the same way
+when it starts the first one.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import sys
 from typing import IO
 
-__all__ = ["LOCK_VARIABLE", "active", "begin_test", "claim", "configure", "end_test",
+__all__ = ["BESIDE_VARIABLE", "LOCK_VARIABLE", "active", "await_the_launch", "begin_test",
+           "beside_the_launch", "claim", "configure", "end_test", "idle_priority",
            "need_the_machine"]
 
 LOCK_VARIABLE = "AUTOPIPE_SUITE_LOCK"
+BESIDE_VARIABLE = "AUTOPIPE_SUITE_BESIDE"
 
 _files: dict[str, IO[bytes]] = {}
-_state = {"held": "", "base": "", "beside": ""}  # held: "", "shared" or "exclusive"
+# held: "", "shared" or "exclusive"; launch: the launch lane's file while it may still run
+_state = {"held": "", "base": "", "beside": "", "launch": ""}
 
 
 def configure() -> None:
-    """Take the lock's name out of the environment (pytest_configure): a pytest that a test
+    """Take the lock's names out of the environment (pytest_configure): a pytest that a test
     starts (``benchmarks/gpu_check.sh`` runs one) is not a shard and must not claim files."""
     _state["base"] = os.environ.pop(LOCK_VARIABLE, "")
+    _state["launch"] = os.environ.pop(BESIDE_VARIABLE, "")
+
+
+def idle_priority() -> None:
+    """This process at idle priority (the suite starts the shards that run beside the launch
+    lane so); where Linux's ``SCHED_IDLE`` is refused, the lowest niceness instead."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
+def _normal_priority() -> None:
+    """Every thread of this process back at normal priority (the processes it starts inherit
+    it); where that is refused (no ``CAP_SYS_NICE``) it stays idle, which costs nothing once
+    the launch lane has ended."""
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError):
+            return
+
+
+def beside_the_launch() -> bool:
+    """True while the launch lane runs beside this shard (never outside the suite)."""
+    path = _state["launch"]
+    if not path:
+        return False
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+    _ended()
+    return False
+
+
+def await_the_launch() -> None:
+    """Block until the launch lane has ended (at once outside the suite or after it ended)."""
+    path = _state["launch"]
+    if not path:
+        return
+    with open(path, "rb") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)  # released when the file closes
+    _ended()
+
+
+def _ended() -> None:
+    _state["launch"] = ""
+    _normal_priority()
 
 
 def active() -> bool:
@@ -82,10 +150,17 @@ def begin_test(beside: bool = False) -> None:
 
 
 def need_the_machine() -> None:
-    """The running test starts processes: hold the machine exclusive until the test ends."""
+    """The running test starts processes: hold the machine exclusive until the test ends (after
+    the launch lane: ranks at idle priority beside it would stall each other)."""
+    if _state["beside"] or os.getpid() != _owner():
+        return
+    if beside_the_launch():
+        sys.__stderr__.write(f"\n{os.environ.get('PYTEST_CURRENT_TEST', 'a test')}: starts "
+                             "processes beside the launch lane: mark it `quiet` so that its "
+                             "shard runs other files until the launch lane ends\n")
+        await_the_launch()
     main, gate = _file(".main"), _file(".gate")
-    if (main is None or gate is None or _state["held"] == "exclusive" or _state["beside"]
-            or os.getpid() != _owner()):
+    if main is None or gate is None or _state["held"] == "exclusive":
         return
     fcntl.flock(main, fcntl.LOCK_UN)  # a shared hold is given up first (flock converts so)
     fcntl.flock(gate, fcntl.LOCK_EX)

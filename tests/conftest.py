@@ -85,9 +85,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """The shared Lightning worlds run in :mod:`tests.suite`'s launch lane."""
-    if "worlds" in getattr(item, "fixturenames", ()):
+    """The shared Lightning worlds run in :mod:`tests.suite`'s launch lane; the gloo worlds'
+    ranks only once it has ended (``quiet``, :mod:`tests._machine`)."""
+    fixtures = getattr(item, "fixturenames", ())
+    if "worlds" in fixtures:
         item.add_marker(pytest.mark.launch)
+    if "gloo" in fixtures:
+        item.add_marker(pytest.mark.quiet)
 
 
 @pytest.hookimpl(trylast=True)  # after ``-m``/``-k`` deselection: only what runs here
@@ -108,33 +112,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtestloop(session: pytest.Session) -> bool | None:
     """Under :mod:`tests.suite`'s side-by-side shards every shard collects the whole lane and
     runs the test files it claims first (:func:`tests._machine.claim`), one file at a time:
-    the shards end together however long each file takes."""
+    the shards end together however long each file takes. While the launch lane runs beside
+    them, they take only files without a ``quiet`` test; then they wait for its end."""
     if not _machine.active() or session.config.option.collectonly:
         return None
     files: dict[str, list[pytest.Item]] = {}
     for item in session.items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    quiet = {path for path, items in files.items()
+             if any(item.get_closest_marker("quiet") is not None for item in items)}
 
-    def claimed_next() -> list[pytest.Item]:
+    def claimed_next(wait: bool) -> list[pytest.Item]:
+        """The next file this shard claims; none while only ``quiet`` files are left and the
+        launch lane runs, unless ``wait``: then after its end."""
         while files:
-            path, items = _pop_first(files)
+            path = next((p for p in files if p not in quiet), None)
+            if path is None:
+                if _machine.beside_the_launch():
+                    if not wait:
+                        return []
+                    _machine.await_the_launch()
+                path = next(iter(files))
+            items = files.pop(path)
             if _machine.claim(path):
                 return items
         return []
 
-    queue = claimed_next()
+    queue = claimed_next(wait=True)
     while queue:
         item = queue.pop(0)
         if not queue:  # the next file is claimed as this one's last test starts
-            queue = claimed_next()
+            queue = claimed_next(wait=False)
         item.config.hook.pytest_runtest_protocol(item=item, nextitem=queue[0] if queue else None)
         if session.shouldfail:
             raise session.Failed(session.shouldfail)
         if session.shouldstop:
             raise session.Interrupted(session.shouldstop)
+        if not queue:
+            queue = claimed_next(wait=True)
     return True
 
-
-def _pop_first(files: dict[str, list[pytest.Item]]) -> tuple[str, list[pytest.Item]]:
-    path = next(iter(files))
-    return path, files.pop(path)

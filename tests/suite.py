@@ -1,12 +1,9 @@
-"""The whole test suite as ``make test`` runs it: three pytest lanes, one after another.
+"""The whole test suite as ``make test`` runs it: three pytest lanes.
 
 The ``launch`` lane holds the shared Lightning worlds and the tests marked ``launch`` (what
 starts Lightning ranks of its own: recipes, torchrun nodes, elastic restarts, failing ranks),
 the ``rest`` lane everything else (the gloo worlds and the planner included), the ``serial``
-lane the tests that time processes against each other. The lanes run one at a time: on 2 cores
-the two first lanes side by side took 1296 s of CI wall time, while each alone takes 441 s and
-312 s on a 2-core machine, because a launch's 2-4 ranks wait on each other in
-every collective and a rank that the other lane's process pushes off its core stalls them all.
+lane the tests that time processes against each other, alone, last.
 
 The ``rest`` lane runs as two pytest shards side by side, one per core, each running the next
 test file that neither has begun: most of its tests stay in one single-threaded process and
@@ -14,12 +11,22 @@ run beside each other, while a test that starts processes takes the machine for 
 (:mod:`tests._machine`: the other shard finishes its running test and waits), so no rank
 shares its core with a test.
 
+The ``rest`` lane starts beside the ``launch`` lane at idle priority: a launch's ranks leave
+cores idle for long (one rank imports torch and Lightning while the other waits, a hang's
+timeout runs out, a recipe starts its second rank), and the rest lane's single-process tests
+fill them without taking a core from a rank. Its tests that start ranks or time themselves
+(``quiet``) wait until the launch lane has ended: two lanes' ranks at equal priority on 2 cores
+took 1296 s of CI wall time side by side against 441 s and 312 s one after the other, because
+a launch's 2-4 ranks wait on each other in every collective and a rank pushed off its core
+stalls them all.
+
 Usage: ``python tests/suite.py [pytest arguments]`` (passed to every lane, e.g. ``-x`` or
 ``--durations=20``); the exit status is the first failing lane's.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -30,14 +37,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: tests._machine importable
 
-from tests._machine import LOCK_VARIABLE  # noqa: E402
+from tests._machine import BESIDE_VARIABLE, LOCK_VARIABLE, idle_priority  # noqa: E402
 
 #: (name, marks, shards run side by side)
-LANES = (("launch", "launch and not serial", 1), ("rest", "not launch and not serial", 2),
-         ("serial", "serial", 1))
+LAUNCH, REST, SERIAL = (("launch", "launch and not serial", 1),
+                        ("rest", "not launch and not serial", 2), ("serial", "serial", 1))
 #: Each lane's pytest runs with its name here (tests/conftest.py: only ``launch`` may launch the
 #: shared Lightning worlds).
 LANE_VARIABLE = "AUTOPIPE_SUITE_LANE"
+
+#: One shard's pytest as it runs: (label, log, process).
+Running = list[tuple[str, Path, subprocess.Popen]]
 
 
 def _pytest(marks: str, args: list[str], basetemp: Path) -> list[str]:
@@ -50,23 +60,33 @@ def _report(name: str, log: Path, status: int, seconds: float) -> None:
     print(log.read_text(), end="", flush=True)
 
 
-def _run_lane(name: str, marks: str, shards: int, args: list[str], root: Path) -> list[int]:
-    """The lane's shards side by side; each one's log is printed when all have ended."""
+def _start_lane(lane: tuple[str, str, int], args: list[str], root: Path,
+                beside: Path | None = None) -> Running:
+    """The lane's shards, started; ``beside``: the launch lane's lock file (the shards run at
+    idle priority until it is released, :mod:`tests._machine`)."""
+    name, marks, shards = lane
     env = {**os.environ, LANE_VARIABLE: name}
     if shards > 1:
         env[LOCK_VARIABLE] = str(root / f"{name}.lock")
         # inductor compiles in the test's own process, one g++ at a time (a ``one_child``
         # test), not in a pool of worker processes that would need the machine
         env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    start = time.monotonic()
+    if beside is not None:
+        env[BESIDE_VARIABLE] = str(beside)
     running = []
     for i in range(shards):
         label = name if shards == 1 else f"{name} {i + 1}/{shards}"
         log = root / f"{name}.{i}.log"
         with open(log, "w") as out:  # a file, not a pipe: a lane never blocks on us
             proc = subprocess.Popen(_pytest(marks, args, root / f"{name}{i}"), cwd=ROOT,
-                                    env=env, stdout=out, stderr=subprocess.STDOUT)
+                                    env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    preexec_fn=idle_priority if beside is not None else None)
         running.append((label, log, proc))
+    return running
+
+
+def _finish(running: Running, start: float) -> list[int]:
+    """Each shard's exit status once all have ended; each one's log printed."""
     statuses = []
     for label, log, proc in running:
         status = proc.wait()
@@ -77,11 +97,17 @@ def _run_lane(name: str, marks: str, shards: int, args: list[str], root: Path) -
 
 def main(args: list[str]) -> int:
     """Run the lanes; 0 when every lane passed (pytest's 5, nothing selected, counts as passed)."""
-    statuses = []
     with tempfile.TemporaryDirectory(prefix="autopipe-suite-") as tmp:
         root = Path(tmp)
-        for name, marks, shards in LANES:
-            statuses += _run_lane(name, marks, shards, args, root)
+        start = time.monotonic()
+        lock_path = root / "launch.running"
+        with open(lock_path, "wb") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # held while the launch lane runs
+            launch = _start_lane(LAUNCH, args, root)
+            rest = _start_lane(REST, args, root, beside=lock_path)
+            statuses = _finish(launch, start)
+        statuses += _finish(rest, start)
+        statuses += _finish(_start_lane(SERIAL, args, root), time.monotonic())
     failed = [s for s in statuses if s not in (0, 5)]
     return failed[0] if failed else 0
 

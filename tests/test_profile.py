@@ -31,6 +31,7 @@ def _whole_model_ms(model: nn.Module, inputs: tuple, runs: int) -> tuple[float, 
     return min(fwd), min(bwd)
 
 
+@pytest.mark.quiet  # asserts on timings taken in this process
 @pytest.mark.parametrize("in_chain", [True, False], ids=["in-chain", "isolated"])
 def test_block_costs_sum_to_the_whole_model(in_chain: bool) -> None:
     """Per-block times add up to the whole model's forward and backward time.
@@ -126,6 +127,7 @@ def _small_chain() -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randn(4, 32)
 
 
+@pytest.mark.quiet  # asserts on timings taken in this process
 def test_loss_fn_is_timed_on_the_last_block_only() -> None:
     """A loss that projects the 16 outputs onto a 16384-word vocabulary and takes the
     cross-entropy costs about 100x the two small Linear blocks (64 samples: 16M multiply-adds

@@ -10,18 +10,23 @@ Lightning's own exit handler destroys the default group (a gloo group that outli
 
 Releasing closes the executor at once but only queues its process groups: every rank destroys
 the queued groups together, between two barriers, when the next pipeline is built
-(:func:`destroy_released_groups`), or at exit. Destroying a gloo group is not safe at an
-arbitrary moment: a strategy is usually collected by the cyclic garbage collector, at a
-different time on every rank, and a rank that destroyed its groups while the others were
-already in the next ``fit``'s first collective broke the default group (every rank timed out
-in Lightning's ``log_dir`` broadcast).
+(:func:`destroy_released_groups`), or at exit (:func:`leave`: after every rank reached its own
+exit, then the default group too; Lightning destroys it at exit only for NCCL, and a gloo group
+left to the interpreter's finalisation, or closed while a peer still reads its last message,
+aborts that peer: "terminate called without an active exception"). Destroying a gloo group
+is not safe at an arbitrary moment: a strategy is usually collected by the cyclic garbage
+collector, at a different time on every rank, and a rank that destroyed its groups while the
+others were already in the next ``fit``'s first collective broke the default group (every rank
+timed out in Lightning's ``log_dir`` broadcast).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -29,13 +34,19 @@ import torch.distributed as dist
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.runtime.groups import destroy_groups
 
-__all__ = ["HeldPipeline", "destroy_pipeline_groups", "destroy_released_groups"]
+__all__ = ["HeldPipeline", "destroy_pipeline_groups", "destroy_released_groups", "leave"]
 
 # Modules whose parameters a pipeline has bound to one stage (the others released).
 _SPLIT: weakref.WeakSet[Any] = weakref.WeakSet()
 # Process groups of released pipelines, waiting for every rank to destroy them together.
 _RELEASED: list[Any] = []
 _EXIT_HOOK: list[bool] = []
+# A run failed on this rank: at exit its peers may be gone, so it does not wait for them.
+_FAILED: list[bool] = []
+#: Seconds a rank waits at exit for the others to reach theirs (a rank still writing files
+#: after ``fit`` delays its peers' exit by at most this; then they leave anyway).
+EXIT_WAIT_S = 60.0
+_EXIT_KEY = "autopipe/exit"
 
 
 class HeldPipeline:
@@ -82,13 +93,16 @@ class HeldPipeline:
         self.module, self.runner = module, runner
         if not _EXIT_HOOK:  # registered before the finalizers, so it runs after them
             _EXIT_HOOK.append(True)
-            atexit.register(_destroy_released)
+            atexit.register(leave)
         if self._finalizer is None:
             self._finalizer = weakref.finalize(owner, _release, self._box)
             atexit.register(self._finalizer)
 
-    def release(self) -> None:
-        """Close the executor (its hooks hold the groups), then destroy its process groups."""
+    def release(self, failed: bool = False) -> None:
+        """Close the executor (its hooks hold the groups) and queue its process groups;
+        ``failed``: after a failed run (at exit this rank then does not wait for its peers)."""
+        if failed:
+            _FAILED.append(True)
         _release(self._box)
         self.module = self.runner = None
 
@@ -140,3 +154,31 @@ def _destroy_released() -> None:
         groups = _RELEASED.pop()
         if dist.is_available() and dist.is_initialized():
             destroy_groups(groups)
+
+
+def leave(wait_s: float = EXIT_WAIT_S) -> None:
+    """At exit: wait until every rank reached its exit (unless a run failed here), then destroy
+    the released pipelines' groups and the default group.
+
+    The wait goes through the default group's store, not a gloo collective: a rank that left
+    a collective may still have a peer reading its last message, while a rank that reached
+    this point has finished every collective of its own. Best effort: a peer that never comes
+    (or a store whose host already left) ends the wait, and the groups are destroyed anyway.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        _RELEASED.clear()
+        return
+    if not _FAILED:
+        with contextlib.suppress(Exception):
+            _wait_for_every_rank(wait_s)
+    _destroy_released()
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def _wait_for_every_rank(wait_s: float) -> None:
+    store = dist.distributed_c10d._get_default_store()
+    arrived = store.add(_EXIT_KEY, 1)
+    if arrived >= dist.get_world_size():
+        store.set(_EXIT_KEY + "/all", "1")
+    store.wait([_EXIT_KEY + "/all"], timedelta(seconds=wait_s))

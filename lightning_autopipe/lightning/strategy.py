@@ -411,7 +411,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         summary.uninstall(self._summaries)
         self._summaries = []
         if self._failed:
-            self._held.release()
+            self._held.release(failed=True)
             self._failed = False
         if self._watch is not None:
             self._watch.disarm()

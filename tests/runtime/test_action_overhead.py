@@ -66,6 +66,7 @@ def _direct(mods: list[nn.Module], x: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+@pytest.mark.quiet  # asserts on timings taken in this process
 @pytest.mark.parametrize("schedule", ["zbv", "interleaved-1f1b"])
 def test_the_measured_figure_is_what_the_executor_adds_per_action(schedule):
     torch.set_num_threads(1)

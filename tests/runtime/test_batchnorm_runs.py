@@ -30,7 +30,7 @@ SCRIPT = ROOT / "tests" / "runtime" / "_batchnorm_run.py"
 CASES = ["det-a", "det-b", "replicas"]
 WORLD = 2
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # starts ranks
 
 
 @pytest.fixture(scope="module")

@@ -190,6 +190,7 @@ class _Chain(nn.Module):
         return outputs.pow(2).mean()
 
 
+@pytest.mark.quiet  # asserts on timings taken in this process
 def test_inductor_measures_the_fused_model_faster_and_the_profile_follows():
     model = _Chain()
     example = (torch.randn(4, 8),)

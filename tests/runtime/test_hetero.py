@@ -284,8 +284,10 @@ def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_war
     assert r["cuts"] == r["today"]
     assert r["same"]
     said = [w for w in r["warnings"] if "contradicts the measurement" in w]
-    assert said, r["warnings"]
-    assert "declared relative speed 0.50, measured" in said[0]
+    # rank 1 is declared at half speed: its line says so (a core that stalled during this
+    # second, one-repeat discovery may add a line for rank 0 before it)
+    assert any("rank 1 " in w and "declared relative speed 0.50, measured" in w
+               for w in said), r["warnings"]
 
 
 def _failing_worker(rank: int, port: int, out: str) -> None:

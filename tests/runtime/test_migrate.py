@@ -181,6 +181,8 @@ def _launch(size: int, cases: list[Case], out: Path, died: dict[int, int]) -> di
     return results
 
 
+pytestmark = pytest.mark.quiet  # starts ranks
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     torch.set_num_threads(1)

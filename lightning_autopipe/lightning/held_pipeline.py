@@ -4,9 +4,8 @@ Building a pipeline binds the module's parameters to this rank's stage and relea
 the module can no longer be traced: ``validate`` / ``test`` / ``predict`` / ``fit`` again after
 ``fit`` must run on the pipeline already built. :class:`HeldPipeline` keeps it past Lightning's
 teardown and releases it (executor hooks first, then the process groups) exactly once: when the
-strategy builds another, after a failed run, when the strategy is collected, or at exit, before
-Lightning's own exit handler destroys the default group (a gloo group that outlives
-``destroy_process_group`` can abort the interpreter as it exits).
+strategy builds another, after a failed run, when the strategy is collected, or at exit (a
+gloo group that outlives ``destroy_process_group`` can abort the interpreter as it exits).
 
 Releasing closes the executor at once but only queues its process groups: every rank destroys
 the queued groups together, between two barriers, when the next pipeline is built

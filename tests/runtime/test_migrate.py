@@ -28,6 +28,9 @@ from tests._gloo import forked_context
 from tests.runtime import _migrate_world as W
 from tests.runtime._migrate_world import Case, Layout
 
+# the world cases start ranks (a file with one quiet test runs whole after the launch lane)
+pytestmark = pytest.mark.quiet
+
 RTOL, ATOL = 1e-5, 1e-6
 
 CASES2 = [
@@ -180,8 +183,6 @@ def _launch(size: int, cases: list[Case], out: Path, died: dict[int, int]) -> di
                               for f in files]
     return results
 
-
-pytestmark = pytest.mark.quiet  # starts ranks
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):

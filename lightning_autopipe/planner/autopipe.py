@@ -34,6 +34,7 @@ from lightning_autopipe.planner.partition import (
 )
 from lightning_autopipe.planner.plan import Proposal
 from lightning_autopipe.planner.shapes import Shape, microbatch_choices, score_shapes
+from lightning_autopipe.planner.step import StepShape
 
 __all__ = ["autopipe_proposals", "microbatch_choices"]  # the latter from .shapes
 
@@ -95,13 +96,13 @@ def autopipe_proposals(
                 break
     level2 = []
     for sh in picked:
-        ranked = rank_layouts(costs, cluster, devs, sh.stages, sh.replicas, batch,
-                              sh.microbatches, k_pin or 1, optimizer_factor=optimizer_factor)
-        level2 += [(mr, sh) for mr in ranked]
+        step = StepShape(batch, sh.microbatches, k_pin or 1, optimizer_factor=optimizer_factor)
+        ranked = rank_layouts(costs, cluster, devs, sh.stages, sh.replicas, step)
+        level2 += [(mr, sh, step) for mr in ranked]
     level2.sort(key=lambda x: (not x[0].estimate.fits, x[0].estimate.iteration_ms))
     level3 = []
     spent = 0
-    for n, (mr, sh) in enumerate(level2):
+    for n, (mr, sh, step) in enumerate(level2):
         m = sh.microbatches
         cost = _replay_cost(sh.stages, m, max_slices)
         budget = max(20, min(400, _REPLAY_BUDGET // cost))
@@ -109,10 +110,8 @@ def autopipe_proposals(
             break  # beyond the best three, refine more layouts only while it is cheap
         spent += budget * cost
         groups = [list(g) for g in mr.layout.groups]
-        for cuts, k, est in partition_and_slice(
-            costs, mr.layout, batch, m, k_pin, max_slices, optimizer_factor=optimizer_factor,
-            max_evaluations=budget,
-        ):
+        for cuts, k, est in partition_and_slice(costs, mr.layout, step, max_slices,
+                                                pin_startup=bool(k_pin), max_evaluations=budget):
             level3.append((est, Proposal(groups, cuts, m, k), mr.layout))
     level3.sort(key=lambda x: (not x[0].fits, x[0].iteration_ms))
     # Drain slices for the finalists only: the tail they shorten is the same for close
@@ -125,22 +124,18 @@ def autopipe_proposals(
         for schedule in schedules:
             if schedule != "1f1b" and rank >= _RESCHEDULED:
                 continue
-            cand = prop if schedule == "1f1b" else _reschedule(
-                costs, layout, prop, batch, k_pin, max_slices, optimizer_factor, schedule,
-                _RESCHEDULE_EVALUATIONS[rank])
-            if cand is None:
-                continue
+            cand = prop
+            if schedule != "1f1b":
+                under = replace(prop.step_shape(batch, optimizer_factor), schedule=schedule)
+                cand = _reschedule(costs, layout, prop, under, bool(k_pin), max_slices,
+                                   _RESCHEDULE_EVALUATIONS[rank])
+            step = cand.step_shape(batch, optimizer_factor)
             j, est_j = j_pin or 1, est
             if not j_pin:
-                j, est_j = choose_drain_slices(
-                    costs, layout, cand.cuts, batch, cand.num_microbatches,
-                    cand.startup_slices, max_slices, optimizer_factor=optimizer_factor,
-                    schedule=schedule,
-                )
+                j, est_j = choose_drain_slices(costs, layout, cand.cuts, step, max_slices)
             elif schedule != "1f1b":
-                est_j = evaluate(costs, layout, cand.cuts, batch, cand.num_microbatches,
-                                 cand.startup_slices, drain_slices=j, schedule=schedule,
-                                 optimizer_factor=optimizer_factor, critical_path=False)
+                est_j = evaluate(costs, layout, cand.cuts, replace(step, drain_slices=j),
+                                 critical_path=False)
             first = replace(cand, drain_slices=j, schedule=schedule)
             twin = replace(cand, drain_slices=1, schedule=schedule)
             scored.append((est_j, [first] + ([twin] if j != 1 and not j_pin else [])))
@@ -154,23 +149,13 @@ def autopipe_proposals(
 
 
 def _reschedule(
-    costs: BlockCosts,
-    layout: Layout,
-    prop: Proposal,
-    batch: int,
-    k_pin: int | None,
-    max_slices: int,
-    optimizer_factor: float,
-    schedule: str,
-    evaluations: int,
-) -> Proposal | None:
-    """``prop`` partitioned again (from its cuts) and sliced for ``schedule``."""
-    m = prop.num_microbatches
-    k = k_pin or prop.startup_slices
-    part = autopipe_partition(costs, layout, batch, m, k, optimizer_factor=optimizer_factor,
-                              schedule=schedule, max_evaluations=evaluations,
-                              start=prop.cuts)
-    if not k_pin:
-        k, _ = choose_startup_slices(costs, layout, part.cuts, batch, m, max_slices,
-                                     optimizer_factor=optimizer_factor, schedule=schedule)
-    return Proposal(prop.groups, part.cuts, m, k, 1, schedule)
+    costs: BlockCosts, layout: Layout, prop: Proposal, step: StepShape, pin_startup: bool,
+    max_slices: int, evaluations: int,
+) -> Proposal:
+    """``prop`` partitioned again (from its cuts) under ``step`` (another schedule) and, unless
+    ``pin_startup``, sliced again."""
+    part = autopipe_partition(costs, layout, step, max_evaluations=evaluations, start=prop.cuts)
+    k = step.startup_slices
+    if not pin_startup:
+        k, _ = choose_startup_slices(costs, layout, part.cuts, step, max_slices)
+    return Proposal(prop.groups, part.cuts, step.num_microbatches, k, 1, step.schedule)

@@ -45,6 +45,7 @@ from lightning_autopipe.planner.costmodel import (
     per_candidate,
 )
 from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.step import StepShape
 
 __all__ = ["Contracted", "contracted", "bound_batch", "bound_ends", "SLACK"]
 
@@ -175,13 +176,8 @@ def bound_batch(
     costs: BlockCosts,
     layouts: Layout | Sequence[Layout],
     cuts_list: Sequence[Sequence[int]],
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int = 1,
+    step: StepShape,
     *,
-    drain_slices: int = 1,
-    schedule: str = "1f1b",
-    optimizer_factor: float = 2.0,
     exact: bool = False,
     recompute: Sequence[bool] = (),
 ) -> list[tuple[float, bool]]:
@@ -189,12 +185,13 @@ def bound_batch(
     :func:`~.costmodel.evaluate_batch`; 0 where none is known) and the estimate's exact
     ``fits``, without a replay."""
     lays = per_candidate(layouts, len(cuts_list))
-    m, k, j = num_microbatches, startup_slices, drain_slices
+    schedule, m = step.schedule, step.num_microbatches
+    k, j = step.startup_slices, step.drain_slices
     out = []
-    for x in candidate_inputs(costs, lays, cuts_list, batch, m, schedule, recompute):
+    for x in candidate_inputs(costs, lays, cuts_list, step, recompute):
         num = x.layout.num_stages
         con = contracted(schedule, num, m, k, x.mb, j, exact)
-        fits = memory_of(costs, x, inflight(schedule, num, m, k, x.mb, j), optimizer_factor,
+        fits = memory_of(costs, x, inflight(schedule, num, m, k, x.mb, j), step.optimizer_factor,
                          recompute)[1]
         low = _lower(x, con, grad_bytes(costs, x.cuts)) * (1 - SLACK) if con else 0.0
         out.append((low, fits))

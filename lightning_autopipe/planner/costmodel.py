@@ -55,6 +55,7 @@ from lightning_autopipe.planner.pricing import (
     unit_prices,
 )
 from lightning_autopipe.planner.scalar import replay
+from lightning_autopipe.planner.step import StepShape
 
 __all__ = ["Estimate", "Inputs", "candidate_inputs", "evaluate", "evaluate_batch", "grad_bytes",
            "inputs_of", "memory_of", "per_candidate", "stage_times"]
@@ -113,18 +114,14 @@ def evaluate(
     costs: BlockCosts,
     layout: Layout,
     cuts: list[int],
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int = 1,
+    step: StepShape,
     *,
-    drain_slices: int = 1,
-    schedule: str = "1f1b",
-    optimizer_factor: float = 2.0,
     critical_path: bool = True,
     exact: bool = False,
     recompute: Sequence[bool] = (),
 ) -> Estimate:
-    """Replay ``schedule`` for the stage boundaries ``cuts`` (``[0, c1, ..., N]``) on ``layout``.
+    """Replay ``step.schedule`` for the stage boundaries ``cuts`` (``[0, c1, ..., N]``) on
+    ``layout``, the step cut as ``step`` says.
 
     Many micro-batches make the replay long but add nothing new: after the warm-up, a schedule
     repeats one period per micro-batch (1F1B's steady phase, GPipe's run of forwards). Unless
@@ -133,11 +130,8 @@ def evaluate(
     by the mean period between them (within about 1% of the full replay; the steady phase can
     cycle over several micro-batches).
     """
-    return evaluate_batch(
-        costs, layout, [cuts], batch, num_microbatches, startup_slices,
-        drain_slices=drain_slices, schedule=schedule, optimizer_factor=optimizer_factor,
-        critical_path=critical_path, exact=exact, recompute=recompute,
-    )[0]
+    return evaluate_batch(costs, layout, [cuts], step, critical_path=critical_path, exact=exact,
+                          recompute=recompute)[0]
 
 
 @dataclass
@@ -156,11 +150,13 @@ class Inputs:
 
 
 def inputs_of(
-    costs: BlockCosts, layout: Layout, cuts: list[int], batch: int, m: int, split: bool,
-    recompute: Sequence[bool],
+    costs: BlockCosts, layout: Layout, cuts: list[int], step: StepShape,
+    recompute: Sequence[bool] = (),
 ) -> Inputs:
     num = layout.num_stages
-    parts, scale = stage_times(costs, layout, cuts, batch, m, split, recompute)
+    m = step.num_microbatches
+    parts, scale = stage_times(costs, layout, cuts, step.batch, m,
+                               splits_backward(step.schedule), recompute)
     ovh = layout.overhead_ms
     # a unit pays its fraction of the scaling part and the whole per-call part (with overhead),
     # per kind code (F, B and, split, W)
@@ -170,7 +166,7 @@ def inputs_of(
     cut_ms = [
         costs.act[cuts[s + 1] - 1] * scale[s] * layout.link_ms_per_byte[s] for s in range(num - 1)
     ]
-    mb = max(1, batch // (m * max(layout.replicas)))
+    mb = max(1, step.microbatch_size(max(layout.replicas)))
     return Inputs(layout, list(cuts), parts, scale, var, per_call, cut_ms, mb, m)
 
 
@@ -180,14 +176,12 @@ def per_candidate(layouts: Layout | Sequence[Layout], count: int) -> list[Layout
 
 
 def candidate_inputs(
-    costs: BlockCosts, lays: Sequence[Layout], cuts_list: Sequence[Sequence[int]], batch: int,
-    m: int, schedule: str, recompute: Sequence[bool],
+    costs: BlockCosts, lays: Sequence[Layout], cuts_list: Sequence[Sequence[int]],
+    step: StepShape, recompute: Sequence[bool],
 ) -> list[Inputs]:
-    """Each candidate's replay inputs (:func:`inputs_of`) under ``schedule``: what the
-    estimates and their lower bounds (:mod:`~.bound`) are both computed from."""
-    split = splits_backward(schedule)
-    return [inputs_of(costs, lay, list(c), batch, m, split, recompute)
-            for lay, c in zip(lays, cuts_list)]
+    """Each candidate's replay inputs (:func:`inputs_of`) under ``step``: what the estimates
+    and their lower bounds (:mod:`~.bound`) are both computed from."""
+    return [inputs_of(costs, lay, list(c), step, recompute) for lay, c in zip(lays, cuts_list)]
 
 
 def _replay_group(
@@ -238,13 +232,8 @@ def evaluate_batch(
     costs: BlockCosts,
     layouts: Layout | Sequence[Layout],
     cuts_list: Sequence[Sequence[int]],
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int = 1,
+    step: StepShape,
     *,
-    drain_slices: int = 1,
-    schedule: str = "1f1b",
-    optimizer_factor: float = 2.0,
     critical_path: bool = True,
     exact: bool = False,
     recompute: Sequence[bool] = (),
@@ -256,21 +245,20 @@ def evaluate_batch(
     search priced before is not replayed again (:mod:`~.memo`).
     """
     lays = per_candidate(layouts, len(cuts_list))
-    shape = (batch, num_microbatches, startup_slices, drain_slices, schedule, optimizer_factor,
-             exact, tuple(recompute))
+    shape = (step, exact, tuple(recompute))
     return kept(costs, lays, cuts_list, shape, critical_path, lambda idx: _evaluate_batch(
-        costs, [lays[i] for i in idx], [cuts_list[i] for i in idx], batch, num_microbatches,
-        startup_slices, drain_slices, schedule, optimizer_factor, critical_path, exact,
+        costs, [lays[i] for i in idx], [cuts_list[i] for i in idx], step, critical_path, exact,
         recompute))
 
 
 def _evaluate_batch(
-    costs: BlockCosts, lays: list[Layout], cuts_list: list[Sequence[int]], batch: int, m: int,
-    k: int, j: int, schedule: str, optimizer_factor: float, critical_path: bool, exact: bool,
-    recompute: Sequence[bool],
+    costs: BlockCosts, lays: list[Layout], cuts_list: list[Sequence[int]], step: StepShape,
+    critical_path: bool, exact: bool, recompute: Sequence[bool],
 ) -> list[Estimate]:
     num = lays[0].num_stages
-    inputs = candidate_inputs(costs, lays, cuts_list, batch, m, schedule, recompute)
+    schedule, m = step.schedule, step.num_microbatches
+    k, j = step.startup_slices, step.drain_slices
+    inputs = candidate_inputs(costs, lays, cuts_list, step, recompute)
     m0 = extrapolation_point(num)
     win = min(num + 1, m - m0)  # average the period over a window (cycles can be > 1 long)
     long = not exact and m > m0
@@ -292,7 +280,8 @@ def _evaluate_batch(
                 shift = (m - m0 - win) * period
                 finish = [f + shift for f in finish]
             finish = allreduce_finish(x.layout, finish, grads)
-            out[i] = _estimate(costs, x, comp, finish, via, held, optimizer_factor, recompute)
+            out[i] = _estimate(costs, x, comp, finish, via, held, step.optimizer_factor,
+                               recompute)
     return out  # type: ignore[return-value]
 
 

@@ -39,6 +39,7 @@ from lightning_autopipe.errors import ClusterError, PlanError
 from lightning_autopipe.planner.costmodel import Estimate, evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.partition import balanced_cuts, stage_limits
+from lightning_autopipe.planner.step import StepShape
 
 __all__ = ["speed_order", "candidate_groupings", "rank_layouts", "MappingResult"]
 
@@ -139,14 +140,10 @@ def rank_layouts(
     devices: Sequence[str],
     num_stages: int,
     replicas: int,
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int = 1,
-    *,
-    optimizer_factor: float = 2.0,
-    schedule: str = "1f1b",
+    step: StepShape,
 ) -> list[MappingResult]:
-    """Every candidate layout with its balanced partition, fastest (fitting memory) first.
+    """Every candidate layout with its balanced partition, fastest (fitting memory) first,
+    each priced under ``step``.
 
     Raises:
         PlanError: more stages than blocks, or too few devices.
@@ -168,17 +165,14 @@ def rank_layouts(
         if sig in seen:  # e.g. permutations of identical devices: nothing to tell them apart
             continue
         seen.add(sig)
-        limits = stage_limits(
-            costs, layout, batch, num_microbatches, startup_slices, optimizer_factor, schedule
-        )
+        limits = stage_limits(costs, layout, step)
         typed = costs.stage_work(layout)
         cuts = balanced_cuts(work, layout.speeds, limits=limits, stage_work=typed) or (
             balanced_cuts(work, layout.speeds, stage_work=typed))
         assert cuts is not None
         found.append((name, layout, cuts))
-    ests = evaluate_batch(costs, [lay for _, lay, _ in found], [c for _, _, c in found], batch,
-                          num_microbatches, startup_slices, schedule=schedule,
-                          optimizer_factor=optimizer_factor, critical_path=False)
+    ests = evaluate_batch(costs, [lay for _, lay, _ in found], [c for _, _, c in found], step,
+                          critical_path=False)
     out: list[MappingResult] = []
     for (name, layout, cuts), est in zip(found, ests):
         scores[name] = est.iteration_ms

@@ -19,14 +19,17 @@ from lightning_autopipe.planner.layout import BlockCosts, Layout
 __all__ = ["kept"]
 
 
-def _layout_id(memo: dict, layout: Layout) -> int:
+def _layout_id(memo: dict, token: object, layout: Layout) -> int:
     """A small number per distinct layout (equal fields, equal number), found once per
-    layout object: hashing a layout's link tables on every lookup would cost a replay."""
+    layout object: hashing a layout's link tables on every lookup would cost a replay. The
+    layout keeps it under ``memo``'s token, an object the layout then holds alive: a memo
+    made after this one is freed cannot share it (as it could share the freed memo's ``id``,
+    and so read another layout's number)."""
     seen = layout.__dict__.setdefault("_memo_ids", {})
-    got = seen.get(id(memo))
+    got = seen.get(token)
     if got is None:
         ids = memo.setdefault("layouts", {})
-        got = seen[id(memo)] = ids.setdefault(layout, len(ids))
+        got = seen[token] = ids.setdefault(layout, len(ids))
     return got
 
 
@@ -38,7 +41,9 @@ def kept(
     depends on, hashable), pricing with ``price(indices)`` only those not kept yet."""
     memo = costs.__dict__.setdefault("_estimates", {})
     found = memo.setdefault("found", {})
-    keys = [(_layout_id(memo, lay), tuple(c), shape) for lay, c in zip(layouts, cuts_list)]
+    token = memo.setdefault("token", object())
+    keys = [(_layout_id(memo, token, lay), tuple(c), shape)
+            for lay, c in zip(layouts, cuts_list)]
     out: list[Any] = [None] * len(keys)
     todo = []
     for i, key in enumerate(keys):

@@ -27,7 +27,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.balance import StageLimits, balanced_cuts
@@ -37,6 +37,7 @@ from lightning_autopipe.planner.costmodel import Estimate, evaluate, evaluate_ba
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.scorer import Scorer
 from lightning_autopipe.planner.slicer import better, choose_drain_slices, choose_startup_slices
+from lightning_autopipe.planner.step import StepShape
 
 __all__ = [
     "balanced_cuts",
@@ -54,24 +55,15 @@ _ALTERNATIVES = 2  # runner-up cut lists handed on, for the simulator to judge
 _SHIFT_BATCH = 8  # chain shifts priced together (the first better one is taken)
 
 
-def stage_limits(
-    costs: BlockCosts,
-    layout: Layout,
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int = 1,
-    optimizer_factor: float = 2.0,
-    schedule: str = "1f1b",
-) -> StageLimits:
-    """The memory limits the cost model applies to ``layout`` under ``schedule``."""
-    num = layout.num_stages
-    mb = max(1, batch // (num_microbatches * max(layout.replicas)))
-    held = inflight(schedule, num, num_microbatches, startup_slices, mb)
-    scale = [batch / (num_microbatches * layout.replicas[s] * costs.micro_batch_size)
-             for s in range(num)]
+def stage_limits(costs: BlockCosts, layout: Layout, step: StepShape) -> StageLimits:
+    """The memory limits the cost model applies to ``layout`` under ``step``."""
+    num, m = layout.num_stages, step.num_microbatches
+    mb = max(1, step.microbatch_size(max(layout.replicas)))
+    held = inflight(step.schedule, num, m, step.startup_slices, mb, step.drain_slices)
+    scale = [step.batch / (m * layout.replicas[s] * costs.micro_batch_size) for s in range(num)]
     act = [held[s] * scale[s] for s in range(num)]
-    return StageLimits(costs.params, costs.mem, optimizer_factor, act, layout.capacity,
-                       costs.shared, scale, num_microbatches)
+    return StageLimits(costs.params, costs.mem, step.optimizer_factor, act, layout.capacity,
+                       costs.shared, scale, m)
 
 
 @dataclass
@@ -104,16 +96,13 @@ def step_budget(max_evaluations: int) -> int:
 def autopipe_partition(
     costs: BlockCosts,
     layout: Layout,
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int = 1,
+    step: StepShape,
     *,
-    optimizer_factor: float = 2.0,
-    schedule: str = "1f1b",
     max_evaluations: int = 400,
     start: list[int] | None = None,
 ) -> PartitionResult:
-    """Balanced cuts improved by AutoPipe's critical-stage moves (see the module docstring).
+    """Balanced cuts improved by AutoPipe's critical-stage moves (see the module docstring),
+    every candidate priced under ``step``.
 
     Raises:
         PlanError: fewer blocks than stages.
@@ -125,9 +114,7 @@ def autopipe_partition(
             "(or profile the model at a finer block granularity)"
         )
     work = costs.compute
-    limits = stage_limits(
-        costs, layout, batch, num_microbatches, startup_slices, optimizer_factor, schedule
-    )
+    limits = stage_limits(costs, layout, step)
     speeds = layout.speeds
     typed = costs.stage_work(layout)  # None unless some stage has its own device profile
     base = start or balanced_cuts(work, speeds, limits=limits, stage_work=typed)
@@ -136,19 +123,10 @@ def autopipe_partition(
     assert base is not None
 
     score = Scorer(
-        lambda c: evaluate(
-            costs, layout, c, batch, num_microbatches, startup_slices,
-            optimizer_factor=optimizer_factor, schedule=schedule,
-        ),
+        lambda c: evaluate(costs, layout, c, step),
         step_budget(max_evaluations),
-        lambda cs: evaluate_batch(
-            costs, layout, cs, batch, num_microbatches, startup_slices,
-            optimizer_factor=optimizer_factor, schedule=schedule,
-        ),
-        lambda cs: bound_batch(
-            costs, layout, cs, batch, num_microbatches, startup_slices,
-            optimizer_factor=optimizer_factor, schedule=schedule,
-        ),
+        lambda cs: evaluate_batch(costs, layout, cs, step),
+        lambda cs: bound_batch(costs, layout, cs, step),
     )
 
     def rebalance(lo: int, hi: int, first: int, count: int) -> list[int] | None:
@@ -268,16 +246,14 @@ def _chain_shifts(cuts: list[int]) -> list[list[int]]:
 def partition_and_slice(
     costs: BlockCosts,
     layout: Layout,
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int | None = None,
+    step: StepShape,
     max_slices: int = 8,
     *,
-    optimizer_factor: float = 2.0,
-    schedule: str = "1f1b",
+    pin_startup: bool = False,
     max_evaluations: int = 400,
 ) -> list[tuple[list[int], int, Estimate]]:
-    """AutoPipe's partition and slice count together (``startup_slices`` pins ``k``).
+    """AutoPipe's partition and slice count together under ``step`` (``pin_startup`` keeps its
+    ``startup_slices``; else ``k`` is chosen).
 
     The best cuts depend on ``k``: slices shorten the warm-up, which moves the critical path,
     and a partition that is a local optimum for plain 1F1B can be one slicing does not help.
@@ -289,31 +265,24 @@ def partition_and_slice(
         Candidates ``(cuts, k, estimate)``, best first, which the caller may score with the
         simulator (link contention the fast model ignores can reorder close ones).
     """
-    m = num_microbatches
-    if startup_slices:
-        part = autopipe_partition(costs, layout, batch, m, startup_slices,
-                                  optimizer_factor=optimizer_factor, schedule=schedule,
-                                  max_evaluations=max_evaluations)
-        return [(part.cuts, startup_slices, part.estimate)] + [
-            (c, startup_slices, e) for c, e in part.alternatives
-        ]
-    mb = batch // (m * max(layout.replicas))
-    top = max(1, min(max_slices, mb))
+    if pin_startup:
+        k = step.startup_slices
+        part = autopipe_partition(costs, layout, step, max_evaluations=max_evaluations)
+        return [(part.cuts, k, part.estimate)] + [(c, k, e) for c, e in part.alternatives]
+    top = max(1, min(max_slices, step.microbatch_size(max(layout.replicas))))
     ks = sorted({1, top} | {2**i for i in range(1, 4) if 2**i < top})
     budget = max(10, max_evaluations // len(ks))
     out: dict[tuple[tuple[int, ...], int], Estimate] = {}
     for k0 in ks:
-        part = autopipe_partition(costs, layout, batch, m, k0, optimizer_factor=optimizer_factor,
-                                  schedule=schedule, max_evaluations=budget)
+        part = autopipe_partition(costs, layout, replace(step, startup_slices=k0),
+                                  max_evaluations=budget)
         out[(tuple(part.cuts), k0)] = part.estimate
         for alt, est in part.alternatives:
             out.setdefault((tuple(alt), k0), est)
-        k, est = choose_startup_slices(costs, layout, part.cuts, batch, m, max_slices,
-                                       optimizer_factor=optimizer_factor, schedule=schedule)
+        k, est = choose_startup_slices(costs, layout, part.cuts, step, max_slices)
         out[(tuple(part.cuts), k)] = est
         if k != k0:
-            again = autopipe_partition(costs, layout, batch, m, k,
-                                       optimizer_factor=optimizer_factor, schedule=schedule,
+            again = autopipe_partition(costs, layout, replace(step, startup_slices=k),
                                        max_evaluations=budget, start=part.cuts)
             out[(tuple(again.cuts), k)] = again.estimate
     ranked = sorted(out.items(), key=lambda kv: (not kv[1].fits, kv[1].iteration_ms))

@@ -11,6 +11,7 @@ from typing import Any
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.generators import check_schedule, splits_backward
 from lightning_autopipe.planner.placement import chunk_ranks
+from lightning_autopipe.planner.step import StepShape
 
 __all__ = ["StagePlan", "Plan", "Proposal"]
 
@@ -28,6 +29,12 @@ class Proposal:
     schedule: str = "1f1b"
     chunks_per_rank: int = 1
     placement: str = "looped"
+
+    def step_shape(self, batch: int, optimizer_factor: float = 2.0) -> StepShape:
+        """How this proposal cuts a step of ``batch`` samples, what the fast model prices."""
+        return StepShape(batch, self.num_microbatches, self.startup_slices,
+                         drain_slices=self.drain_slices, schedule=self.schedule,
+                         optimizer_factor=optimizer_factor)
 
 
 @dataclass
@@ -171,6 +178,12 @@ class Plan:
     def rank_devices(self, rank: int) -> list[str]:
         """The devices (data-parallel replicas) of rank position ``rank``."""
         return list(self.stages[self.rank_stages(rank)[0]].devices)
+
+    def step_shape(self, optimizer_factor: float = 2.0) -> StepShape:
+        """How this plan cuts its step, what the fast model prices."""
+        return StepShape(self.global_batch_size, self.num_microbatches, self.startup_slices,
+                         drain_slices=self.drain_slices, schedule=self.schedule,
+                         optimizer_factor=optimizer_factor)
 
     def recomputes(self, stage: int) -> bool:
         """Whether ``stage`` recomputes its activations in backward."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from lightning_autopipe.planner.bound import bound_batch
 from lightning_autopipe.planner.costmodel import evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.step import StepShape
 
 __all__ = ["MOVES", "Polished", "bound_many", "evaluate_many", "neighbours", "polish",
            "sweep_budget"]
@@ -65,28 +66,20 @@ def neighbours(cuts: Sequence[int]) -> list[list[int]]:
 
 
 def evaluate_many(
-    costs: BlockCosts, layout: Layout, cuts_list: Sequence[Sequence[int]], batch: int,
-    num_microbatches: int, startup_slices: int = 1, *, drain_slices: int = 1,
-    schedule: str = "1f1b", optimizer_factor: float = 2.0,
+    costs: BlockCosts, layout: Layout, cuts_list: Sequence[Sequence[int]], step: StepShape,
 ) -> list[tuple[float, bool]]:
     """``(iteration_ms, fits)`` of :func:`~.costmodel.evaluate` for every cut list, replayed
     together (:func:`~.costmodel.evaluate_batch`)."""
-    return [(e.iteration_ms, e.fits) for e in evaluate_batch(
-        costs, layout, cuts_list, batch, num_microbatches, startup_slices,
-        drain_slices=drain_slices, schedule=schedule, optimizer_factor=optimizer_factor,
-        critical_path=False)]
+    return [(e.iteration_ms, e.fits)
+            for e in evaluate_batch(costs, layout, cuts_list, step, critical_path=False)]
 
 
 def bound_many(
-    costs: BlockCosts, layout: Layout, cuts_list: Sequence[Sequence[int]], batch: int,
-    num_microbatches: int, startup_slices: int = 1, *, drain_slices: int = 1,
-    schedule: str = "1f1b", optimizer_factor: float = 2.0,
+    costs: BlockCosts, layout: Layout, cuts_list: Sequence[Sequence[int]], step: StepShape,
 ) -> list[tuple[float, bool]]:
     """``(lower bound of iteration_ms, fits)`` for every cut list, without replays
-    (:func:`~.costmodel.bound_batch`), the same arguments as :func:`evaluate_many`."""
-    return bound_batch(costs, layout, cuts_list, batch, num_microbatches, startup_slices,
-                       drain_slices=drain_slices, schedule=schedule,
-                       optimizer_factor=optimizer_factor)
+    (:func:`~.bound.bound_batch`), the same arguments as :func:`evaluate_many`."""
+    return bound_batch(costs, layout, cuts_list, step)
 
 
 @dataclass
@@ -110,10 +103,10 @@ def polish(
     """The best cuts a walk over :func:`neighbours` reaches from ``cuts``, and the sweeps taken.
 
     ``price`` gives ``(iteration_ms, fits)`` of each cut list (:func:`evaluate_many` with the
-    plan's layout and shape bound). Each sweep moves to the fastest neighbour (plans that fit
+    plan's layout and step bound). Each sweep moves to the fastest neighbour (plans that fit
     memory first) while it beats the current cuts by more than rounding; it stops at a local
     optimum of these moves or after :func:`sweep_budget` sweeps. ``bound`` (a lower bound of
-    the step and the exact ``fits``, :func:`~.costmodel.bound_batch`) spares the replay of
+    the step and the exact ``fits``, :func:`~.bound.bound_batch`) spares the replay of
     the neighbours that cannot beat the current cuts: the fastest neighbour, when it beats
     them, is among the others, so the walk is the same.
     """

@@ -1,7 +1,7 @@
 """The partitioner's memo of one shape's cut lists: estimates, or bounds where they suffice.
 
-The AutoPipe partitioner (:mod:`~.partition`) walks cut lists of one (layout, batch,
-micro-batches, slices, schedule) and compares each with the best so far. :class:`Scorer`
+The AutoPipe partitioner (:mod:`~.partition`) walks cut lists of one layout and one step
+(:class:`~.step.StepShape`) and compares each with the best so far. :class:`Scorer`
 remembers every cut list looked at (their count is the walk's evaluation budget), prices
 batches of candidates together, and replays a candidate only when its lower bound
 (:func:`~.bound.bound_batch`) could beat the best: the walk takes the same steps as with every
@@ -34,7 +34,7 @@ class _Bounded:
 
 
 class Scorer:
-    """Memoised fast-model evaluation of cut lists for one (layout, batch, m, k).
+    """Memoised fast-model evaluation of cut lists for one layout and one step.
 
     ``cache`` holds the cut lists the search has looked at (its size is the search's
     evaluation count): their estimates, or for those :meth:`unless_worse` showed could not

@@ -195,11 +195,9 @@ def _polish_favourite(
     on the plan (that the walk stopped at its sweep budget)."""
     top = props[0]
     layout = Layout.from_cluster(cluster, top.groups)
-    shape = dict(batch=batch, num_microbatches=top.num_microbatches,
-                 startup_slices=top.startup_slices, drain_slices=top.drain_slices,
-                 schedule=top.schedule, optimizer_factor=optimizer_factor)
-    walk = polish(top.cuts, functools.partial(evaluate_many, costs, layout, **shape),
-                  functools.partial(bound_many, costs, layout, **shape))
+    step = top.step_shape(batch, optimizer_factor)
+    walk = polish(top.cuts, functools.partial(evaluate_many, costs, layout, step=step),
+                  functools.partial(bound_many, costs, layout, step=step))
     props[0] = replace(top, cuts=walk.cuts)
     if walk.at_budget:
         return [f"the final local search over the cuts stopped at its budget of {walk.sweeps} "

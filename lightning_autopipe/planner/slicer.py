@@ -8,10 +8,12 @@ smallest one that no larger count clearly beats.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from lightning_autopipe.planner.bound import bound_batch
 from lightning_autopipe.planner.costmodel import Estimate, evaluate
 from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.step import StepShape
 
 __all__ = ["better", "cannot_beat", "choose_drain_slices", "choose_startup_slices"]
 
@@ -28,7 +30,7 @@ def better(a: Estimate, b: Estimate | None, rel: float = 1e-9) -> bool:
 
 def cannot_beat(low: float, fits: bool, b: Estimate | None, rel: float = 1e-9) -> bool:
     """Whether no estimate with this lower bound of its step and this ``fits`` can be
-    :func:`better` than ``b`` (then it need not be replayed, :func:`~.costmodel.bound_batch`)."""
+    :func:`better` than ``b`` (then it need not be replayed, :func:`~.bound.bound_batch`)."""
     if b is None:
         return False
     if fits != b.fits:
@@ -37,57 +39,37 @@ def cannot_beat(low: float, fits: bool, b: Estimate | None, rel: float = 1e-9) -
 
 
 def choose_startup_slices(
-    costs: BlockCosts,
-    layout: Layout,
-    cuts: list[int],
-    batch: int,
-    num_microbatches: int,
-    max_slices: int = 8,
-    *,
-    optimizer_factor: float = 2.0,
-    schedule: str = "1f1b",
+    costs: BlockCosts, layout: Layout, cuts: list[int], step: StepShape, max_slices: int = 8,
 ) -> tuple[int, Estimate]:
-    """The number of startup slices (1 = off) with the shortest predicted step that fits memory.
+    """The number of startup slices (1 = off) with the shortest predicted step that fits memory
+    (``step`` cut otherwise as it says; its own ``startup_slices`` is what is chosen).
 
     ``k`` is limited by the per-replica micro-batch size (a slice holds at least one sample).
     """
-    mb = batch // (num_microbatches * max(layout.replicas))
+    mb = step.microbatch_size(max(layout.replicas))
     return _fewest_best(
         max(1, min(max_slices, mb)),
-        lambda k: evaluate(costs, layout, cuts, batch, num_microbatches, k,
-                           optimizer_factor=optimizer_factor, schedule=schedule,
+        lambda k: evaluate(costs, layout, cuts, replace(step, startup_slices=k),
                            critical_path=False),
-        lambda k: bound_batch(costs, layout, [cuts], batch, num_microbatches, k,
-                              optimizer_factor=optimizer_factor, schedule=schedule)[0],
+        lambda k: bound_batch(costs, layout, [cuts], replace(step, startup_slices=k))[0],
     )
 
 
 def choose_drain_slices(
-    costs: BlockCosts,
-    layout: Layout,
-    cuts: list[int],
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int,
-    max_slices: int = 8,
-    *,
-    optimizer_factor: float = 2.0,
-    schedule: str = "1f1b",
+    costs: BlockCosts, layout: Layout, cuts: list[int], step: StepShape, max_slices: int = 8,
 ) -> tuple[int, Estimate]:
-    """Slices ``j`` of the last micro-batch (1 = off) with the shortest predicted step.
+    """Slices ``j`` of the last micro-batch (1 = off) with the shortest predicted step (``step``
+    cut otherwise as it says; its own ``drain_slices`` is what is chosen).
 
     Chosen after ``k`` (coordinate descent): the drain tail and the fill head are at opposite
     ends of the step and barely interact. Only with two or more micro-batches.
     """
-    mb = batch // (num_microbatches * max(layout.replicas))
+    mb = step.microbatch_size(max(layout.replicas))
     return _fewest_best(
-        max(1, min(max_slices, mb)) if num_microbatches >= 2 else 1,
-        lambda j: evaluate(costs, layout, cuts, batch, num_microbatches, startup_slices,
-                           drain_slices=j, optimizer_factor=optimizer_factor, schedule=schedule,
+        max(1, min(max_slices, mb)) if step.num_microbatches >= 2 else 1,
+        lambda j: evaluate(costs, layout, cuts, replace(step, drain_slices=j),
                            critical_path=False),
-        lambda j: bound_batch(costs, layout, [cuts], batch, num_microbatches, startup_slices,
-                              drain_slices=j, optimizer_factor=optimizer_factor,
-                              schedule=schedule)[0],
+        lambda j: bound_batch(costs, layout, [cuts], replace(step, drain_slices=j))[0],
     )
 
 

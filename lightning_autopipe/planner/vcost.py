@@ -32,12 +32,13 @@ from lightning_autopipe.errors import ScheduleError
 from lightning_autopipe.planner.allreduce import allreduce_finish
 from lightning_autopipe.planner.compiled import B, Compiled, F, W
 from lightning_autopipe.planner.costmodel import Estimate, inputs_of
-from lightning_autopipe.planner.generators import GENERATORS, generate, splits_backward
+from lightning_autopipe.planner.generators import GENERATORS, generate
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.placement import chunk_ranks
 from lightning_autopipe.planner.pricing import peak_memory_bytes
 from lightning_autopipe.planner.scalar import replay
 from lightning_autopipe.planner.schedule import Kind, unit_sizes, units
+from lightning_autopipe.planner.step import StepShape
 
 __all__ = ["ChunkLayout", "chunk_compiled", "evaluate_chunked"]
 
@@ -133,25 +134,20 @@ def evaluate_chunked(
     costs: BlockCosts,
     layout: ChunkLayout,
     cuts: Sequence[int],
-    batch: int,
-    num_microbatches: int,
-    startup_slices: int = 1,
+    step: StepShape,
     *,
-    drain_slices: int = 1,
-    schedule: str = "interleaved-1f1b",
-    optimizer_factor: float = 2.0,
     critical_path: bool = True,
 ) -> Estimate:
-    """Replay ``schedule`` for chunk boundaries ``cuts`` (``[0, c1, ..., N]``, ``p v + 1``
-    entries) on ``layout``. ``stage_ms`` and ``critical_share`` are per chunk, ``peak_bytes``
-    per rank (what the rank's device holds)."""
+    """Replay ``step.schedule`` (a chunked one) for chunk boundaries ``cuts`` (``[0, c1, ...,
+    N]``, ``p v + 1`` entries) on ``layout``. ``stage_ms`` and ``critical_share`` are per
+    chunk, ``peak_bytes`` per rank (what the rank's device holds)."""
     lay, ranks = layout.chunks, layout.ranks
     p, v = ranks.num_stages, layout.chunks_per_rank
     if len(cuts) != p * v + 1:
         raise ScheduleError(f"{p} ranks x {v} chunks need {p * v + 1} cuts, got {len(cuts)}")
-    m, k, j = num_microbatches, startup_slices, drain_slices
-    split = splits_backward(schedule)
-    x = inputs_of(costs, lay, list(cuts), batch, m, split, ())
+    schedule, m = step.schedule, step.num_microbatches
+    k, j = step.startup_slices, step.drain_slices
+    x = inputs_of(costs, lay, list(cuts), step)
     comp = chunk_compiled(schedule, p, v, m, k, x.mb, j)
     finish, _, via = replay(comp, x.var, x.per_call, x.cut_ms, lay.link_lat_ms,
                              [0.0] * (p * v), not lay.optimistic)
@@ -170,7 +166,7 @@ def evaluate_chunked(
             cur += mem[c] * d
             top = max(top, cur)
         once = sum(held[c][1] * x.scale[c] for c in range(p * v) if owner[c] == r)
-        peak = peak_memory_bytes(grads[r], top, 1.0, optimizer_factor, once)
+        peak = peak_memory_bytes(grads[r], top, 1.0, step.optimizer_factor, once)
         peaks.append(peak)
         fits = fits and peak <= ranks.capacity[r]
     share = [0.0] * (p * v)

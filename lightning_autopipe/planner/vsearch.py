@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import PlanError
@@ -70,11 +71,10 @@ def chunk_cuts(costs: BlockCosts, layout: ChunkLayout) -> list[int]:
     return [*cuts, n]
 
 
-def _price(costs, layout, batch, m, k, j, schedule, optimizer_factor, cuts_list):
-    return [(e.iteration_ms, e.fits) for e in (
-        evaluate_chunked(costs, layout, c, batch, m, k, drain_slices=j, schedule=schedule,
-                         optimizer_factor=optimizer_factor, critical_path=False)
-        for c in cuts_list)]
+def _price(costs, layout, step, cuts_list):
+    return [(e.iteration_ms, e.fits)
+            for e in (evaluate_chunked(costs, layout, c, step, critical_path=False)
+                      for c in cuts_list)]
 
 
 def _chunked(costs: BlockCosts, cluster: Cluster, base: Proposal, batch: int,
@@ -88,20 +88,20 @@ def _chunked(costs: BlockCosts, cluster: Cluster, base: Proposal, batch: int,
     pins = pins or {}
     placement = GENERATORS[schedule].placement
     layout = ChunkLayout.from_cluster(cluster, base.groups, v, placement)
-    k = base.startup_slices
-    size = batch // (m * len(base.groups[0]))
+    step = replace(base.step_shape(batch, optimizer_factor), schedule=schedule)
+    k = step.startup_slices
+    size = step.microbatch_size(len(base.groups[0]))
     ks = {pins["startup_slices"]} if pins.get("startup_slices") else {1, k, min(2, size)}
     js = ({pins["drain_slices"]} if pins.get("drain_slices")
           else {1, min(2, size)} if m > 1 else {1})
     actions = 3 * p * v * (m + k + 1)
     cuts = _walk(chunk_cuts(costs, layout), functools.partial(
-        _price, costs, layout, batch, m, k, min(js), schedule, optimizer_factor),
-        _BUDGET // actions)
+        _price, costs, layout, replace(step, drain_slices=min(js))), _BUDGET // actions)
     best = None
     for kk in sorted(ks):
         for j in sorted(js):
-            est = evaluate_chunked(costs, layout, cuts, batch, m, kk, drain_slices=j,
-                                   schedule=schedule, optimizer_factor=optimizer_factor)
+            est = evaluate_chunked(costs, layout, cuts,
+                                   replace(step, startup_slices=kk, drain_slices=j))
             if best is None or (not est.fits, est.iteration_ms) < (not best[0].fits,
                                                                   best[0].iteration_ms):
                 best = (est, Proposal([list(g) for g in base.groups], cuts, m, kk, j,
@@ -146,10 +146,8 @@ def chunked_proposals(
         return props
     only_chunked = not any(s in SCHEDULES for s in schedules)
     top = props[0]
-    ref = evaluate(costs, Layout.from_cluster(cluster, top.groups), top.cuts, batch,
-                   top.num_microbatches, top.startup_slices, drain_slices=top.drain_slices,
-                   schedule=top.schedule, optimizer_factor=optimizer_factor,
-                   critical_path=False)
+    ref = evaluate(costs, Layout.from_cluster(cluster, top.groups), top.cuts,
+                   top.step_shape(batch, optimizer_factor), critical_path=False)
     found = []
     seen = set()
     for base in props[:_BASES]:
@@ -196,18 +194,13 @@ def proposal_stages(prop: Proposal) -> list[StagePlan]:
 def optimistic_ms(prop: Proposal, costs: BlockCosts, cluster: Cluster, batch: int,
                   optimizer_factor: float) -> float:
     """A lower bound of the simulator's step for ``prop`` (fastest replicas, free queues)."""
+    step = prop.step_shape(batch, optimizer_factor)
     if prop.chunks_per_rank == 1:
-        return evaluate(
-            costs, Layout.from_cluster(cluster, prop.groups, optimistic=True), prop.cuts, batch,
-            prop.num_microbatches, prop.startup_slices, drain_slices=prop.drain_slices,
-            schedule=prop.schedule, optimizer_factor=optimizer_factor, critical_path=False,
-            exact=True).iteration_ms
+        return evaluate(costs, Layout.from_cluster(cluster, prop.groups, optimistic=True),
+                        prop.cuts, step, critical_path=False, exact=True).iteration_ms
     layout = ChunkLayout.from_cluster(cluster, prop.groups, prop.chunks_per_rank,
                                       prop.placement, optimistic=True)
-    return evaluate_chunked(costs, layout, prop.cuts, batch, prop.num_microbatches,
-                            prop.startup_slices, drain_slices=prop.drain_slices,
-                            schedule=prop.schedule, optimizer_factor=optimizer_factor,
-                            critical_path=False).iteration_ms
+    return evaluate_chunked(costs, layout, prop.cuts, step, critical_path=False).iteration_ms
 
 
 

@@ -41,8 +41,8 @@ def _two_stages(batch: int, m: int, k: int = 1) -> Plan:
 
 def _fast(profile: Profile, plan: Plan, cluster: Cluster) -> float:
     layout = Layout.from_cluster(cluster, [list(s.devices) for s in plan.stages])
-    return evaluate(BlockCosts.from_profile(profile), layout, [0, 1, 2], plan.global_batch_size,
-                    plan.num_microbatches, plan.startup_slices).iteration_ms
+    return evaluate(BlockCosts.from_profile(profile), layout, [0, 1, 2],
+                    plan.step_shape()).iteration_ms
 
 
 def test_affine_ms_is_linear_without_a_fixed_part():

@@ -28,6 +28,7 @@ from lightning_autopipe.planner.partition import autopipe_partition
 from lightning_autopipe.planner.polish import bound_many, evaluate_many, polish
 from lightning_autopipe.planner.scalar import replay as _replay
 from lightning_autopipe.planner.slicer import choose_drain_slices, choose_startup_slices
+from lightning_autopipe.planner.step import StepShape
 
 from ._random import random_costs
 from .search_cases import CASES
@@ -83,11 +84,10 @@ def test_the_bound_is_below_every_estimate_and_fits_is_exact(seed):
     cands = [[0, *c, n] for c in cands]
     for schedule in ("1f1b", "zb-h1", "gpipe"):
         for mm, exact in ((m, False), (3 * stages + 9, True)):
-            low = bound_batch(costs, layout, cands, mm * (batch // m), mm, 2,
-                              schedule=schedule, exact=exact)
+            step = StepShape(mm * (batch // m), mm, 2, schedule=schedule)
+            low = bound_batch(costs, layout, cands, step, exact=exact)
             for c, (b, fits) in zip(cands, low):
-                e = evaluate(costs, layout, c, mm * (batch // m), mm, 2, schedule=schedule,
-                             exact=exact, critical_path=False)
+                e = evaluate(costs, layout, c, step, exact=exact, critical_path=False)
                 assert b <= e.iteration_ms
                 assert fits == e.fits
 
@@ -100,20 +100,20 @@ def _unbounded(cuts_list):
 def test_searches_with_the_bound_end_where_they_end_replaying_everything(seed, monkeypatch):
     rng, costs, layout, stages, m, batch = _case(seed)
     schedule = rng.choice(["1f1b", "zb-h1"])
-    kw = dict(schedule=schedule, max_evaluations=rng.choice([40, 120, 400]))
-    got = autopipe_partition(costs, layout, batch, m, 1, **kw)
-    shape = dict(batch=batch, num_microbatches=m, startup_slices=1, schedule=schedule)
-    walked = polish(got.cuts, lambda cs: evaluate_many(costs, layout, cs, **shape),
-                    lambda cs: bound_many(costs, layout, cs, **shape))
-    k = choose_startup_slices(costs, layout, got.cuts, batch, m, 4, schedule=schedule)
-    j = choose_drain_slices(costs, layout, got.cuts, batch, m, 1, 4, schedule=schedule)
+    step = StepShape(batch, m, 1, schedule=schedule)
+    kw = dict(max_evaluations=rng.choice([40, 120, 400]))
+    got = autopipe_partition(costs, layout, step, **kw)
+    walked = polish(got.cuts, lambda cs: evaluate_many(costs, layout, cs, step),
+                    lambda cs: bound_many(costs, layout, cs, step))
+    k = choose_startup_slices(costs, layout, got.cuts, step, 4)
+    j = choose_drain_slices(costs, layout, got.cuts, step, 4)
     with monkeypatch.context() as patch:
         patch.setattr(partition, "bound_batch", lambda *a, **k: _unbounded(a[2]))
         patch.setattr(slicer, "bound_batch", lambda *a, **k: _unbounded(a[2]))
-        ref = autopipe_partition(costs, layout, batch, m, 1, **kw)
-        ref_k = choose_startup_slices(costs, layout, got.cuts, batch, m, 4, schedule=schedule)
-        ref_j = choose_drain_slices(costs, layout, got.cuts, batch, m, 1, 4, schedule=schedule)
-    ref_walk = polish(got.cuts, lambda cs: evaluate_many(costs, layout, cs, **shape))
+        ref = autopipe_partition(costs, layout, step, **kw)
+        ref_k = choose_startup_slices(costs, layout, got.cuts, step, 4)
+        ref_j = choose_drain_slices(costs, layout, got.cuts, step, 4)
+    ref_walk = polish(got.cuts, lambda cs: evaluate_many(costs, layout, cs, step))
     assert (got.cuts, got.estimate, got.alternatives, got.evaluations, got.steps) == (
         ref.cuts, ref.estimate, ref.alternatives, ref.evaluations, ref.steps)
     assert got.replays < got.evaluations <= ref.replays

@@ -70,7 +70,8 @@ def test_a_stage_is_priced_on_its_own_devices_profile():
     assert res.iteration_ms == pytest.approx(want, rel=1e-12)
     assert res.stage_ms == pytest.approx([9.0, 30.0])
     costs = BlockCosts.from_profile(REF, cl)
-    est = evaluate(costs, Layout.from_cluster(cl, [["a:0"], ["b:0"]]), [0, 3, 8], 4, 1)
+    est = evaluate(costs, Layout.from_cluster(cl, [["a:0"], ["b:0"]]), [0, 3, 8],
+                   plan.step_shape())
     assert est.iteration_ms == pytest.approx(want, rel=1e-12)
     # the same device without its profile: the reference over the speed (5 blocks x 3 / 0.3636)
     scalar = simulate(plan, REF, _cluster(None))

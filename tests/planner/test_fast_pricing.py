@@ -42,6 +42,7 @@ from lightning_autopipe.planner.shapes import (
     score_shapes,
     stage_replica_pairs,
 )
+from lightning_autopipe.planner.step import StepShape
 
 from ._random import random_cluster, random_costs, random_profile
 from .search_cases import CASES, case
@@ -89,15 +90,16 @@ def test_evaluate_batch_equals_evaluate_one_by_one(seed, monkeypatch):
     cands = [base] + neighbours(base)[:40]
     for schedule in ("1f1b", "zb-h1"):
         kw = dict(schedule=schedule, drain_slices=rng.choice([1, 2]) if m > 1 else 1)
+        sliced, whole = StepShape(batch, m, 2, **kw), StepShape(batch, m, 1, **kw)
         with monkeypatch.context() as patch:  # the batches go level by level
             patch.setattr(costmodel, "_LEVEL_WIDTH", 0.0)
-            many = evaluate_batch(costs, layouts[0], cands, batch, m, 2, **kw)
-            per_layout = evaluate_batch(costs, layouts, [base] * len(layouts), batch, m, 1,
-                                        critical_path=False, **kw)
+            many = evaluate_batch(costs, layouts[0], cands, sliced)
+            per_layout = evaluate_batch(costs, layouts, [base] * len(layouts), whole,
+                                        critical_path=False)
         fresh = BlockCosts.from_profile(profile)  # nothing kept from the batches (memo.py)
-        assert many == [evaluate(fresh, layouts[0], c, batch, m, 2, **kw) for c in cands]
+        assert many == [evaluate(fresh, layouts[0], c, sliced) for c in cands]
         fresh = BlockCosts.from_profile(profile)
-        assert per_layout == [evaluate(fresh, lay, base, batch, m, 1, critical_path=False, **kw)
+        assert per_layout == [evaluate(fresh, lay, base, whole, critical_path=False)
                               for lay in layouts]
 
 
@@ -113,13 +115,13 @@ def test_a_kept_estimate_is_the_estimate_and_keeps_its_critical_path():
     layout = Layout.from_cluster(cluster, groups)
     costs = BlockCosts.from_profile(profile)
     cuts = [0, 17, 40]
-    plain = evaluate(costs, layout, cuts, 64, 8, critical_path=False)
-    full = evaluate(costs, Layout.from_cluster(cluster, groups), cuts, 64, 8)
+    plain = evaluate(costs, layout, cuts, StepShape(64, 8), critical_path=False)
+    full = evaluate(costs, Layout.from_cluster(cluster, groups), cuts, StepShape(64, 8))
     assert full is not plain
     assert any(full.critical_share)
-    assert evaluate(costs, layout, cuts, 64, 8, critical_path=False) is full  # kept
-    assert full == evaluate(BlockCosts.from_profile(profile), layout, cuts, 64, 8)
-    assert evaluate(costs, layout, cuts, 64, 4) != full  # another shape: priced anew
+    assert evaluate(costs, layout, cuts, StepShape(64, 8), critical_path=False) is full  # kept
+    assert full == evaluate(BlockCosts.from_profile(profile), layout, cuts, StepShape(64, 8))
+    assert evaluate(costs, layout, cuts, StepShape(64, 4)) != full  # another shape: anew
 
 
 def _reference_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor,

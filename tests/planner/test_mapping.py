@@ -15,6 +15,7 @@ from lightning_autopipe.planner.mapping import candidate_groupings, rank_layouts
 from lightning_autopipe.planner.partition import partition_and_slice
 from lightning_autopipe.planner.plan import Proposal
 from lightning_autopipe.planner.search import finish_plan
+from lightning_autopipe.planner.step import StepShape
 
 MIXED = Cluster.load("conf/cluster/mixed_rack.yaml")  # 8 x speed 1.0, 16 x speed 0.45
 TWO_BY_FOUR = Cluster.from_dict({
@@ -87,7 +88,7 @@ def test_mapping_beats_every_dapple_placement_policy(cluster, stages, replicas, 
         theirs = min(
             finish_plan(Proposal(groups, cuts, m, k), "dapple-" + policy, prof, cluster,
                         batch).iteration_ms
-            for cuts, k, _ in partition_and_slice(costs, layout, batch, m)[:3]
+            for cuts, k, _ in partition_and_slice(costs, layout, StepShape(batch, m))[:3]
         )
         if strict:
             assert ours.iteration_ms < theirs * 0.99, (policy, ours.iteration_ms, theirs)
@@ -112,13 +113,14 @@ def test_dapple_policies_follow_their_definitions():
 def test_mapper_dedupes_interchangeable_layouts_and_keeps_distinct_ones():
     costs = BlockCosts.from_profile(_gpt(layers=4))
     local = Cluster.local(4)
-    assert len(rank_layouts(costs, local, [d.name for d in local.devices], 4, 1, 32, 8)) == 1
+    assert len(rank_layouts(costs, local, [d.name for d in local.devices], 4, 1,
+                            StepShape(32, 8))) == 1
     devs = [d.name for d in SMALL_HETERO.devices]
     cands = candidate_groupings(SMALL_HETERO, devs, 4, 3)
     assert {"grouped", "grouped-reversed", "pipelined"} <= set(cands)
     for groups in cands.values():
         assert sorted(d for g in groups for d in g) == sorted(speed_order(SMALL_HETERO)[:12])
-    ranked = rank_layouts(costs, SMALL_HETERO, devs, 4, 3, 96, 8)
+    ranked = rank_layouts(costs, SMALL_HETERO, devs, 4, 3, StepShape(96, 8))
     times = [r.estimate.iteration_ms for r in ranked]
     assert times == sorted(times)
     assert len({r.layout.signature() for r in ranked}) == len(ranked)

@@ -23,6 +23,7 @@ from lightning_autopipe.planner.partition import (
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.pricing import allreduce_ms
 from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.planner.step import StepShape
 from lightning_autopipe.profile import BlockProfile, Profile
 from tests.planner.clusters import two_speeds
 
@@ -117,10 +118,10 @@ def test_fast_model_equals_simulator_without_contention():
         prof = random_profile(rng, n)
         cuts = [0, *sorted(rng.sample(range(1, n), s - 1)), n]
         groups = [[f"local:{i}"] for i in range(s)]
-        est = evaluate(BlockCosts.from_profile(prof), Layout.from_cluster(cl, groups), cuts,
-                       batch, m, k, drain_slices=j)
         plan = _plan(cuts, groups, batch, m, k)
         plan.drain_slices = j
+        est = evaluate(BlockCosts.from_profile(prof), Layout.from_cluster(cl, groups), cuts,
+                       plan.step_shape())
         sim = simulate(plan, prof, cl)
         exact = m <= 2 * s + 6  # beyond that the replay extrapolates the steady period
         assert est.iteration_ms == pytest.approx(sim.iteration_ms, rel=1e-9 if exact else 5e-3)
@@ -143,7 +144,7 @@ def test_fast_model_prices_the_reduction_as_the_simulator(optimistic):
         prof = random_profile(rng, n)
         groups = [[f"local:{i}" for i in range(r)]]
         layout = Layout.from_cluster(slow, groups, optimistic=optimistic)
-        est = evaluate(BlockCosts.from_profile(prof), layout, [0, n], batch, m, 1)
+        est = evaluate(BlockCosts.from_profile(prof), layout, [0, n], StepShape(batch, m))
         sim = simulate(_plan([0, n], groups, batch, m, 1), prof, slow)
         assert est.iteration_ms == pytest.approx(sim.iteration_ms, rel=1e-9)
         params = sum(b.param_bytes for b in prof.blocks)
@@ -159,13 +160,13 @@ def test_critical_stage_comes_from_the_critical_path_not_the_heaviest_stage():
     costs = BlockCosts.from_profile(prof)
     cl = Cluster.local(4, gbps=1e9, latency_us=0)
     layout = Layout.from_cluster(cl, [[f"local:{i}"] for i in range(4)])
-    est = evaluate(costs, layout, [0, 2, 4, 6, 8], 4, 4, 1)
+    est = evaluate(costs, layout, [0, 2, 4, 6, 8], StepShape(4, 4))
     heaviest = max(range(4), key=est.stage_ms.__getitem__)
     assert heaviest == 0
     assert est.critical_stage == 3  # the last stage's 4 forward+backward pairs are all on it
     assert est.critical_share[3] == pytest.approx(4 * est.stage_ms[3])
     assert sum(est.critical_share) <= est.iteration_ms + 1e-9
-    better = autopipe_partition(costs, layout, 4, 4, 1)
+    better = autopipe_partition(costs, layout, StepShape(4, 4))
     assert better.estimate.iteration_ms < est.iteration_ms
 
 
@@ -226,7 +227,7 @@ def test_slicer_picks_several_slices_for_a_deep_pipeline():
     assert sliced.iteration_ms < plain.iteration_ms * 0.97
     costs, layout = BlockCosts.from_profile(prof), Layout.from_cluster(
         cl, [[d] for d in plain.devices])
-    k, _ = choose_startup_slices(costs, layout, plain.cuts, 64, 8)
+    k, _ = choose_startup_slices(costs, layout, plain.cuts, StepShape(64, 8))
     assert k > 1
 
 
@@ -241,7 +242,7 @@ def test_drain_slicer_picks_several_slices_for_a_deep_pipeline():
     assert auto.iteration_ms < whole.iteration_ms * 0.98
     costs, layout = BlockCosts.from_profile(prof), Layout.from_cluster(
         cl, [[d] for d in whole.devices])
-    j, _ = choose_drain_slices(costs, layout, whole.cuts, 64, 8, auto.startup_slices)
+    j, _ = choose_drain_slices(costs, layout, whole.cuts, whole.step_shape())
     assert j > 1
     one = make_plan(prof, Cluster.local(1), 64, num_stages=1, num_microbatches=8)
     assert one.drain_slices == 1  # nothing to overlap on one stage

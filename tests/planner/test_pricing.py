@@ -17,6 +17,7 @@ from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.pricing import allreduce_ms, unit_ms
 from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.planner.step import StepShape
 from lightning_autopipe.profile import BlockProfile, Profile
 
 
@@ -72,8 +73,8 @@ def test_fast_model_equals_the_simulator_for_every_generator(schedule: str, repl
                     [StagePlan((cuts[s], cuts[s + 1]), groups[s]) for s in range(stages)],
                     schedule=schedule, drain_slices=j)
         sim = simulate(plan, prof, cluster)
-        est = evaluate(costs, Layout.from_cluster(cluster, groups), cuts, batch, m, k,
-                       drain_slices=j, schedule=schedule, exact=True)
+        est = evaluate(costs, Layout.from_cluster(cluster, groups), cuts, plan.step_shape(),
+                       exact=True)
         case = (schedule, stages, replicas, m, k, j)
         assert est.iteration_ms == pytest.approx(sim.iteration_ms, rel=1e-9), case
         assert est.stage_ms == pytest.approx(sim.stage_ms, rel=1e-9), case
@@ -135,11 +136,10 @@ def test_the_vector_replay_prices_every_candidate_as_the_scalar_one(schedule):
         cuts = [0, *sorted(rng.sample(range(1, 24), stages - 1)), 24]
         cands = [cuts, *neighbours(cuts)]
         batch = replicas * m * 6
-        many = evaluate_many(costs, layout, cands, batch, m, k, drain_slices=j,
-                             schedule=schedule)
+        step = StepShape(batch, m, k, drain_slices=j, schedule=schedule)
+        many = evaluate_many(costs, layout, cands, step)
         fresh = BlockCosts.from_profile(prof, cl)  # nothing kept from the batch (memo.py)
         for c, (ms, fits) in zip(cands, many):
-            one = evaluate(fresh, layout, c, batch, m, k, drain_slices=j, schedule=schedule,
-                           critical_path=False)
+            one = evaluate(fresh, layout, c, step, critical_path=False)
             assert ms == one.iteration_ms
             assert fits == one.fits

@@ -47,8 +47,8 @@ def test_the_fast_model_prices_recomputation_as_the_simulator(schedule, shared):
                                       for s in range(stages)],
                     schedule=schedule, recompute=flags)
         sim = simulate(plan, prof, cluster)
-        est = evaluate(costs, Layout.from_cluster(cluster, groups), cuts, 4 * m, m,
-                       schedule=schedule, exact=True, recompute=flags)
+        est = evaluate(costs, Layout.from_cluster(cluster, groups), cuts, plan.step_shape(),
+                       exact=True, recompute=flags)
         plain = simulate(Plan("t", 4 * m, m, 1, plan.stages, schedule=schedule), prof, cluster)
         case = (schedule, stages, m, flags)
         assert est.iteration_ms == pytest.approx(sim.iteration_ms, rel=1e-9), case

@@ -14,6 +14,7 @@ from lightning_autopipe.planner import make_plan
 from lightning_autopipe.planner.layout import Layout
 from lightning_autopipe.planner.mapping import candidate_groupings
 from lightning_autopipe.planner.partition import autopipe_partition, step_budget
+from lightning_autopipe.planner.step import StepShape
 from lightning_autopipe.profile import Profile
 
 from ._random import random_cluster, random_costs, random_profile
@@ -44,8 +45,8 @@ def test_partitioner_ends_within_its_step_budget_and_never_loses_to_its_start(se
         groups = next(iter(candidate_groupings(cluster, devs, stages, replicas).values()))
         layout = Layout.from_cluster(cluster, groups)
         budget = rng.choice([40, 400])
-        res = autopipe_partition(costs, layout, batch, m, rng.choice([1, min(2, size)]),
-                                 max_evaluations=budget)
+        step = StepShape(batch, m, rng.choice([1, min(2, size)]))
+        res = autopipe_partition(costs, layout, step, max_evaluations=budget)
         assert res.steps <= step_budget(budget), "the descent did not end by its own rule"
         assert res.evaluations <= budget + 4
         if res.estimate.fits or not math.isfinite(res.balanced_ms):

@@ -28,6 +28,7 @@ from lightning_autopipe.planner.partition import stage_limits
 from lightning_autopipe.planner.plan import Plan, StagePlan
 from lightning_autopipe.planner.pricing import stage_memory
 from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.planner.step import StepShape
 from lightning_autopipe.profile import BlockProfile, Profile
 
 
@@ -87,14 +88,14 @@ def test_fast_models_count_each_stage_as_the_simulator_does(seed):
                         drain_slices=j if m > 1 else 1, schedule=schedule,
                         recompute=recompute if any(recompute) else [])
             sim = simulate(plan, profile, cluster)
-            est = evaluate(costs, layout, cuts, batch, m, k, drain_slices=plan.drain_slices,
-                           schedule=schedule, recompute=recompute, critical_path=False)
+            est = evaluate(costs, layout, cuts, plan.step_shape(), recompute=recompute,
+                           critical_path=False)
             for s, g in enumerate(groups):
                 assert math.isclose(est.peak_bytes[s], sim.peak_memory_bytes[g[0]],
                                     rel_tol=1e-12, abs_tol=1.0), (schedule, s)
             if any(recompute) or (k, plan.drain_slices) != (1, 1):
                 continue  # the limits are the partitioner's, for its own shape (no slices)
-            limits = stage_limits(costs, layout, batch, m, 1, 2.0, schedule)
+            limits = stage_limits(costs, layout, plan.step_shape())
             for s, g in enumerate(groups):
                 assert math.isclose(limits.need(s, cuts[s], cuts[s + 1]),
                                     sim.peak_memory_bytes[g[0]], rel_tol=1e-12, abs_tol=1.0)
@@ -116,7 +117,7 @@ def test_the_partitioners_fast_check_is_its_memory_formula():
     costs = BlockCosts.from_profile(profile)
     cluster = _cluster(1, 3)
     layout = Layout.from_cluster(cluster, [[d.name] for d in cluster.devices])
-    limits = stage_limits(costs, layout, 48, 6, 1, 2.0, "1f1b")
+    limits = stage_limits(costs, layout, StepShape(48, 6))
     n = costs.num_blocks
     needs = sorted(limits.need(s, i, j) for s in range(3) for i in range(n)
                    for j in range(i + 1, n + 1))

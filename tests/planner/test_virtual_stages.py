@@ -283,7 +283,7 @@ def test_fast_model_equals_the_simulator_for_every_chunked_generator(schedule, v
                     schedule=schedule, drain_slices=j, chunks_per_rank=v, placement=pl)
         sim = simulate(plan, prof, cluster)
         est = evaluate_chunked(costs, ChunkLayout.from_cluster(cluster, groups, v, pl), cuts,
-                               batch, m, k, drain_slices=j, schedule=schedule)
+                               plan.step_shape())
         case = (schedule, v, ranks, replicas, m, k, j)
         assert est.iteration_ms == pytest.approx(sim.iteration_ms, rel=1e-9), case
         assert est.stage_ms == pytest.approx(sim.stage_ms, rel=1e-9), case

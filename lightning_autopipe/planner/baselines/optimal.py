@@ -13,6 +13,7 @@ from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.mapping import candidate_groupings
 from lightning_autopipe.planner.plan import Plan, Proposal, StagePlan
 from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.planner.step import StepShape
 from lightning_autopipe.profile import Profile
 
 __all__ = ["optimal_proposal"]
@@ -71,14 +72,16 @@ def optimal_proposal(
     mb = batch // (m * replicas)
     ks = [k_pin] if k_pin else list(range(1, min(max_slices, mb) + 1))
     js = [j_pin] if j_pin else list(range(1, min(max_slices, mb) + 1)) if m >= 2 else [1]
-    slices = [(k, j, sch) for k in ks for j in js for sch in schedules]
+    steps = [StepShape(batch, m, k, drain_slices=j, schedule=sch,
+                       optimizer_factor=optimizer_factor)
+             for k in ks for j in js for sch in schedules]
     maps = _mappings(cluster, devs, stages, replicas)
     parts = math.comb(n - 1, stages - 1)
-    total = parts * len(maps) * len(slices)
+    total = parts * len(maps) * len(steps)
     if total > _OPTIMAL_LIMIT:
         raise PlanError(
             f"the optimal planner would enumerate {parts} partitions x {len(maps)} mappings x "
-            f"{len(slices)} (startup, drain, schedule) choices = {total} candidates (limit "
+            f"{len(steps)} (startup, drain, schedule) choices = {total} candidates (limit "
             f"{_OPTIMAL_LIMIT}); use it on small cases (about 12 blocks, 4 stages) or pin "
             "startup_slices and drain_slices"
         )
@@ -87,15 +90,15 @@ def optimal_proposal(
         lay = Layout.from_cluster(cluster, groups, optimistic=True)
         for inner in itertools.combinations(range(1, n), stages - 1):
             cuts = [0, *inner, n]
-            for k, j, sch in slices:
-                e = evaluate(costs, lay, cuts, batch, m, k, drain_slices=j, schedule=sch,
-                             optimizer_factor=optimizer_factor, critical_path=False)
-                cands.append((not e.fits, e.iteration_ms, groups, cuts, k, j, sch))
+            for step in steps:
+                e = evaluate(costs, lay, cuts, step, critical_path=False)
+                cands.append((not e.fits, e.iteration_ms, groups, cuts, step))
     cands.sort(key=lambda c: (c[0], c[1]))
     best: tuple[tuple[bool, float], Proposal] | None = None
-    for unfit, bound, groups, cuts, k, j, sch in cands:
+    for unfit, bound, groups, cuts, step in cands:
         if best is not None and (unfit, bound) >= best[0]:
             break
+        k, j, sch = step.startup_slices, step.drain_slices, step.schedule
         plan = Plan("optimal", batch, m, k,
                     [StagePlan((cuts[s], cuts[s + 1]), groups[s]) for s in range(stages)],
                     drain_slices=j, schedule=sch)

@@ -44,6 +44,7 @@ import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_autopipe  # noqa: E402
+from benchmarks._publish import publish  # noqa: E402
 from benchmarks.adaptive_report import report  # noqa: E402
 from benchmarks.hetero import _single, free_port, neighbour_on, start_neighbour, stop_neighbour  # noqa: E402
 from benchmarks.runtime import BATCH, LR, GPTTask, _data  # noqa: E402
@@ -253,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                       "load": sum(one["load"] for one in singles) / len(singles)}
     (work / "adaptive.json").write_text(json.dumps(runs))
     print(f"records: {work / 'adaptive.json'}", file=sys.stderr)
-    table = report(runs, _command(args), args.drift)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    publish(report(runs, _command(args), args.drift), args.out)
     return 0
 
 

@@ -49,6 +49,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._publish import publish  # noqa: E402
 from benchmarks.runtime import (  # noqa: E402
     BATCH,
     LR,
@@ -317,10 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     with neighbour_on(cores[1]):
         mp.spawn(_worker, args=(free_port(), str(work), args.steps, args.rounds, cores[:2]),
                  nprocs=WORLD, join=True)
-    table = _table(json.loads((work / "hetero.json").read_text()), args.steps, args.rounds)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    publish(_table(json.loads((work / "hetero.json").read_text()), args.steps, args.rounds),
+            args.out)
     return 0
 
 

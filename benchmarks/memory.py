@@ -42,6 +42,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._publish import publish  # noqa: E402
 from lightning_autopipe.cluster import Cluster  # noqa: E402
 from lightning_autopipe.options import AutoPipeOptions  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
@@ -49,6 +50,7 @@ from lightning_autopipe.runtime.materialize import (  # noqa: E402
     _give_back_host_memory,
     deferred_init,
 )
+from lightning_autopipe.runtime.memory import reset_resident_peak, resident_peak_bytes  # noqa: E402
 from lightning_autopipe.runtime.pipeline import build_local_pipeline  # noqa: E402
 from lightning_autopipe.zoo.models import TinyGPT  # noqa: E402
 
@@ -72,18 +74,6 @@ class GPTTask(nn.Module):
 
     def pipeline_loss(self, logits, batch):
         return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> int:
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status("VmHWM")
 
 
 def _bcast(obj: Any, src: int) -> Any:
@@ -120,7 +110,7 @@ def _rank(rank: int, port: int, setup: str, d_model: int, layers: int, out: str)
     try:
         torch.manual_seed(0)
         x, y = _data(0)
-        base = _reset_peak()
+        base = reset_resident_peak()
         t0 = time.perf_counter()
         if setup == "eager":
             module = GPTTask(d_model, layers)
@@ -139,7 +129,7 @@ def _rank(rank: int, port: int, setup: str, d_model: int, layers: int, out: str)
                                     world_size=WORLD, device=torch.device("cpu"),
                                     broadcast=_bcast, example_batch=(x[:1], y[:1]))
         record: dict[str, Any] = {
-            "setup_growth": _status("VmHWM") - base,
+            "setup_growth": resident_peak_bytes() - base,
             "setup_s": time.perf_counter() - t0,
             "stage": pipe.layout.stage,
             "blocks": list(pipe.plan.stages[pipe.layout.stage].blocks),
@@ -154,7 +144,7 @@ def _rank(rank: int, port: int, setup: str, d_model: int, layers: int, out: str)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             record.update(losses=losses, readings=pipe.executor.memory.readings,
-                          train_growth=_status("VmHWM") - base, plan=pipe.plan.to_json())
+                          train_growth=resident_peak_bytes() - base, plan=pipe.plan.to_json())
         torch.save(record, Path(out) / f"{setup}.rank{rank}.pt")
         pipe.executor.close()
         del pipe, module
@@ -237,9 +227,7 @@ def main() -> None:
                  nprocs=WORLD, join=True)
         res[setup] = [torch.load(work / f"{setup}.rank{r}.pt", weights_only=False)
                       for r in range(WORLD)]
-    text = _report(res, args.d_model, args.layers)
-    print(text)
-    args.out.write_text(text + "\n")
+    publish(_report(res, args.d_model, args.layers), args.out)
 
 
 if __name__ == "__main__":

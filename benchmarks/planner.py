@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._publish import publish  # noqa: E402
 from lightning_autopipe.cluster import Cluster  # noqa: E402
 from lightning_autopipe.errors import MemoryPlanError, PlanError  # noqa: E402
 from lightning_autopipe.planner import analytic_profile, make_plan  # noqa: E402
@@ -361,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         ] if args.quality_cases else []),
         f"Total benchmark time {time.perf_counter() - t0:.0f} s.",
     ])
-    print(report)
-    if args.out:
-        args.out.write_text(report + "\n")
+    publish(report, args.out)
     return 0
 
 
@@ -380,9 +379,7 @@ def _chunks(args: argparse.Namespace, t0: float) -> int:
         planner_chunks.table(found), "",
         f"Total benchmark time {time.perf_counter() - t0:.0f} s.",
     ])
-    print(report)
-    if args.out:
-        args.out.write_text(report + "\n")
+    publish(report, args.out)
     return 0
 
 

@@ -37,6 +37,7 @@ from torch.nn import functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._publish import publish  # noqa: E402
 from lightning_autopipe.cluster import Cluster  # noqa: E402
 from lightning_autopipe.errors import PlanError  # noqa: E402
 from lightning_autopipe.graph import split_model  # noqa: E402
@@ -564,9 +565,7 @@ def main() -> None:
             *table,
         ]
     )
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    publish(text, args.out)
 
 
 def _plan(profiles: dict[int, Any], cluster: Cluster, common: dict, **pins: Any) -> Plan:

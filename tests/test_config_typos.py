@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hydra.errors import ConfigCompositionException
 
 from lightning_autopipe.zoo.config import compose
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.recipes._run import run_in_process
 
 
 @pytest.mark.parametrize(("override", "nearest"), [
@@ -40,10 +37,6 @@ def test_appending_to_an_untyped_node_and_good_overrides_still_compose():
 
 
 def test_the_recipe_prints_the_nearest_key_in_one_line(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
-    from _common import run_recipe
-
-    assert run_recipe("train_gpt", ["strategy.num_stage=2"]) == 2
-    err = capsys.readouterr().err
+    err = run_in_process(monkeypatch, capsys, "train_gpt", ["strategy.num_stage=2"], status=2).err
     assert "did you mean strategy.num_stages=2?" in err
     assert "Traceback" not in err

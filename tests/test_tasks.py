@@ -110,3 +110,22 @@ def test_builders_shapes_and_errors():
         build_resnet("v", arch="vgg16")
     with pytest.raises(ValueError, match="lr=0"):
         CausalLMTask(gpt, seq_len=16, lr=0)
+
+
+@pytest.mark.parametrize(("make", "betas"), [(_gpt_task, (0.9, 0.95)), (_bert_task, (0.9, 0.999))])
+def test_each_token_task_keeps_its_default_betas_through_a_checkpoint(make, betas, tmp_path):
+    """The default betas are the task's own (GPT 0.95, BERT 0.999), in ``hparams`` as used,
+    so a checkpoint's hyperparameters rebuild the same optimizer; given betas stay as given."""
+    import lightning.pytorch as pl
+
+    task, _ = make()
+    assert task.betas == betas
+    assert task.hparams["betas"] == betas
+    assert task.configure_optimizers().defaults["betas"] == betas
+    path = tmp_path / "task.ckpt"
+    torch.save({"state_dict": task.state_dict(), "hyper_parameters": dict(task.hparams),
+                "pytorch-lightning_version": pl.__version__}, path)
+    loaded = type(task).load_from_checkpoint(path, model=task.model, weights_only=True)
+    assert loaded.betas == betas
+    assert dict(loaded.hparams) == dict(task.hparams)
+    assert type(task)(task.model, seq_len=16, betas=[0.8, 0.9]).hparams["betas"] == [0.8, 0.9]

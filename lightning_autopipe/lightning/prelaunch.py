@@ -20,6 +20,7 @@ from lightning_autopipe.errors import PlanError
 from lightning_autopipe.lightning.precision import check_precision
 from lightning_autopipe.lightning.reproducible import check_reproducible
 from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.runtime.checks import check_stages_divide
 
 __all__ = ["CheckedMultiProcessingLauncher", "CheckedScriptLauncher", "check_before_launch",
            "check_trainer"]
@@ -69,15 +70,7 @@ def check_before_launch(
             "backward itself); remove `self.automatic_optimization = False`"
         )
     check_reproducible(options)  # deterministic=True: the depth must be pinned
-    stages = options.pins["num_stages"]
-    if stages is not None and world_size % stages:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise PlanError(
-            f"num_stages={stages} does not divide the {world_size} launched processes "
-            f"(devices x num_nodes); every stage needs the same number of replicas: launch a "
-            f"multiple of {stages} processes, pick num_stages in {divisors}, or "
-            "num_stages='auto' to let the planner choose"
-        )
+    check_stages_divide(options.pins["num_stages"], world_size)  # devices x num_nodes
     if options.cluster is not None:
         _check_cluster(options, world_size, num_nodes)
     if options.plan is not None:

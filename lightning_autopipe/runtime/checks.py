@@ -19,6 +19,7 @@ __all__ = [
     "check_microbatches",
     "check_num_stages",
     "check_plan_for_run",
+    "check_stages_divide",
 ]
 
 GiB = 2**30
@@ -51,12 +52,23 @@ def check_num_stages(
             f"(granularity={granularity!r}); use at most {min(num_blocks, world_size)} stages, "
             f"or {finer}"
         )
-    if world_size % num_stages:
-        raise PlanError(
-            f"num_stages={num_stages} does not divide the {world_size} launched processes; every "
-            "stage needs the same number of replicas: pick a divisor of the world size, or "
-            "num_stages='auto' to let the planner choose (recipes: strategy=autopipe)"
-        )
+    check_stages_divide(num_stages, world_size)
+
+
+def check_stages_divide(num_stages: int | None, world_size: int) -> None:
+    """A pinned pipeline depth must divide the world: every stage has as many replicas.
+
+    Needs no model, so the launcher runs it before any process starts, and every rank again.
+    """
+    if num_stages is None or world_size % num_stages == 0:
+        return
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    raise PlanError(
+        f"num_stages={num_stages} does not divide the {world_size} launched processes; every "
+        f"stage needs the same number of replicas: launch a multiple of {num_stages} "
+        f"processes, pick num_stages in {divisors}, or num_stages='auto' to let the planner "
+        "choose (recipes: strategy=autopipe)"
+    )
 
 
 def check_microbatches(

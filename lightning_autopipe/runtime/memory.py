@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +42,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["MemoryMeter", "MemoryReading", "format_readings"]
+__all__ = ["MemoryMeter", "MemoryReading", "format_readings", "reset_resident_peak",
+           "resident_peak_bytes"]
 
 GiB = 2**30
 #: The innermost saved-tensor hooks (pack, unpack), or None; checkpoint reads them the same way.
@@ -324,3 +326,24 @@ def format_readings(readings: Sequence[MemoryReading], step: int) -> str:
             f"{r.grads / GiB:>9.4f} {r.optimizer / GiB:>9.4f} {r.activations / GiB:>11.4f}"
         )
     return "\n".join(lines)
+
+
+def resident_peak_bytes() -> int:
+    """This process's peak resident set in bytes since it started or since the last
+    :func:`reset_resident_peak` (``VmHWM`` of Linux ``/proc/self/status``): everything the
+    process touched, not only tensors.
+
+    Raises:
+        RuntimeError: the status file has no ``VmHWM`` (not Linux).
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM")
+
+
+def reset_resident_peak() -> int:
+    """Make the peak resident set the current one (Linux ``/proc/self/clear_refs``); returns
+    it, the base a later :func:`resident_peak_bytes` grows from."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return resident_peak_bytes()

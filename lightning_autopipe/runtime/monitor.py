@@ -67,8 +67,17 @@ _KINDS = ("F", "B", "W", "RF", "RB", "SF", "SB")
 WARMUP_STEPS = 1
 
 
+class _Compute:
+    """``compute_ms`` of a record with ``forward_ms``, ``backward_ms`` and ``weight_ms``."""
+
+    @property
+    def compute_ms(self) -> float:
+        """F + B + W: the time this rank computed."""
+        return self.forward_ms + self.backward_ms + self.weight_ms
+
+
 @dataclass(frozen=True)
-class StepBreakdown:
+class StepBreakdown(_Compute):
     """Where one executor step went, ms (see :func:`breakdown`)."""
 
     forward_ms: float
@@ -80,11 +89,6 @@ class StepBreakdown:
     send_b_ms: float
     tail_ms: float
     step_ms: float
-
-    @property
-    def compute_ms(self) -> float:
-        """F + B + W: the time this rank computed."""
-        return self.forward_ms + self.backward_ms + self.weight_ms
 
     def as_dict(self) -> dict[str, float]:
         """The benchmarks' table keys: F, B, W, RF, RB, SF, SB, ``sync`` (the tail), ``step``."""
@@ -121,7 +125,7 @@ def predicted_compute(sim: Any, device: str) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
-class Prediction:
+class Prediction(_Compute):
     """What the simulator predicts for one rank's step: the step, compute per kind, the bubble,
     the peak memory, and the speed the plan's cluster gives this rank's device type."""
 
@@ -133,10 +137,6 @@ class Prediction:
     bubble: float
     peak_memory_bytes: int
     speed: float
-
-    @property
-    def compute_ms(self) -> float:
-        return self.forward_ms + self.backward_ms + self.weight_ms
 
     @classmethod
     def unknown(cls, device: str, plan: Any, speed: float = math.nan) -> Prediction:

@@ -219,15 +219,20 @@ class _TaskConfig:
 
 
 @dataclass
-class CausalLMTaskConfig(_TaskConfig):
-    _target_: str = "lightning_autopipe.zoo.tasks.CausalLMTask"
+class _TokenTaskConfig(_TaskConfig):
+    """A task on token ids (``seq_len``: the model's context length)."""
+
     seq_len: int = MISSING
 
 
 @dataclass
-class MaskedLMTaskConfig(_TaskConfig):
+class CausalLMTaskConfig(_TokenTaskConfig):
+    _target_: str = "lightning_autopipe.zoo.tasks.CausalLMTask"
+
+
+@dataclass
+class MaskedLMTaskConfig(_TokenTaskConfig):
     _target_: str = "lightning_autopipe.zoo.tasks.MaskedLMTask"
-    seq_len: int = MISSING
 
 
 @dataclass

@@ -221,8 +221,11 @@ class _PipelineTask(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-class CausalLMTask(_PipelineTask):
-    """Next-token prediction. Batches are ``(input_ids, targets)``, both ``[batch, seq_len]``."""
+class _TokenTask(_PipelineTask):
+    """A task on ``[batch, seq_len]`` token ids; ``betas`` None means the task's own
+    :attr:`default_betas`."""
+
+    default_betas: tuple[float, float] = (0.9, 0.999)
 
     def __init__(
         self,
@@ -231,11 +234,21 @@ class CausalLMTask(_PipelineTask):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
-        betas: Sequence[float] = (0.9, 0.95),
+        betas: Sequence[float] | None = None,
     ) -> None:
+        # Resolved before save_hyperparameters, which reads this frame's locals: the hparams
+        # (and so a checkpoint's) hold the betas in use, never None.
+        if betas is None:
+            betas = self.default_betas
         super().__init__(model, lr, weight_decay, warmup_steps, betas)
         self.save_hyperparameters(ignore=["model"])
         self.example_input_array = torch.zeros(2, seq_len, dtype=torch.long)
+
+
+class CausalLMTask(_TokenTask):
+    """Next-token prediction. Batches are ``(input_ids, targets)``, both ``[batch, seq_len]``."""
+
+    default_betas = (0.9, 0.95)
 
     def pipeline_loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
         """Mean cross-entropy over every token; all samples have the same length, so this is
@@ -244,21 +257,10 @@ class CausalLMTask(_PipelineTask):
         return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
 
 
-class MaskedLMTask(_PipelineTask):
+class MaskedLMTask(_TokenTask):
     """Masked-LM. Batches are ``(input_ids, labels)``, labels ``IGNORE_INDEX`` where unmasked."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        seq_len: int,
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        betas: Sequence[float] = (0.9, 0.999),
-    ) -> None:
-        super().__init__(model, lr, weight_decay, warmup_steps, betas)
-        self.save_hyperparameters(ignore=["model"])
-        self.example_input_array = torch.zeros(2, seq_len, dtype=torch.long)
+    default_betas = (0.9, 0.999)
 
     def pipeline_loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
         """Mean over samples of each sample's mean loss on its masked positions.

@@ -18,6 +18,7 @@ batch, loss and the weights it holds (original names); ``zbv-2x1`` also saves
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from lightning_autopipe.graph import split_model  # noqa: E402
 from lightning_autopipe.planner.placement import chunk_ranks  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from lightning_autopipe.zoo.models import TinyGPT  # noqa: E402
+from tests._with_loss import TaskWithLoss  # noqa: E402
 
 VOCAB, SEQ, LAYERS = 32, 8, 4
 REPLICA_BATCH, MICROBATCHES, STEPS, RESUME_STEPS = 8, 4, 3, 2
@@ -79,22 +81,9 @@ def chunk_plan(schedule: str, p: int, replicas: int) -> Plan:
                 drain_slices=j, chunks_per_rank=v, placement=placement)
 
 
-class Task(pl.LightningModule):
+class Task(TaskWithLoss):
     def __init__(self) -> None:
-        super().__init__()
-        self.net = build_net()
-
-    def forward(self, x):
-        return self.net(x)
-
-    def pipeline_loss(self, outputs, batch):
-        return loss_fn(outputs, batch)
-
-    def training_step(self, batch, batch_idx):
-        return self.pipeline_loss(self(batch[0]), batch)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=LR, eps=EPS)
+        super().__init__(build_net(), loss_fn, partial(torch.optim.Adam, lr=LR, eps=EPS))
 
 
 class Record(pl.Callback):

@@ -26,12 +26,15 @@ known in advance:
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from functools import partial
+
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+from tests._with_loss import TaskWithLoss
 
 SIDE = 1024.0
 FP16_MAX = 65504.0
@@ -64,22 +67,13 @@ class Net(nn.Module):
         return self.head(h) + self.side(h.detach()) / SIDE * SIDE
 
 
-class Task(pl.LightningModule):
+def loss_fn(outputs: torch.Tensor, batch) -> torch.Tensor:
+    return F.mse_loss(outputs, batch[1])
+
+
+class Task(TaskWithLoss):
     def __init__(self) -> None:
-        super().__init__()
-        self.net = Net()
-
-    def forward(self, x):
-        return self.net(x)
-
-    def pipeline_loss(self, outputs, batch):
-        return F.mse_loss(outputs, batch[1])
-
-    def training_step(self, batch, batch_idx):  # Lightning's check; the strategy runs the above
-        return self.pipeline_loss(self(batch[0]), batch)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        super().__init__(Net(), loss_fn, partial(torch.optim.SGD, lr=LR))
 
 
 def plugin(device: str = "cpu") -> MixedPrecision:

@@ -46,6 +46,22 @@ def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     return proc
 
 
+def run_in_process(monkeypatch, capsys, recipe: str, argv: list[str], status: int = 0):
+    """Run ``recipes/<recipe>.py argv`` inside pytest (plan-only runs, one-process runs and
+    refused configurations: nothing launched); asserts its exit ``status`` and returns what it
+    printed (``.out``, ``.err``)."""
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    # setenv (not delenv) so that what the recipe exports is undone after the test
+    monkeypatch.setenv("AUTOPIPE_RUN_DIR", "")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # seed_everything exports these
+    monkeypatch.setenv("PL_SEED_WORKERS", "0")
+    from _common import run_recipe
+
+    assert run_recipe(recipe, argv) == status
+    return capsys.readouterr()
+
+
 def losses(run_dir: Path, key: str = "train_loss") -> dict[int, float]:
     """``{step: value}`` of ``key`` in the run's CSV log."""
     import csv

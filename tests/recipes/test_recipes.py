@@ -12,7 +12,7 @@ from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import Profile
 from lightning_autopipe.zoo.config import CONF_DIR
-from tests.recipes._run import ROOT, losses, run
+from tests.recipes._run import ROOT, losses, run, run_in_process
 
 BANNER = "== AutoPipe plan: 2 stages x "
 QUIET = ["trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
@@ -65,9 +65,9 @@ def test_main_job_pipelines_gpt_on_two_ranks_and_the_loss_goes_down(
         _without_overhead(s) for s in cluster.to_dict()["servers"]]})
     assert simulate(plan, profile, free).iteration_ms < plan.iteration_ms
 
-    _run_in_process(monkeypatch, capsys, "train_gpt",
-                    ["strategy=auto", "trainer.devices=1", "trainer.max_steps=30",
-                     f"run_dir={ref_dir}", *QUIET])
+    run_in_process(monkeypatch, capsys, "train_gpt",
+                   ["strategy=auto", "trainer.devices=1", "trainer.max_steps=30",
+                    f"run_dir={ref_dir}", *QUIET])
     reference = losses(ref_dir)
     assert [reference[s] for s in range(30)] == pytest.approx(values, rel=1e-4)
 
@@ -107,23 +107,10 @@ def test_a_cluster_file_named_on_the_command_line_trains(tmp_path):
     assert sorted(losses(tmp_path)) == [0, 1]
 
 
-def _run_in_process(monkeypatch, capsys, recipe: str, argv: list[str]) -> str:
-    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
-    # setenv (not delenv) so that what the recipe exports is undone after the test
-    monkeypatch.setenv("AUTOPIPE_RUN_DIR", "")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # seed_everything exports these
-    monkeypatch.setenv("PL_SEED_WORKERS", "0")
-    from _common import run_recipe
-
-    assert run_recipe(recipe, argv) == 0
-    return capsys.readouterr().out
-
-
 def test_plan_only_for_gpt2_xl_on_the_mixed_rack(tmp_path, monkeypatch, capsys):
-    out = _run_in_process(monkeypatch, capsys, "train_gpt",
-                          ["--plan-only", "cluster=mixed_rack", "model=gpt2_xl",
-                           "strategy=autopipe", f"run_dir={tmp_path}"])
+    out = run_in_process(monkeypatch, capsys, "train_gpt",
+                         ["--plan-only", "cluster=mixed_rack", "model=gpt2_xl",
+                          "strategy=autopipe", f"run_dir={tmp_path}"]).out
     assert "== AutoPipe plan:" in out
     assert "analytic" in out
     cluster = Cluster.load(CONF_DIR / "cluster" / "mixed_rack.yaml")
@@ -138,9 +125,9 @@ def test_plan_only_for_gpt2_xl_on_the_mixed_rack(tmp_path, monkeypatch, capsys):
 
 
 def test_plan_only_measures_a_small_model_for_the_local_cluster(tmp_path, monkeypatch, capsys):
-    out = _run_in_process(monkeypatch, capsys, "train_gpt",
-                          ["--plan-only", "trainer.devices=4", "strategy.num_stages=2",
-                           f"run_dir={tmp_path}"])
+    out = run_in_process(monkeypatch, capsys, "train_gpt",
+                         ["--plan-only", "trainer.devices=4", "strategy.num_stages=2",
+                          f"run_dir={tmp_path}"]).out
     assert "measured" in out
     plan = Plan.load(tmp_path / "plan.json")
     assert plan.num_ranks == 2  # pipeline depth (each rank may hold several chunks)
@@ -156,27 +143,24 @@ def test_plan_only_does_not_measure_what_would_take_minutes(tmp_path, monkeypatc
     import _plan
 
     monkeypatch.setattr(_plan, "_MEASURE_BUDGET_S", 0.0)
-    out = _run_in_process(monkeypatch, capsys, "train_gpt",
-                          ["--plan-only", f"run_dir={tmp_path}"])
+    out = run_in_process(monkeypatch, capsys, "train_gpt",
+                         ["--plan-only", f"run_dir={tmp_path}"]).out
     assert "analytic" in out
     assert "measuring its blocks here would take about" in out
     assert json.loads((tmp_path / "profile.json").read_text())["device"].startswith("analytic")
 
 
 def test_help_and_unknown_flags(monkeypatch, capsys):
-    out = _run_in_process(monkeypatch, capsys, "train_resnet", ["--help"])
+    out = run_in_process(monkeypatch, capsys, "train_resnet", ["--help"]).out
     assert "--plan-only" in out
     with pytest.raises(SystemExit, match="--plan-onyl"):
-        _run_in_process(monkeypatch, capsys, "train_resnet", ["--plan-onyl"])
+        run_in_process(monkeypatch, capsys, "train_resnet", ["--plan-onyl"])
 
 
 @pytest.mark.parametrize("extra", [[], ["+model.max_seq_len=64"]])
 def test_a_model_of_another_recipe_names_the_recipe_that_trains_it(monkeypatch, capsys, extra):
-    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
-    from _common import run_recipe
-
-    assert run_recipe("train_gpt", ["model=resnet18", *extra, "--plan-only"]) == 2
-    err = capsys.readouterr().err
+    err = run_in_process(monkeypatch, capsys, "train_gpt",
+                         ["model=resnet18", *extra, "--plan-only"], status=2).err
     assert "model=resnet18 is not a GPT model" in err
     assert "model=gpt2 | gpt2_medium | gpt2_xl | gpt_small | gpt_tiny" in err
     assert "run recipes/train_resnet.py model=resnet18" in err
@@ -201,16 +185,13 @@ def test_the_recipe_tasks_hyperparameters_load_weights_only(monkeypatch, tmp_pat
 def test_plan_only_on_the_local_cluster_says_why_a_run_may_plan_otherwise(
     tmp_path, monkeypatch, capsys
 ):
-    out = _run_in_process(monkeypatch, capsys, "train_gpt", ["--plan-only", f"run_dir={tmp_path}"])
+    out = run_in_process(monkeypatch, capsys, "train_gpt",
+                         ["--plan-only", f"run_dir={tmp_path}"]).out
     assert "a training run measures the links between its ranks" in out
     assert f"strategy.plan={tmp_path / 'plan.json'}" in out
 
 
 def test_a_misspelt_override_is_one_line_with_the_fix(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
-    from _common import run_recipe
-
-    assert run_recipe("train_gpt", ["trainer.max_stepz=3"]) == 2
-    err = capsys.readouterr().err
+    err = run_in_process(monkeypatch, capsys, "train_gpt", ["trainer.max_stepz=3"], status=2).err
     assert "Could not override 'trainer.max_stepz'" in err
     assert "Traceback" not in err

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_autopipe.zoo.models import TinyGPT
+from tests._with_loss import WithLoss
 
 VOCAB, SEQ = 32, 8
 GLOBAL_BATCH = 16
@@ -45,19 +46,11 @@ def lm_loss(outputs: torch.Tensor, batch) -> torch.Tensor:
     return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), batch[1].reshape(-1))
 
 
-
-class NetWithLoss(torch.nn.Module):
+class NetWithLoss(WithLoss):
     """The test GPT as a plain module with the pipeline's loss (runtime tests without Lightning)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.net = build_net()
-
-    def forward(self, x):
-        return self.net(x)
-
-    def pipeline_loss(self, outputs, batch):
-        return lm_loss(outputs, batch)
+        super().__init__(build_net(), lm_loss)
 
 
 class Task(pl.LightningModule):

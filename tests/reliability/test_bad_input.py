@@ -102,6 +102,13 @@ def test_more_stages_than_blocks(no_profiling):
         _build(Model(), world_size=16, num_stages=16)
 
 
+def test_stages_not_dividing_the_world(no_profiling):
+    """A rank refuses it as the launcher does (a launcher this package does not wrap)."""
+    with pytest.raises(PlanError, match=r"num_stages=2 does not divide the 3 launched processes"
+                                        r".* pick num_stages in \[1, 3\]"):
+        _build(Model(), world_size=3, num_stages=2)
+
+
 def test_cluster_with_fewer_devices_than_processes(no_profiling):
     with pytest.raises(ClusterError, match=r"describes 2 devices but 4 processes were launched"):
         _build(Model(), world_size=4, cluster=Cluster.local(2))

@@ -31,26 +31,13 @@ import lightning_autopipe  # noqa: E402
 from lightning_autopipe.cluster import Cluster  # noqa: E402
 from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
 from lightning_autopipe.runtime.materialize import _give_back_host_memory  # noqa: E402
+from lightning_autopipe.runtime.memory import reset_resident_peak, resident_peak_bytes  # noqa: E402
 from lightning_autopipe.zoo.models import TinyGPT  # noqa: E402
 from tests.runtime import _cases as C  # noqa: E402
 
 SIZES = {"vocab": 512, "seq_len": 4, "d_model": 1024, "n_layers": 8, "n_heads": 8}
 TINY = {"vocab": C.VOCAB, "seq_len": C.SEQ, "d_model": 16, "n_layers": 2, "n_heads": 2}
 BATCH = 4
-
-
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` figure in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak() -> int:
-    """Make the peak resident set the current one; returns it."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status("VmHWM")
 
 
 class Task(pl.LightningModule):
@@ -72,7 +59,7 @@ class Task(pl.LightningModule):
         return C.loss_fn(self(batch[0]), batch)
 
     def on_fit_start(self) -> None:
-        self.peak = _status("VmHWM")
+        self.peak = resident_peak_bytes()
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
@@ -114,7 +101,7 @@ def run(build: str, world: int, out: Path) -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=out / "root",
     )
-    base = reset_peak()
+    base = reset_resident_peak()
     task = Task(deferred=build == "meta")
     trainer.fit(task)
     stage = trainer.strategy.pipeline.stage

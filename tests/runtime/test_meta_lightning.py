@@ -9,12 +9,14 @@ starts): everything the rank touched, not only tensors. The model's fp32 weights
 from __future__ import annotations
 
 import math
+import mmap
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_autopipe.runtime.materialize import deferred_init
+from lightning_autopipe.runtime.memory import reset_resident_peak, resident_peak_bytes
 from lightning_autopipe.zoo.models import TinyGPT
 
 MiB = 2**20
@@ -36,6 +38,20 @@ pytestmark = pytest.mark.skipif(not _clear_refs_works(),
 MODULE = "tests.runtime._meta_lightning_run"
 WORLD_CASES = {2: [f"{MODULE}:resume", f"{MODULE}:meta", f"{MODULE}:eager"],
                4: [f"{MODULE}:meta", f"{MODULE}:eager"]}
+
+
+def test_the_resident_peak_grows_by_a_written_buffer_and_forgets_it_after_a_reset():
+    """The measure the launches use, against a known size: 64 MiB of fresh anonymous pages,
+    every one written (a tensor could reuse pages a long-lived process's heap already holds)."""
+    base = reset_resident_peak()
+    buffer = mmap.mmap(-1, 64 * MiB)
+    page = b"\1" * MiB
+    for _ in range(64):
+        buffer.write(page)
+    grown = resident_peak_bytes() - base
+    buffer.close()
+    assert 64 * MiB - MiB <= grown < 64 * MiB + SLACK
+    assert reset_resident_peak() < base + grown - 32 * MiB  # freed: the old peak is forgotten
 
 
 def _whole_model_bytes() -> int:

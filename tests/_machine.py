@@ -20,12 +20,15 @@ other shard's process test.
 While the ``launch`` lane runs, the ``rest`` lane's shards run beside it at idle priority
 (``SCHED_IDLE``: a core goes to them only when no launch rank wants it, and a waking rank takes
 it back at once), so that the launch lane's idle cores (ranks importing one after another, a
-hang's timeout) run the rest lane's single-process tests. A test that starts ranks or asserts
-on its own timings (marked ``quiet``; the ``gloo`` fixture implies it) must not run beside the
-launch lane: its shard takes the files without such tests first, then waits until the launch
-lane has ended (``AUTOPIPE_SUITE_BESIDE`` names a file the suite holds locked until then) and
-goes back to normal priority. A test that starts processes without the mark waits the same way
-when it starts the first one.
+hang's timeout) run the rest lane's single-process tests. A test that starts ranks but asserts
+nothing on time (marked ``ranks``; the ``gloo`` fixture implies it) runs beside the launch lane
+too, once the shard has run its single-process files: its ranks inherit the idle priority, so
+they only slow themselves (a collective waits longer for a rank pushed off its core), never a
+launch rank. A test that asserts on its own timings, or plans from profiles it takes (marked
+``quiet``), must not run beside the launch lane: its shard takes the other files first, then
+waits until the launch lane has ended (``AUTOPIPE_SUITE_BESIDE`` names a file the suite holds
+locked until then) and goes back to normal priority, with every process it started. A test
+that starts processes with neither mark waits the same way when it starts the first one.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ BESIDE_VARIABLE = "AUTOPIPE_SUITE_BESIDE"
 
 _files: dict[str, IO[bytes]] = {}
 # held: "", "shared" or "exclusive"; launch: the launch lane's file while it may still run
-_state = {"held": "", "base": "", "beside": "", "launch": ""}
+_state = {"held": "", "base": "", "beside": "", "ranks": "", "launch": ""}
 
 
 def configure() -> None:
@@ -64,18 +67,25 @@ def idle_priority() -> None:
 
 
 def _normal_priority() -> None:
-    """Every thread of this process back at normal priority (the processes it starts inherit
-    it); where that is refused (no ``CAP_SYS_NICE``) it stays idle, which costs nothing once
-    the launch lane has ended."""
-    try:
-        threads = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]
-    for tid in threads:
+    """Every thread of this process and of the processes it started (a gloo world's ranks,
+    their fork server) back at normal priority, so that what it starts next inherits it too;
+    where that is refused (no ``CAP_SYS_NICE``) it stays idle, which costs nothing once the
+    launch lane has ended."""
+    import psutil
+
+    me = psutil.Process()
+    for pid in [me.pid, *(child.pid for child in me.children(recursive=True))]:
         try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        except (AttributeError, OSError):
-            return
+            threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue  # ended meanwhile
+        for tid in threads:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            except ProcessLookupError:
+                continue
+            except (AttributeError, OSError):
+                return
 
 
 def beside_the_launch() -> bool:
@@ -135,11 +145,13 @@ def claim(name: str) -> bool:
     return True
 
 
-def begin_test(beside: bool = False) -> None:
+def begin_test(beside: bool = False, ranks: bool = False) -> None:
     """Hold the machine shared for one test (after any writer already waiting); ``beside``:
     the test starts one single-threaded child at a time (a fresh interpreter, a CLI run), no
-    ranks, so it keeps the shared hold while its child runs."""
+    ranks, so it keeps the shared hold while its child runs; ``ranks``: its ranks may start
+    beside the launch lane (marked ``ranks``, not ``quiet``)."""
     _state["beside"] = "yes" if beside else ""
+    _state["ranks"] = "yes" if ranks else ""
     main, gate = _file(".main"), _file(".gate")
     if main is None or gate is None or os.getpid() != _owner():
         return
@@ -150,14 +162,15 @@ def begin_test(beside: bool = False) -> None:
 
 
 def need_the_machine() -> None:
-    """The running test starts processes: hold the machine exclusive until the test ends (after
-    the launch lane: ranks at idle priority beside it would stall each other)."""
+    """The running test starts processes: hold the machine exclusive until the test ends (one
+    not marked ``ranks``, after the launch lane)."""
     if _state["beside"] or os.getpid() != _owner():
         return
-    if beside_the_launch():
+    if not _state["ranks"] and beside_the_launch():
         sys.__stderr__.write(f"\n{os.environ.get('PYTEST_CURRENT_TEST', 'a test')}: starts "
-                             "processes beside the launch lane: mark it `quiet` so that its "
-                             "shard runs other files until the launch lane ends\n")
+                             "processes beside the launch lane: mark it `ranks` (it asserts "
+                             "nothing on time) or `quiet` so that its shard runs other files "
+                             "until the launch lane ends\n")
         await_the_launch()
     main, gate = _file(".main"), _file(".gate")
     if main is None or gate is None or _state["held"] == "exclusive":

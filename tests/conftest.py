@@ -4,11 +4,11 @@ threads competing with other processes make every op wait for the slower thread.
 launch per world size (``worlds``, :mod:`tests._worlds`), cases on gloo without Lightning one
 set of processes per size (``gloo``, :mod:`tests._gloo`).
 
-``make test`` runs :mod:`tests.suite`: three pytest lanes one after another. The ``launch``
-lane holds the shared Lightning worlds and the tests marked ``launch`` (recipes, torchrun nodes,
-elastic restarts, failing ranks: what starts Lightning ranks of its own and takes long); the
-``rest`` lane holds the rest (the gloo worlds and the shorter launches included). ``serial`` tests
-time processes against each other and must have the machine to themselves."""
+``make test`` runs :mod:`tests.suite`: the ``launch`` lane (the shared Lightning worlds and the
+tests marked ``launch``: recipes, torchrun nodes, elastic restarts, failing ranks) with the
+``rest`` lane beside it at idle priority (everything else, the gloo worlds included; its
+``quiet`` tests after the launch lane's end), then the ``serial`` lane, the tests that time
+processes against each other, alone."""
 
 from __future__ import annotations
 
@@ -77,7 +77,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    _machine.begin_test(beside=item.get_closest_marker("one_child") is not None)
+    _machine.begin_test(beside=item.get_closest_marker("one_child") is not None,
+                        ranks=item.get_closest_marker("quiet") is None
+                        and item.get_closest_marker("ranks") is not None)
     try:
         yield
     finally:
@@ -86,12 +88,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     """The shared Lightning worlds run in :mod:`tests.suite`'s launch lane; the gloo worlds'
-    ranks only once it has ended (``quiet``, :mod:`tests._machine`)."""
+    ranks beside it at idle priority (``ranks``, :mod:`tests._machine`)."""
     fixtures = getattr(item, "fixturenames", ())
     if "worlds" in fixtures:
         item.add_marker(pytest.mark.launch)
     if "gloo" in fixtures:
-        item.add_marker(pytest.mark.quiet)
+        item.add_marker(pytest.mark.ranks)
 
 
 @pytest.hookimpl(trylast=True)  # after ``-m``/``-k`` deselection: only what runs here
@@ -113,26 +115,31 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     """Under :mod:`tests.suite`'s side-by-side shards every shard collects the whole lane and
     runs the test files it claims first (:func:`tests._machine.claim`), one file at a time:
     the shards end together however long each file takes. While the launch lane runs beside
-    them, they take only files without a ``quiet`` test; then they wait for its end."""
+    them, they take the files of single-process tests first, then those with a ``ranks`` test;
+    a file with a ``quiet`` test waits for the launch lane's end."""
     if not _machine.active() or session.config.option.collectonly:
         return None
     files: dict[str, list[pytest.Item]] = {}
     for item in session.items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    quiet = {path for path, items in files.items()
-             if any(item.get_closest_marker("quiet") is not None for item in items)}
+
+    def marked(name: str) -> set[str]:
+        return {path for path, items in files.items()
+                if any(item.get_closest_marker(name) is not None for item in items)}
+
+    quiet, ranks = marked("quiet"), marked("ranks")
+    # the single-process files first, then the ranks files, the quiet ones last
+    order = {path: 2 if path in quiet else 1 if path in ranks else 0 for path in files}
 
     def claimed_next(wait: bool) -> list[pytest.Item]:
         """The next file this shard claims; none while only ``quiet`` files are left and the
         launch lane runs, unless ``wait``: then after its end."""
         while files:
-            path = next((p for p in files if p not in quiet), None)
-            if path is None:
-                if _machine.beside_the_launch():
-                    if not wait:
-                        return []
-                    _machine.await_the_launch()
-                path = next(iter(files))
+            path = min(files, key=order.__getitem__)
+            if path in quiet and _machine.beside_the_launch():
+                if not wait:
+                    return []
+                _machine.await_the_launch()
             items = files.pop(path)
             if _machine.claim(path):
                 return items

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests._launch import free_port, init_gloo
 
 
@@ -36,6 +38,7 @@ def _leave_case(rank: int, world: int, ports: list[int], late_s: float) -> dict:
     return out
 
 
+@pytest.mark.quiet  # asserts how long the ranks wait
 def test_every_rank_waits_for_the_others_then_destroys_its_groups_and_the_world(gloo):
     late_s = 1.0
     results = gloo(2).run(_leave_case, [free_port(), free_port()], late_s)

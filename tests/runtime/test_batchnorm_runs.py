@@ -30,7 +30,7 @@ SCRIPT = ROOT / "tests" / "runtime" / "_batchnorm_run.py"
 CASES = ["det-a", "det-b", "replicas"]
 WORLD = 2
 
-pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # starts ranks
+pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # plans from the profiles its ranks take
 
 
 @pytest.fixture(scope="module")

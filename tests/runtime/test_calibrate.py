@@ -201,7 +201,7 @@ def _timeout_worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.quiet  # starts ranks
+@pytest.mark.quiet  # asserts the time a collective takes to fail
 def test_a_missing_peer_fails_instead_of_hanging():
     forked_context()  # the fork server, its imports preloaded
     mp.start_processes(_timeout_worker, args=(free_port(),), nprocs=2, join=True,

@@ -18,6 +18,7 @@ from lightning_autopipe.planner.schedule import Action, Kind
 from lightning_autopipe.planner.schedule import units as all_units
 from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
 from lightning_autopipe.runtime.groups import RankLayout, build_groups, destroy_groups
+from tests._gloo import TIMEOUT_S
 from tests.runtime._toy import (
     ToyChain,
     ToyStage,
@@ -108,7 +109,7 @@ def _chunk_case(rank: int, world: int, kind: str, p: int, v: int, k: int, j: int
     S = len(rows)
     lay = _layout(rank, p, replicas, rows)
     tie_rows = sorted({rows[0], rows[-1]})  # E: the first and the last chunk
-    groups = build_groups(lay, [tie_rows], timeout=timedelta(seconds=60))
+    groups = build_groups(lay, [tie_rows], timeout=timedelta(seconds=TIMEOUT_S))
     m, batch = 3, 12 * replicas
 
     ref, x, y, ref_loss = toy_reference(batch, layers=S - 2)

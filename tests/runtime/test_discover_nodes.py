@@ -18,7 +18,7 @@ from lightning_autopipe.profile import Profile
 from tests._launch import free_port, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # starts ranks
+pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # plans from the profiles its ranks take
 
 
 

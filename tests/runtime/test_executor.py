@@ -15,6 +15,7 @@ from lightning_autopipe.runtime.comm import decode_header, encode_header
 from lightning_autopipe.runtime.executor import PipelineExecutor, TiedParameter
 from lightning_autopipe.runtime.groups import build_groups, destroy_groups, layout_for_rank
 from lightning_autopipe.runtime.units import fit_units, slice_batch, unit_bounds
+from tests._gloo import TIMEOUT_S
 from tests.runtime._toy import (
     ToyChain,
     ToyStage,
@@ -153,7 +154,7 @@ def _check_rank(
     plan = _plan(cuts, replicas, m=m, k=k, batch=batch, j=drain)
     lay = layout_for_rank(plan, [f"cpu0:{i}" for i in range(world)], rank)
     S = lay.num_stages
-    groups = build_groups(lay, [(0, S - 1)], timeout=timedelta(seconds=60))
+    groups = build_groups(lay, [(0, S - 1)], timeout=timedelta(seconds=TIMEOUT_S))
 
     ref, x, y, ref_loss = toy_reference(batch)
     chain = ToyChain()
@@ -238,7 +239,7 @@ def _release_case(
         cuts = [round(4 * i / stages) for i in range(stages + 1)]
         plan = _plan(cuts, 1, m=m, k=k, batch=8, j=j)
         lay = layout_for_rank(plan, [f"cpu0:{i}" for i in range(stages)], rank)
-        groups = build_groups(lay, [], timeout=timedelta(seconds=60))
+        groups = build_groups(lay, [], timeout=timedelta(seconds=TIMEOUT_S))
         torch.manual_seed(0)
         a, b = plan.stages[lay.stage].blocks
         ex = _toy_executor(ToyStage(ToyChain(), a, b), lay, groups, m, k, j, gen)

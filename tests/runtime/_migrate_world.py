@@ -38,13 +38,14 @@ from lightning_autopipe.runtime.rebind import (
 from lightning_autopipe.runtime.scaler import PipelineGradScaler
 from lightning_autopipe.runtime.units import unit_bounds
 from lightning_autopipe.zoo.models import SmallCNN, TinyGPT
+from tests._gloo import TIMEOUT_S
 
 BATCH, M = 8, 2  # global batch, micro-batches per replica (units of BATCH / replicas / 2)
 SCALER = {"init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5,
           "growth_interval": 2}
-#: Every collective's timeout: room for ranks at idle priority beside the suite's launch lane
-#: (a failure case ends on the failing rank's error or a closed connection, not on this).
-TIMEOUT = timedelta(seconds=120)
+#: Every collective's timeout, the gloo worlds' (a failure case ends on the failing rank's
+#: error or a closed connection, not on this).
+TIMEOUT = timedelta(seconds=TIMEOUT_S)
 
 
 @dataclass(frozen=True)

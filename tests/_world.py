@@ -133,6 +133,11 @@ def main() -> None:
             torch.save(record, folder / f"{case}.rank{_rank()}.pt")
         print(f"[world {world}] rank {_rank()}: {spec} done in {time.monotonic() - start:.1f} s",
               file=sys.stderr, flush=True)
+    # every rank at its exit before rank 0 waits for the others' exit: the strategy's exit
+    # hook waits (up to its EXIT_WAIT_S) until every rank has reached it
+    from lightning_autopipe.lightning.held_pipeline import leave
+
+    leave()
     sys.exit(_finish(children))
 
 

@@ -50,6 +50,7 @@ done), each handled by one method; the inputs and results (:class:`~.simdata.Sta
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -57,7 +58,7 @@ import math
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster
 from lightning_autopipe.errors import ScheduleError
 from lightning_autopipe.planner.fluid import FluidLinks
-from lightning_autopipe.planner.generators import build_schedule
+from lightning_autopipe.planner.generators import check_schedule, generate
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.pricing import (
     device_profile,
@@ -366,7 +367,12 @@ def simulate(
     """
     stage_costs(plan, profile)  # PlanError first when the plan does not fit the profile
     if schedule is None:
-        schedule = build_schedule(plan)
+        check_schedule(plan.schedule, plan.chunks_per_rank, plan.placement)
+        schedule, lowered = _own_schedule(plan.schedule, plan.num_ranks, plan.num_microbatches,
+                                          plan.startup_slices, plan.drain_slices,
+                                          plan.chunks_per_rank)
+        return _Simulator(plan, profile, cluster, schedule, lowered,
+                          optimizer_bytes_per_param_byte).run()
     if sorted(schedule) != list(range(plan.num_ranks)):
         raise ScheduleError(
             f"schedule has stages {sorted(schedule)} but the plan has {plan.num_ranks} "
@@ -378,3 +384,14 @@ def simulate(
         lowered = schedule
     return _Simulator(plan, profile, cluster, schedule, lowered,
                       optimizer_bytes_per_param_byte).run()
+
+
+@functools.lru_cache(maxsize=32)
+def _own_schedule(name: str, ranks: int, m: int, k: int, j: int, v: int
+                  ) -> tuple[Schedule, Schedule]:
+    """A plan's own schedule and its lowered form, built once per shape: a search or a check
+    replays many plans of one shape (other cuts, other devices), and generating and lowering
+    the schedule took a third of each replay. Shared, so read-only (the simulator only
+    reads a schedule)."""
+    schedule = generate(name, ranks, m, k, j, v)
+    return schedule, lower_communication(schedule)

@@ -25,10 +25,10 @@ nothing on time (marked ``ranks``; the ``gloo`` fixture implies it) runs beside 
 too, once the shard has run its single-process files: its ranks inherit the idle priority, so
 they only slow themselves (a collective waits longer for a rank pushed off its core), never a
 launch rank. A test that asserts on its own timings, or plans from profiles it takes (marked
-``quiet``), runs in the launch lane instead (:mod:`tests.suite`). A test here that starts
-processes unmarked waits, when it starts the first one, until the launch lane has ended
-(``AUTOPIPE_SUITE_BESIDE`` names a file the suite holds locked until then); its shard then
-goes back to normal priority, with every process it started.
+``quiet``), must not run beside the launch lane: its shard takes the other files first, then
+waits until the launch lane has ended (``AUTOPIPE_SUITE_BESIDE`` names a file the suite holds
+locked until then) and goes back to normal priority, with every process it started. A test
+that starts processes with neither mark waits the same way when it starts the first one.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ import os
 import sys
 from typing import IO
 
-__all__ = ["BESIDE_VARIABLE", "LOCK_VARIABLE", "active", "begin_test", "claim", "configure",
-           "end_test", "idle_priority", "need_the_machine"]
+__all__ = ["BESIDE_VARIABLE", "LOCK_VARIABLE", "active", "await_the_launch", "begin_test",
+           "beside_the_launch", "claim", "configure", "end_test", "idle_priority",
+           "need_the_machine"]
 
 LOCK_VARIABLE = "AUTOPIPE_SUITE_LOCK"
 BESIDE_VARIABLE = "AUTOPIPE_SUITE_BESIDE"
@@ -87,7 +88,7 @@ def _normal_priority() -> None:
                 return
 
 
-def _beside_the_launch() -> bool:
+def beside_the_launch() -> bool:
     """True while the launch lane runs beside this shard (never outside the suite)."""
     path = _state["launch"]
     if not path:
@@ -101,7 +102,7 @@ def _beside_the_launch() -> bool:
     return False
 
 
-def _await_the_launch() -> None:
+def await_the_launch() -> None:
     """Block until the launch lane has ended (at once outside the suite or after it ended)."""
     path = _state["launch"]
     if not path:
@@ -148,7 +149,7 @@ def begin_test(beside: bool = False, ranks: bool = False) -> None:
     """Hold the machine shared for one test (after any writer already waiting); ``beside``:
     the test starts one single-threaded child at a time (a fresh interpreter, a CLI run), no
     ranks, so it keeps the shared hold while its child runs; ``ranks``: its ranks may start
-    beside the launch lane (marked ``ranks``)."""
+    beside the launch lane (marked ``ranks``, not ``quiet``)."""
     _state["beside"] = "yes" if beside else ""
     _state["ranks"] = "yes" if ranks else ""
     main, gate = _file(".main"), _file(".gate")
@@ -165,12 +166,12 @@ def need_the_machine() -> None:
     not marked ``ranks``, after the launch lane)."""
     if _state["beside"] or os.getpid() != _owner():
         return
-    if not _state["ranks"] and _beside_the_launch():
+    if not _state["ranks"] and beside_the_launch():
         sys.__stderr__.write(f"\n{os.environ.get('PYTEST_CURRENT_TEST', 'a test')}: starts "
                              "processes beside the launch lane: mark it `ranks` (it asserts "
-                             "nothing on time) or `quiet` (it does: the launch lane runs it), "
-                             "it waits for the launch lane's end meanwhile\n")
-        _await_the_launch()
+                             "nothing on time) or `quiet` so that its shard runs other files "
+                             "until the launch lane ends\n")
+        await_the_launch()
     main, gate = _file(".main"), _file(".gate")
     if main is None or gate is None or _state["held"] == "exclusive":
         return

@@ -4,10 +4,11 @@ threads competing with other processes make every op wait for the slower thread.
 launch per world size (``worlds``, :mod:`tests._worlds`), cases on gloo without Lightning one
 set of processes per size (``gloo``, :mod:`tests._gloo`).
 
-``make test`` runs :mod:`tests.suite`: the ``launch`` lane (the shared Lightning worlds, the
-tests marked ``launch``: recipes, torchrun nodes, elastic restarts, failing ranks, and those
-marked ``quiet``, which time themselves) with the ``rest`` lane beside it at idle priority
-(everything else, the gloo worlds included)."""
+``make test`` runs :mod:`tests.suite`: the ``launch`` lane (the shared Lightning worlds and the
+tests marked ``launch``: recipes, torchrun nodes, elastic restarts, failing ranks) with the
+``rest`` lane beside it at idle priority (everything else, the gloo worlds included; its
+``quiet`` tests after the launch lane's end), then the ``serial`` lane, the tests that time
+processes against each other, alone."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     _machine.begin_test(beside=item.get_closest_marker("one_child") is not None,
-                        ranks=item.get_closest_marker("ranks") is not None)
+                        ranks=item.get_closest_marker("quiet") is None
+                        and item.get_closest_marker("ranks") is not None)
     try:
         yield
     finally:
@@ -112,37 +114,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtestloop(session: pytest.Session) -> bool | None:
     """Under :mod:`tests.suite`'s side-by-side shards every shard collects the whole lane and
     runs the test files it claims first (:func:`tests._machine.claim`), one file at a time:
-    the shards end together however long each file takes. They take the files of
-    single-process tests first, then those with a ``ranks`` test (whose processes hold the
-    machine, :mod:`tests._machine`)."""
+    the shards end together however long each file takes. While the launch lane runs beside
+    them, they take the files of single-process tests first, then those with a ``ranks`` test;
+    a file with a ``quiet`` test waits for the launch lane's end."""
     if not _machine.active() or session.config.option.collectonly:
         return None
     files: dict[str, list[pytest.Item]] = {}
     for item in session.items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
 
-    # the single-process files first, then those that start ranks
-    ranks = {path for path, items in files.items()
-             if any(item.get_closest_marker("ranks") is not None for item in items)}
-    order = sorted(files, key=lambda path: path in ranks)
+    def marked(name: str) -> set[str]:
+        return {path for path, items in files.items()
+                if any(item.get_closest_marker(name) is not None for item in items)}
 
-    def claimed_next() -> list[pytest.Item]:
-        """The next file this shard claims (none once every file is claimed)."""
-        while order:
-            path = order.pop(0)
+    quiet, ranks = marked("quiet"), marked("ranks")
+    # the single-process files first, then the ranks files, the quiet ones last
+    order = {path: 2 if path in quiet else 1 if path in ranks else 0 for path in files}
+
+    def claimed_next(wait: bool) -> list[pytest.Item]:
+        """The next file this shard claims; none while only ``quiet`` files are left and the
+        launch lane runs, unless ``wait``: then after its end."""
+        while files:
+            path = min(files, key=order.__getitem__)
+            if path in quiet and _machine.beside_the_launch():
+                if not wait:
+                    return []
+                _machine.await_the_launch()
+            items = files.pop(path)
             if _machine.claim(path):
-                return files[path]
+                return items
         return []
 
-    queue = claimed_next()
+    queue = claimed_next(wait=True)
     while queue:
         item = queue.pop(0)
         if not queue:  # the next file is claimed as this one's last test starts
-            queue = claimed_next()
+            queue = claimed_next(wait=False)
         item.config.hook.pytest_runtest_protocol(item=item, nextitem=queue[0] if queue else None)
         if session.shouldfail:
             raise session.Failed(session.shouldfail)
         if session.shouldstop:
             raise session.Interrupted(session.shouldstop)
+        if not queue:
+            queue = claimed_next(wait=True)
     return True
 

@@ -1,10 +1,9 @@
-"""The whole test suite as ``make test`` runs it: two pytest lanes side by side.
+"""The whole test suite as ``make test`` runs it: three pytest lanes.
 
-The ``launch`` lane holds the shared Lightning worlds, the tests marked ``launch`` (what
-starts Lightning ranks of its own: recipes, torchrun nodes, elastic restarts, failing ranks)
-and those marked ``quiet`` (they time themselves, or plan from profiles they take, so no rank
-of another test may share their cores), one after another at normal priority; the ``rest``
-lane everything else (the gloo worlds and the planner included).
+The ``launch`` lane holds the shared Lightning worlds and the tests marked ``launch`` (what
+starts Lightning ranks of its own: recipes, torchrun nodes, elastic restarts, failing ranks),
+the ``rest`` lane everything else (the gloo worlds and the planner included), the ``serial``
+lane the tests that time processes against each other, alone, last.
 
 The ``rest`` lane runs as two pytest shards side by side, one per core, each running the next
 test file that neither has begun: most of its tests stay in one single-threaded process and
@@ -16,12 +15,11 @@ The ``rest`` lane starts beside the ``launch`` lane at idle priority: a launch's
 cores idle for long (one rank imports torch and Lightning while the other waits, a hang's
 timeout runs out, a recipe starts its second rank), and the rest lane's single-process tests
 fill them without taking a core from a rank. Its tests that start ranks (``ranks``) run there
-too, their ranks at the same idle priority. Two lanes' ranks at *equal* priority on 2 cores
-took 1296 s of CI wall time side by side against 441 s and 312 s one after the other, because
-a launch's 2-4 ranks wait on each other in every collective and a rank pushed off its core
-stalls them all. A ``quiet`` test in the launch lane shares its cores only with idle-priority
-work, as the launch lane's own failure timings do; in the rest lane it had to wait for the
-launch lane's end and then ran alone, one at a time, while the other core sat idle.
+too, their ranks at the same idle priority; those that time themselves or plan from profiles
+they take (``quiet``) wait until the launch lane has ended. Two lanes' ranks at *equal*
+priority on 2 cores took 1296 s of CI wall time side by side against 441 s and 312 s one after
+the other, because a launch's 2-4 ranks wait on each other in every collective and a rank
+pushed off its core stalls them all.
 
 Usage: ``python tests/suite.py [pytest arguments]`` (passed to every lane, e.g. ``-x`` or
 ``--durations=20``); the exit status is the first failing lane's.
@@ -43,7 +41,8 @@ sys.path.insert(0, str(ROOT))  # run as a script: tests._machine importable
 from tests._machine import BESIDE_VARIABLE, LOCK_VARIABLE, idle_priority  # noqa: E402
 
 #: (name, marks, shards run side by side)
-LAUNCH, REST = ("launch", "launch or quiet", 1), ("rest", "not launch and not quiet", 2)
+LAUNCH, REST, SERIAL = (("launch", "launch and not serial", 1),
+                        ("rest", "not launch and not serial", 2), ("serial", "serial", 1))
 #: Each lane's pytest runs with its name here (tests/conftest.py: only ``launch`` may launch the
 #: shared Lightning worlds).
 LANE_VARIABLE = "AUTOPIPE_SUITE_LANE"
@@ -109,6 +108,7 @@ def main(args: list[str]) -> int:
             rest = _start_lane(REST, args, root, beside=lock_path)
             statuses = _finish(launch, start)
         statuses += _finish(rest, start)
+        statuses += _finish(_start_lane(SERIAL, args, root), time.monotonic())
     failed = [s for s in statuses if s not in (0, 5)]
     return failed[0] if failed else 0
 

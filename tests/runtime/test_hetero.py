@@ -29,8 +29,8 @@ from lightning_autopipe.zoo.models import TinyGPT
 from tests._launch import free_port, init_gloo
 from tests.runtime import _cases as C
 
-# quiet: discovery times the ranks; another test's processes on the cores would be measured too
-pytestmark = [pytest.mark.slow, pytest.mark.quiet]
+# serial: discovery times the ranks; another test's processes on the cores would be measured too
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 STEPS, BATCH, LR = 3, 8, 0.05
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

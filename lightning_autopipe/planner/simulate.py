@@ -383,6 +383,7 @@ def simulate(
     return _Simulator(plan, profile, cluster, schedule, lowered,
                       optimizer_bytes_per_param_byte).run()
 
+
 @functools.lru_cache(maxsize=32)
 def _own_schedule(name: str, ranks: int, m: int, k: int, j: int, v: int
                   ) -> tuple[Schedule, Schedule]:

@@ -7,8 +7,8 @@ set of processes per size (``gloo``, :mod:`tests._gloo`).
 ``make test`` runs :mod:`tests.suite`: the ``launch`` lane (the shared Lightning worlds and the
 tests marked ``launch``: recipes, torchrun nodes, elastic restarts, failing ranks) with the
 ``rest`` lane beside it at idle priority (everything else, the gloo worlds included; its
-``quiet`` tests after the launch lane's end), then the ``serial`` lane, the tests that time
-processes against each other, alone."""
+``quiet`` tests after the launch lane's end, and last the ``serial`` tests, which time
+processes against each other, each alone)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,9 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     runs the test files it claims first (:func:`tests._machine.claim`), one file at a time:
     the shards end together however long each file takes. While the launch lane runs beside
     them, they take the files of single-process tests first, then those with a ``ranks`` test;
-    a file with a ``quiet`` test waits for the launch lane's end."""
+    a file with a ``quiet`` test waits for the launch lane's end, and the ``serial`` files
+    come after every other (each of their tests starts ranks and so holds the machine alone,
+    :func:`tests._machine.need_the_machine`)."""
     if not _machine.active() or session.config.option.collectonly:
         return None
     files: dict[str, list[pytest.Item]] = {}
@@ -127,9 +129,11 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
         return {path for path, items in files.items()
                 if any(item.get_closest_marker(name) is not None for item in items)}
 
-    quiet, ranks = marked("quiet"), marked("ranks")
-    # the single-process files first, then the ranks files, the quiet ones last
-    order = {path: 2 if path in quiet else 1 if path in ranks else 0 for path in files}
+    serial, ranks = marked("serial"), marked("ranks")
+    quiet = marked("quiet") | serial
+    # the single-process files first, then the ranks files, the quiet ones, the serial ones
+    order = {path: 3 if path in serial else 2 if path in quiet else 1 if path in ranks else 0
+             for path in files}
 
     def claimed_next(wait: bool) -> list[pytest.Item]:
         """The next file this shard claims; none while only ``quiet`` files are left and the

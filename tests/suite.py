@@ -1,9 +1,9 @@
-"""The whole test suite as ``make test`` runs it: three pytest lanes.
+"""The whole test suite as ``make test`` runs it: two pytest lanes side by side.
 
 The ``launch`` lane holds the shared Lightning worlds and the tests marked ``launch`` (what
 starts Lightning ranks of its own: recipes, torchrun nodes, elastic restarts, failing ranks),
-the ``rest`` lane everything else (the gloo worlds and the planner included), the ``serial``
-lane the tests that time processes against each other, alone, last.
+the ``rest`` lane everything else (the gloo worlds and the planner included; last, alone, the
+``serial`` tests, which time processes against each other).
 
 The ``rest`` lane runs as two pytest shards side by side, one per core, each running the next
 test file that neither has begun: most of its tests stay in one single-threaded process and
@@ -16,10 +16,12 @@ cores idle for long (one rank imports torch and Lightning while the other waits,
 timeout runs out, a recipe starts its second rank), and the rest lane's single-process tests
 fill them without taking a core from a rank. Its tests that start ranks (``ranks``) run there
 too, their ranks at the same idle priority; those that time themselves or plan from profiles
-they take (``quiet``) wait until the launch lane has ended. Two lanes' ranks at *equal*
-priority on 2 cores took 1296 s of CI wall time side by side against 441 s and 312 s one after
-the other, because a launch's 2-4 ranks wait on each other in every collective and a rank
-pushed off its core stalls them all.
+they take (``quiet``) wait until the launch lane has ended, and the ``serial`` files come after
+every other file (their tests start ranks, so each holds the machine alone). They ran as a
+third pytest lane once, which spent 9-13 s starting an interpreter and collecting the whole
+suite for three tests. Two lanes' ranks at *equal* priority on 2 cores took 1296 s of CI wall
+time side by side against 441 s and 312 s one after the other, because a launch's 2-4 ranks
+wait on each other in every collective and a rank pushed off its core stalls them all.
 
 Usage: ``python tests/suite.py [pytest arguments]`` (passed to every lane, e.g. ``-x`` or
 ``--durations=20``); the exit status is the first failing lane's.
@@ -41,8 +43,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: tests._machine importable
 from tests._machine import BESIDE_VARIABLE, LOCK_VARIABLE, idle_priority  # noqa: E402
 
 #: (name, marks, shards run side by side)
-LAUNCH, REST, SERIAL = (("launch", "launch and not serial", 1),
-                        ("rest", "not launch and not serial", 2), ("serial", "serial", 1))
+LAUNCH, REST = ("launch", "launch", 1), ("rest", "not launch", 2)
 #: Each lane's pytest runs with its name here (tests/conftest.py: only ``launch`` may launch the
 #: shared Lightning worlds).
 LANE_VARIABLE = "AUTOPIPE_SUITE_LANE"
@@ -108,7 +109,6 @@ def main(args: list[str]) -> int:
             rest = _start_lane(REST, args, root, beside=lock_path)
             statuses = _finish(launch, start)
         statuses += _finish(rest, start)
-        statuses += _finish(_start_lane(SERIAL, args, root), time.monotonic())
     failed = [s for s in statuses if s not in (0, 5)]
     return failed[0] if failed else 0
 

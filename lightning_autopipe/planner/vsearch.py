@@ -22,6 +22,8 @@ allowed; then too few blocks for ``p v`` chunks is a :class:`~lightning_autopipe
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -34,6 +36,7 @@ from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.placement import chunk_ranks
 from lightning_autopipe.planner.plan import Proposal, StagePlan
 from lightning_autopipe.planner.polish import neighbours
+from lightning_autopipe.planner.step import StepShape
 from lightning_autopipe.planner.vcost import ChunkLayout, evaluate_chunked
 
 __all__ = ["CHUNKED_SCHEDULES", "chunk_cuts", "chunked_proposals", "choice_note",
@@ -43,6 +46,10 @@ __all__ = ["CHUNKED_SCHEDULES", "chunk_cuts", "chunked_proposals", "choice_note"
 CHUNKED_SCHEDULES = (("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zbv", 2))
 _BASES = 2  # one-chunk proposals (the best first) whose ranks also try chunks
 _BUDGET = 600_000  # replayed actions one chunked try may spend walking its cuts
+#: replayed actions within which a chunked try prices every (cut list, slices) choice instead
+#: of walking (2 ranks x 2 chunks of 19 blocks, 4 micro-batches: 816 cut lists x 4 slice
+#: choices, 274 000 actions, about 0.2 s)
+_EVERY_BUDGET = 300_000
 
 
 def one_chunk(schedules: Sequence[str]) -> tuple[str, ...]:
@@ -94,19 +101,44 @@ def _chunked(costs: BlockCosts, cluster: Cluster, base: Proposal, batch: int,
     ks = {pins["startup_slices"]} if pins.get("startup_slices") else {1, k, min(2, size)}
     js = ({pins["drain_slices"]} if pins.get("drain_slices")
           else {1, min(2, size)} if m > 1 else {1})
+    steps = [replace(step, startup_slices=kk, drain_slices=j)
+             for kk in sorted(ks) for j in sorted(js)]
     actions = 3 * p * v * (m + k + 1)
-    cuts = _walk(chunk_cuts(costs, layout), functools.partial(
-        _price, costs, layout, replace(step, drain_slices=min(js))), _BUDGET // actions)
+    every = _every_choice(costs, layout, steps, _EVERY_BUDGET // actions)
+    if every is not None:
+        cuts, steps = every
+    else:
+        cuts = _walk(chunk_cuts(costs, layout), functools.partial(
+            _price, costs, layout, replace(step, drain_slices=min(js))), _BUDGET // actions)
     best = None
-    for kk in sorted(ks):
-        for j in sorted(js):
-            est = evaluate_chunked(costs, layout, cuts,
-                                   replace(step, startup_slices=kk, drain_slices=j))
-            if best is None or (not est.fits, est.iteration_ms) < (not best[0].fits,
-                                                                  best[0].iteration_ms):
-                best = (est, Proposal([list(g) for g in base.groups], cuts, m, kk, j,
-                                      schedule, v, placement))
+    for st in steps:
+        est = evaluate_chunked(costs, layout, cuts, st)
+        if best is None or (not est.fits, est.iteration_ms) < (not best[0].fits,
+                                                              best[0].iteration_ms):
+            best = (est, Proposal([list(g) for g in base.groups], cuts, m, st.startup_slices,
+                                  st.drain_slices, schedule, v, placement))
     return best
+
+
+def _every_choice(costs: BlockCosts, layout: ChunkLayout, steps: list[StepShape],
+                  evaluations: int) -> tuple[list[int], list[StepShape]] | None:
+    """The fast model's best (cuts, step) over every contiguous cut into the layout's chunks
+    and every step of ``steps`` (its exact optimum over them) where that is at most
+    ``evaluations`` replays; None where it is more (the walk's turn). The walk from the
+    speed-proportional cuts of :func:`chunk_cuts`, with the slices chosen after it, stopped
+    up to 18% above this optimum on small models on ranks of two speeds: a better choice
+    there moves two or three cuts together, and the best cuts depend on the slices."""
+    n, chunks = costs.num_blocks, len(layout.owner)
+    if math.comb(n - 1, chunks - 1) * len(steps) > evaluations:
+        return None
+    cands = [[0, *inner, n] for inner in itertools.combinations(range(1, n), chunks - 1)]
+    best: tuple[tuple[bool, float], list[int], StepShape] | None = None
+    for st in steps:
+        for cuts, (ms, fits) in zip(cands, _price(costs, layout, st, cands)):
+            if best is None or (not fits, ms) < best[0]:
+                best = ((not fits, ms), cuts, st)
+    assert best is not None
+    return best[1], [best[2]]
 
 
 def _walk(cuts: list[int], price, evaluations: int) -> list[int]:

@@ -177,3 +177,38 @@ def test_the_options_take_every_schedule_by_name_and_auto_considers_chunks():
         AutoPipeOptions(schedule="zb-v")
     for name in GENERATORS:
         assert repr(name) in str(err.value)
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("interleaved-1f1b", 2), ("zbv", 2),
+                                             ("interleaved-1f1b", 3)])
+def test_small_models_get_the_simulators_best_chunk_cuts_and_slices(schedule, v):
+    """A model small enough to price every choice gets the simulator's optimum: every
+    contiguous cut into 2 v chunks and every startup and drain slice count in {1, 2}, each
+    simulated, none faster than the chunks the search picks (ranks of two speeds, links with
+    latency only, where the fast model and the simulator agree; the walk from the speed-
+    proportional cuts stopped up to several percent above it on such models)."""
+    import itertools
+    import random
+
+    from lightning_autopipe.planner.vsearch import _chunked
+
+    from .test_pricing import _latency_only_cluster
+    from .test_pricing import _profile as random_profile
+
+    cluster = _latency_only_cluster(1)
+    groups = [[d.name] for d in cluster.devices]
+    placement = GENERATORS[schedule].placement
+    for seed in range(6):
+        rng = random.Random(f"{schedule}-{v}-{seed}")
+        prof = random_profile(rng, rng.randint(2 * v + 3, 2 * v + 6))
+        costs = BlockCosts.from_profile(prof, cluster)
+        n, m, batch = costs.num_blocks, 4, 32
+        _, prop = _chunked(costs, cluster, Proposal(groups, [0, 1, n], m, 2), batch, 2.0,
+                           schedule, v)
+        ours = finish_plan(prop, "autopipe", prof, cluster, batch).iteration_ms
+        best = min(
+            finish_plan(Proposal(groups, [0, *inner, n], m, k, j, schedule, v, placement),
+                        "every", prof, cluster, batch).iteration_ms
+            for inner in itertools.combinations(range(1, n), 2 * v - 1)
+            for k in (1, 2) for j in (1, 2))
+        assert ours <= best * (1 + 1e-9), (seed, n, prop.cuts, ours, best)

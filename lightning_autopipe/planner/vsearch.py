@@ -8,7 +8,9 @@ looped placement, ``zbv`` with 2 in V placement) is tried on the same ranks:
    to its speed, split evenly over its chunks (:func:`chunk_cuts`: the chunks of a slow rank
    get less work, wherever the placement puts them);
 2. the fast model for chunks (:func:`~.vcost.evaluate_chunked`) walks those cuts to a local
-   optimum (:func:`~.polish.polish`'s moves) and picks the startup and drain slices;
+   optimum (:func:`~.polish.polish`'s moves) and picks the startup and drain slices; a model
+   small enough gets every (cut list, slices) choice priced instead, the exact optimum
+   (:func:`_every_choice`);
 3. the result competes with the one-chunk proposals: those predicted faster go before the
    one-chunk favourite, the others after it, and the simulator judges the finalists as usual
    (:func:`~.search.make_plan`), memory per rank included.

@@ -10,9 +10,10 @@ uses one thread. AutoPipe runs go straight through the runtime (``build_local_pi
 pipelining peers use the same stage modules (our partition) with equal micro-batches.
 
 Compiled rows (inductor): the single process with ``torch.compile`` on the whole model, and the
-pinned 1F1B and ZB-H1 sliced pipelines with ``compile=True`` (each stage compiled once, its
-batch dimension unbacked, so the slices reuse the graph; under ZB-H1 the compiled backward is
-split into B and W graphs); the warm-up steps compile. The report gives each one's speed-up
+pinned 1F1B and ZB-H1 sliced pipelines and the chunked rows at m = 4 with ``compile=True``
+(each stage chunk compiled once, its batch dimension unbacked, so the slices reuse the graph;
+where the schedule splits backwards the compiled backward is split into B and W graphs); the
+warm-up steps compile. The report gives each one's speed-up
 over its eager row and each pipeline's ratio to one process eager and compiled.
 """
 
@@ -22,8 +23,10 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -71,6 +74,9 @@ CHUNKED = {
     "AutoPipe pinned 2x2 chunks, interleaved 1F1B": ("interleaved-1f1b", 2, None),
     "AutoPipe pinned 2x2 chunks, interleaved 1F1B m=4": ("interleaved-1f1b", 2, 4),
 }
+#: the chunked rows at m = 4 run compiled too (one graph per chunk): torch's schedules of two
+#: stages per rank refuse ``torch.compile``, several compiled stages per rank are ours alone
+COMPILED_CHUNKED = {f"{name}, compiled": name for name, (_, _, m) in CHUNKED.items() if m == 4}
 
 
 class GPTTask(nn.Module):
@@ -342,22 +348,26 @@ def _worker(
         best: dict[str, float] = {}
         stats: dict[str, Any] = {}
         best_round: dict[str, int] = {}
+        each_round: dict[str, list[float]] = {name: [] for name in runners}
         round_profiles = []
         for r in range(rounds):
             # the machine's speed drifts over minutes: a profile taken in the same round prices
             # the plans at the speed their timings ran at (both ranks profile at once)
             dist.barrier()
-            round_profiles.append(
-                {mb: p.to_json() for mb, p in _profiles(tuple(reprofile), rounds=1).items()}
-            )
+            mine = {mb: p.to_json() for mb, p in _profiles(tuple(reprofile), rounds=1).items()}
+            every: list[Any] = [None] * WORLD  # each rank's, so each rank is priced as it ran
+            dist.all_gather_object(every, mine)
+            round_profiles.append(every)
             for name, step in runners.items():
                 sec, sample = _timed(step, steps)
+                each_round[name].append(sec)
                 if sec < best.get(name, float("inf")):
                     best[name], stats[name], best_round[name] = sec, sample, r
                 if rank == 0:
                     print(f"  round {r} {name:<38} {sec * 1e3:8.1f} ms/step", flush=True)
         results.update(best)
         results["best round"] = best_round
+        results["every round"] = each_round
         results["round profiles"] = round_profiles
         for name in runners:
             if stats[name] is not None:
@@ -513,6 +523,9 @@ def main() -> None:
                  "compile": True})
     jobs.append({"name": COMPILED_ZB, "kind": "autopipe", "plan": zb.to_json(),
                  "compile": True})
+    plan_of = dict(rows)
+    jobs += [{"name": name, "kind": "autopipe", "plan": plan_of[eager].to_json(), "compile": True}
+             for name, eager in COMPILED_CHUNKED.items()]
     for sched in ("1f1b", "gpipe"):
         for m in (4, 8, 16):
             jobs.append({"name": f"pipelining {sched} m={m}", "kind": sched, "cut": cut, "m": m})
@@ -541,7 +554,7 @@ def main() -> None:
         return name, measured[name]
 
     table = _table(single, measured, rows, best, profiles, cluster, blocks, cut)
-    table += _compiled_table(measured, one, zb)
+    table += _compiled_table(measured, one, zb, dict(rows), best_zero_bubble(measured))
     text = "\n".join(
         [
             f"Reproduce: `{command.strip()}`",
@@ -558,9 +571,12 @@ def main() -> None:
             f"cost per compute action measured at {overhead:.2f} ms (`runtime/action_overhead"
             ".py`, priced on every F, B and W). 'predicted ms': "
             "the simulator on the profile the plans were made from "
-            "(taken before the timings); 'pred. same round': on a profile taken by both ranks at "
-            "the start of the round whose timing is reported (the machine's speed drifts by "
-            "several percent over minutes).",
+            "(taken before the timings); 'pred. same round': on the profiles both ranks took "
+            "at once at the start of the round whose timing is reported, each rank priced on "
+            "its own (the machine's speed drifts by several percent over minutes, and two "
+            "processes on two cores do not run at one speed); its 'measured/pred': the median "
+            "over the rounds of each round's step against that round's prediction (a one-round "
+            "profile is itself a few percent noisy).",
             "",
             *table,
         ]
@@ -641,6 +657,19 @@ def _chunked_plan(profiles: dict[int, Any], cluster: Cluster, names: list[str], 
     return min(plans, key=lambda p: p.iteration_ms)
 
 
+def per_rank_cluster(cluster: Cluster, profiles: list[Profile]) -> Cluster:
+    """``cluster`` (one server, rank ``r`` = its device ``r``) with every device a type of its
+    own that prices blocks from ``profiles[r]``, the profile that rank took: two processes on
+    two cores of one machine do not run at one speed (another process shares a core, caches
+    and clocks differ), so each rank is priced as fast as it measured itself, as discovery
+    prices unequal ranks."""
+    (server,) = cluster.servers
+    specs = [replace(server.device_at(r), name=f"{server.device_at(r).name}-rank{r}",
+                     profile=prof) for r, prof in enumerate(profiles)]
+    own = replace(server, device=specs[0], devices=tuple(enumerate(specs))[1:])
+    return replace(cluster, servers=[own])
+
+
 def _describe(plan: Plan) -> str:
     cuts = "/".join(str(s.blocks[1] - s.blocks[0]) for s in plan.stages)
     shape = f"{plan.num_stages}x{plan.replicas}"
@@ -661,8 +690,8 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
         f"| single process | 1 thread | {single * 1e3:.0f} | {rate:.1f} | 1.00 | | | | |",
     ]
 
-    def row(name: str, layout: str, sec: float, *preds: float) -> str:
-        p = " | ".join(f"{q:.0f} | {sec * 1e3 / q:.3f}" for q in preds) if preds else " | | |"
+    def row(name: str, layout: str, sec: float, *preds: tuple[float, float]) -> str:
+        p = " | ".join(f"{q:.0f} | {ratio:.3f}" for q, ratio in preds) if preds else " | | |"
         return (
             f"| {name} | {layout} | {sec * 1e3:.0f} | {BATCH / sec:.1f} | "
             f"{single / sec:.2f} | {p} |"
@@ -676,11 +705,17 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
             continue
         mb = plan.microbatch_size
         pred = simulate(plan, profiles[mb], cluster).iteration_ms
-        same = measured["round profiles"][measured["best round"][name]][str(mb)]
-        same_round[name] = simulate(plan, Profile.from_json(same), cluster)
-        again = same_round[name].iteration_ms
-        same_round_ratios.append(measured[name] * 1e3 / again)
-        lines.append(row(name, _describe(plan), measured[name], pred, again))
+        sims = []  # per round: the simulated step on the profiles the ranks took in that round
+        for by_rank in measured["round profiles"]:
+            same = [Profile.from_json(taken[str(mb)]) for taken in by_rank]
+            sims.append(simulate(plan, same[0], per_rank_cluster(cluster, same)))
+        same_round[name] = sims[measured["best round"][name]]
+        ratio = statistics.median(sec * 1e3 / sim.iteration_ms
+                                  for sec, sim in zip(measured["every round"][name], sims))
+        same_round_ratios.append(ratio)
+        lines.append(row(name, _describe(plan), measured[name],
+                         (pred, measured[name] * 1e3 / pred),
+                         (same_round[name].iteration_ms, ratio)))
     lines.append(row("DDP", "1x2", measured["DDP"]))
     for sched in ("1f1b", "gpipe"):
         for m in (4, 8, 16):
@@ -706,7 +741,7 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
     b1_name, b1 = best("1f1b")
     zb_rows = [f"pipelining {s} m={m}" for s in TORCH_MULTI for m in (4, 8)]
     zb_rows = [n for n in zb_rows if n in measured]
-    zb_name = min(zb_rows, key=measured.__getitem__) if zb_rows else None
+    zb_name = best_zero_bubble(measured)
     chunked = [n for n in CHUNKED if n in measured]
     ch_name = min(chunked, key=measured.__getitem__) if chunked else None
     ch4 = [n for n in chunked if CHUNKED[n][2] == 4]
@@ -738,13 +773,24 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
     return lines
 
 
-def _compiled_table(measured: dict[str, Any], one: Plan, zb: Plan) -> list[str]:
-    """Compiled vs eager: one process, the pinned 1F1B sliced pipeline and the pinned ZB-H1
-    sliced pipeline (its compiled backward split into B and W graphs), with the targets."""
+def best_zero_bubble(measured: dict[str, Any]) -> str | None:
+    """The fastest measured row of torch's schedules of two stages per rank, if any ran."""
+    names = [f"pipelining {s} m={m}" for s in TORCH_MULTI for m in (4, 8)]
+    names = [n for n in names if n in measured]
+    return min(names, key=measured.__getitem__) if names else None
+
+
+def _compiled_table(measured: dict[str, Any], one: Plan, zb: Plan, plans: dict[str, Plan],
+                    zb_name: str | None) -> list[str]:
+    """Compiled vs eager: one process, the pinned 1F1B sliced pipeline, the pinned ZB-H1
+    sliced pipeline (its compiled backward split into B and W graphs) and the chunked rows at
+    m = 4, with the targets."""
     single, single_c = measured["single process"], measured[COMPILED_SINGLE]
     rows = [("single process", single, single_c, "1 thread"),
             (EAGER_PIPE, measured[EAGER_PIPE], measured[COMPILED_PIPE], _describe(one)),
             (EAGER_ZB, measured[EAGER_ZB], measured[COMPILED_ZB], _describe(zb))]
+    chunked = [(eager, measured[eager], measured[name], _describe(plans[eager]))
+               for name, eager in COMPILED_CHUNKED.items() if name in measured]
     lines = [
         "",
         "Compiled (inductor; single process: `torch.compile` on the model; AutoPipe: "
@@ -755,7 +801,7 @@ def _compiled_table(measured: dict[str, Any], one: Plan, zb: Plan) -> list[str]:
         "| run | layout | eager ms/step | compiled ms/step | compiled speed-up |",
         "|---|---|---:|---:|---:|",
     ]
-    for name, eager, compiled, layout in rows:
+    for name, eager, compiled, layout in rows + chunked:
         lines.append(f"| {name} | {layout} | {eager * 1e3:.0f} | {compiled * 1e3:.0f} | "
                      f"{eager / compiled:.2f}x |")
     lines += ["", "| target | value | goal |", "|---|---:|---|"]
@@ -770,6 +816,16 @@ def _compiled_table(measured: dict[str, Any], one: Plan, zb: Plan) -> list[str]:
     lines.append(f"| compiled ZB-H1 / compiled 1F1B | "
                  f"{measured[COMPILED_PIPE] / measured[COMPILED_ZB]:.3f}x | (zero bubble's "
                  "gain, compiled) |")
+    if chunked:
+        name, _, compiled, _ = min(chunked, key=lambda row: row[2])
+        lines.append(f"| best compiled chunked AutoPipe ({name}) / single process | "
+                     f"{single / compiled:.2f}x | (eager target: >= 1.85x) |")
+        if zb_name is not None:
+            lines.append(
+                f"| best compiled chunked AutoPipe ({name}) / best torch zero-bubble "
+                f"({zb_name}, eager: torch's schedules of two stages per rank refuse "
+                f"`torch.compile`) | {measured[zb_name] / compiled:.3f}x | (eager target: "
+                ">= 1.05x) |")
     return lines
 
 

@@ -117,16 +117,17 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     the shards end together however long each file takes. While the launch lane runs beside
     them, they take the files of single-process tests first, then those with a ``ranks`` test;
     a file's ``quiet`` tests wait for the launch lane's end (its other tests do not), and the
-    ``serial`` files come after every other (each of their tests starts ranks and so holds the
-    machine alone, :func:`tests._machine.need_the_machine`)."""
+    ``serial`` tests come after every other (each starts ranks and so holds the machine alone,
+    :func:`tests._machine.need_the_machine`)."""
     if not _machine.active() or session.config.option.collectonly:
         return None
     files: dict[str, list[pytest.Item]] = {}
     for item in session.items:
-        # a file's ``quiet`` tests are a unit of their own: its other tests need not wait
+        # a file's ``quiet`` and ``serial`` tests are units of their own: its other tests
+        # need not wait with them
         path = item.nodeid.split("::")[0]
-        quiet_test = item.get_closest_marker("quiet") is not None
-        files.setdefault(f"{path}::quiet" if quiet_test else path, []).append(item)
+        late = next((m for m in ("serial", "quiet") if item.get_closest_marker(m)), None)
+        files.setdefault(f"{path}::{late}" if late else path, []).append(item)
 
     def marked(name: str) -> set[str]:
         return {path for path, items in files.items()

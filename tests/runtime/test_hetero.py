@@ -29,8 +29,9 @@ from lightning_autopipe.zoo.models import TinyGPT
 from tests._launch import free_port, init_gloo
 from tests.runtime import _cases as C
 
-# serial: discovery times the ranks; another test's processes on the cores would be measured too
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
+#: discovery times the ranks: another test's processes on the cores would be measured too
+timed = pytest.mark.serial
 
 STEPS, BATCH, LR = 3, 8, 0.05
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -163,6 +164,7 @@ def _check(rank: int, out: Path) -> None:
 
 
 
+@timed
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to pin the ranks to")
 def test_a_rank_slowed_by_a_core_neighbour_is_discovered_and_given_less_work(tmp_path):
     busy = "import os, time\nend = time.time() + 300\nwhile time.time() < end: pass\n"
@@ -259,6 +261,7 @@ def _alike_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@timed
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to pin the ranks to")
 def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_warns(tmp_path):
     def run() -> dict:
@@ -318,6 +321,7 @@ def _failing_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.ranks  # asserts the error every rank ends with, nothing on time
 def test_a_rank_whose_profiling_fails_ends_discovery_on_every_rank(tmp_path):
     mp.spawn(_failing_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     # rank 0 learns rank 1's own error (a hang would end in the collective's timeout instead)

@@ -8,9 +8,8 @@ one declared at speed ``s``: both routes must give the simulator the same step.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -19,15 +18,10 @@ from lightning_autopipe.planner import make_plan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.profile import BlockProfile, Profile
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("runtime_bench", ROOT / "benchmarks/runtime.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.runtime")
 
 
 def _profile(scale: float = 1.0) -> Profile:

@@ -13,8 +13,8 @@ Compiled rows (inductor): the single process with ``torch.compile`` on the whole
 pinned 1F1B and ZB-H1 sliced pipelines and the chunked rows at m = 4 with ``compile=True``
 (each stage chunk compiled once, its batch dimension unbacked, so the slices reuse the graph;
 where the schedule splits backwards the compiled backward is split into B and W graphs); the
-warm-up steps compile. The report gives each one's speed-up
-over its eager row and each pipeline's ratio to one process eager and compiled.
+warm-up steps compile. The report gives each one's speed-up over its eager row and each
+pipeline's ratio to one process eager and compiled.
 """
 
 from __future__ import annotations

@@ -739,8 +739,7 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
         }),
     ]
     b1_name, b1 = best("1f1b")
-    zb_rows = [f"pipelining {s} m={m}" for s in TORCH_MULTI for m in (4, 8)]
-    zb_rows = [n for n in zb_rows if n in measured]
+    zb_rows = zero_bubble_rows(measured)
     zb_name = best_zero_bubble(measured)
     chunked = [n for n in CHUNKED if n in measured]
     ch_name = min(chunked, key=measured.__getitem__) if chunked else None
@@ -773,10 +772,15 @@ def _table(single, measured, rows, best, profiles, cluster, blocks, cut) -> list
     return lines
 
 
-def best_zero_bubble(measured: dict[str, Any]) -> str | None:
-    """The fastest measured row of torch's schedules of two stages per rank, if any ran."""
+def zero_bubble_rows(measured: dict[str, Any]) -> list[str]:
+    """The measured rows of torch's schedules of two stages per rank."""
     names = [f"pipelining {s} m={m}" for s in TORCH_MULTI for m in (4, 8)]
-    names = [n for n in names if n in measured]
+    return [n for n in names if n in measured]
+
+
+def best_zero_bubble(measured: dict[str, Any]) -> str | None:
+    """The fastest of :func:`zero_bubble_rows`, if any ran."""
+    names = zero_bubble_rows(measured)
     return min(names, key=measured.__getitem__) if names else None
 
 

@@ -497,7 +497,7 @@ def main() -> None:
     cut = one.stages[0].blocks[1]
     rows: list[tuple[str, Plan | None]] = [
         ("AutoPipe pinned 2 stages, sliced", pinned),
-        ("AutoPipe pinned 2 stages, 1F1B sliced", one),
+        (EAGER_PIPE, one),
         ("AutoPipe pinned 2 stages, 1F1B no slicing",
          _variant(one, startup_slices=1, drain_slices=1)),
         (EAGER_ZB, zb),
@@ -554,7 +554,7 @@ def main() -> None:
         return name, measured[name]
 
     table = _table(single, measured, rows, best, profiles, cluster, blocks, cut)
-    table += _compiled_table(measured, one, zb, dict(rows), best_zero_bubble(measured))
+    table += _compiled_table(measured, plan_of, best_zero_bubble(measured))
     text = "\n".join(
         [
             f"Reproduce: `{command.strip()}`",
@@ -784,15 +784,15 @@ def best_zero_bubble(measured: dict[str, Any]) -> str | None:
     return min(names, key=measured.__getitem__) if names else None
 
 
-def _compiled_table(measured: dict[str, Any], one: Plan, zb: Plan, plans: dict[str, Plan],
+def _compiled_table(measured: dict[str, Any], plans: dict[str, Plan],
                     zb_name: str | None) -> list[str]:
     """Compiled vs eager: one process, the pinned 1F1B sliced pipeline, the pinned ZB-H1
     sliced pipeline (its compiled backward split into B and W graphs) and the chunked rows at
     m = 4, with the targets."""
     single, single_c = measured["single process"], measured[COMPILED_SINGLE]
-    rows = [("single process", single, single_c, "1 thread"),
-            (EAGER_PIPE, measured[EAGER_PIPE], measured[COMPILED_PIPE], _describe(one)),
-            (EAGER_ZB, measured[EAGER_ZB], measured[COMPILED_ZB], _describe(zb))]
+    rows = [("single process", single, single_c, "1 thread")] + [
+        (eager, measured[eager], measured[compiled], _describe(plans[eager]))
+        for eager, compiled in ((EAGER_PIPE, COMPILED_PIPE), (EAGER_ZB, COMPILED_ZB))]
     chunked = [(eager, measured[eager], measured[name], _describe(plans[eager]))
                for name, eager in COMPILED_CHUNKED.items() if name in measured]
     lines = [

@@ -8,7 +8,9 @@ For each build every rank
 resets its peak resident set (``/proc/self/clear_refs``, then ``VmHWM`` is the peak since)
 right before the LightningModule is built and reads the peak when training starts (after the
 strategy's setup: trace, profile or given plan, local stage). ``WORLD`` 2 plans from the ranks'
-profiles (2 stages); 4 runs a given 4-stage plan. Writes ``OUT_DIR/<build>.rank<r>.pt``.
+profiles (2 stages) in the meta build and the eager build runs the plan the meta build chose
+(profiling a model that is already whole says nothing about holding a stage); 4 runs a given
+4-stage plan. Writes ``OUT_DIR/<build>.rank<r>.pt``.
 With 2 ranks a tiny GPT is first trained, saved and resumed into a ``configure_model`` build
 (``OUT_DIR/resume.rank<r>.pt``, and the checkpoint ``OUT_DIR/tiny.ckpt``).
 """
@@ -16,6 +18,7 @@ With 2 ranks a tiny GPT is first trained, saved and resumed into a ``configure_m
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -80,9 +83,12 @@ def batch(sizes: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _strategy(world: int) -> lightning_autopipe.AutoPipeStrategy:
+def _strategy(world: int, out: Path, build: str) -> lightning_autopipe.AutoPipeStrategy:
     cluster = Cluster.local(world)
     common = {"cluster": cluster, "timeout": 300}
+    if world == 2 and build == "eager":  # the meta build's plan (that case runs first)
+        plan = Plan.load(_chosen(out, int(os.environ.get("LOCAL_RANK", 0))))
+        return lightning_autopipe.AutoPipeStrategy(plan=plan, **common)
     if world == 2:
         # the median of 3 timings per block (the default): with one, a single stalled block
         # (a busy core) weighed enough to put 83% of the model on one stage
@@ -97,9 +103,15 @@ def _strategy(world: int) -> lightning_autopipe.AutoPipeStrategy:
     return lightning_autopipe.AutoPipeStrategy(plan=plan, **common)
 
 
+def _chosen(out: Path, rank: int) -> Path:
+    """Where a rank keeps the plan its meta build ran (each rank its own copy, so a rank never
+    reads a file another rank is still writing)."""
+    return out / f"meta.plan.rank{rank}.json"
+
+
 def run(build: str, world: int, out: Path) -> None:
     trainer = pl.Trainer(
-        strategy=_strategy(world), accelerator="cpu", devices=world, max_steps=1,
+        strategy=_strategy(world, out, build), accelerator="cpu", devices=world, max_steps=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=out / "root",
     )
@@ -116,6 +128,8 @@ def run(build: str, world: int, out: Path) -> None:
         "stage": trainer.strategy.pipeline.layout.stage,
     }
     torch.save(record, out / f"{build}.rank{trainer.global_rank}.pt")
+    if build == "meta":
+        trainer.strategy.plan.save(_chosen(out, trainer.global_rank))
 
 
 def resume(world: int, out: Path) -> None:

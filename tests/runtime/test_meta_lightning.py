@@ -67,7 +67,8 @@ def test_a_rank_holds_its_stage_not_the_model_while_the_eager_build_holds_the_mo
         world, worlds):
     """2 ranks plan from block-by-block profiles: growth < stage + one block's parameters and
     gradients + slack; 4 ranks run a given plan (nothing profiled): growth < stage + slack and
-    < 0.35 x the model. The eager build of the same model grows by the whole model and more."""
+    < 0.35 x the model. The eager build of the same model (on 2 ranks it runs the plan the meta
+    build chose) grows by the whole model and more."""
     runs = {b: worlds.results(world, MODULE, b) for b in ("meta", "eager")}
     whole = _whole_model_bytes()
     for meta, eager in zip(runs["meta"], runs["eager"]):

@@ -22,13 +22,13 @@ While the ``launch`` lane runs, the ``rest`` lane's shards run beside it at idle
 it back at once), so that the launch lane's idle cores (ranks importing one after another, a
 hang's timeout) run the rest lane's single-process tests. A test that starts ranks but asserts
 nothing on time (marked ``ranks``; the ``gloo`` fixture implies it) runs beside the launch lane
-too, once the shard has run its single-process files: its ranks inherit the idle priority, so
+too, before the shard's single-process files: its ranks inherit the idle priority, so
 they only slow themselves (a collective waits longer for a rank pushed off its core), never a
-launch rank. A test that asserts on its own timings, or plans from profiles it takes (marked
-``quiet``), must not run beside the launch lane: its shard takes the other files first, then
-waits until the launch lane has ended (``AUTOPIPE_SUITE_BESIDE`` names a file the suite holds
-locked until then) and goes back to normal priority, with every process it started. A test
-that starts processes with neither mark waits the same way when it starts the first one.
+launch rank. A test that asserts on its own timings, or on a plan made from profiles it takes
+(marked ``quiet``), must not run beside the launch lane: its shard takes the other files first,
+then waits until the launch lane has ended (``AUTOPIPE_SUITE_BESIDE`` names a file the suite
+holds locked until then) and goes back to normal priority, with every process it started. A
+test that starts processes with neither mark waits the same way when it starts the first one.
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ The ``rest`` lane starts beside the ``launch`` lane at idle priority: a launch's
 cores idle for long (one rank imports torch and Lightning while the other waits, a hang's
 timeout runs out, a recipe starts its second rank), and the rest lane's single-process tests
 fill them without taking a core from a rank. Its tests that start ranks (``ranks``) run there
-too, their ranks at the same idle priority; those that time themselves or plan from profiles
-they take (``quiet``) wait until the launch lane has ended, and the ``serial`` tests come after
-every other test (their tests start ranks, so each holds the machine alone). They ran as a
-third pytest lane once, which spent 9-13 s starting an interpreter and collecting the whole
-suite for three tests. Two lanes' ranks at *equal* priority on 2 cores took 1296 s of CI wall
-time side by side against 441 s and 312 s one after the other, because a launch's 2-4 ranks
-wait on each other in every collective and a rank pushed off its core stalls them all.
+too, their ranks at the same idle priority; those that time themselves or assert on a plan made
+from profiles they take (``quiet``) wait until the launch lane has ended, and the ``serial``
+tests come after every other test (their tests start ranks, so each holds the machine alone).
+They ran as a third pytest lane once, which spent 9-13 s starting an interpreter and collecting
+the whole suite for three tests. Two lanes' ranks at *equal* priority on 2 cores took 1296 s of
+CI wall time side by side against 441 s and 312 s one after the other, because a launch's 2-4
+ranks wait on each other in every collective and a rank pushed off its core stalls them all.
 
 Usage: ``python tests/suite.py [pytest arguments]`` (passed to every lane, e.g. ``-x`` or
 ``--durations=20``); the exit status is the first failing lane's.

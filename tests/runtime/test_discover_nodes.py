@@ -18,7 +18,11 @@ from lightning_autopipe.profile import Profile
 from tests._launch import free_port, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.quiet]  # plans from the profiles its ranks take
+# Its ranks discover and plan from the profiles they take, but no assertion depends on the
+# timings: the servers come from the host names, each 2-device server has one link level
+# whatever it measures, and the plan is compared with one re-made from the files written. So
+# it runs beside the launch lane like any other ranks test.
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 
 

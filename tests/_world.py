@@ -36,20 +36,17 @@ sys.path[0] = str(ROOT)
 
 
 def _import_the_stack() -> None:
-    """torch and Lightning, once per rank, before the start barrier, with the collector
-    paused (the imports build hundreds of thousands of objects and no cycle to free: its
-    passes over them are a fifth of the 5 s import here); then the heap they built is frozen
+    """torch and Lightning, once per rank, before the start barrier
+    (:func:`tests._stack.import_the_stack`); then the heap they built is frozen
     (:func:`gc.freeze`): the strategy collects garbage at every fit to release earlier
     cases' pipelines alike on every rank, and a full collection that also walks those
     imported objects takes a fifth of a second per case."""
     global torch
-    gc.disable()
-    try:
-        import lightning.pytorch  # noqa: F401
-        import torch
-    finally:
-        gc.enable()
-    torch.set_num_threads(1)
+    from tests._stack import import_the_stack
+
+    import_the_stack()
+    import torch
+
     gc.freeze()
 
 

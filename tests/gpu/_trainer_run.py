@@ -13,12 +13,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-torch.set_num_threads(1)
+from tests._stack import import_the_stack  # noqa: E402
+
+import_the_stack()
 
 import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_autopipe import AutoPipeStrategy  # noqa: E402

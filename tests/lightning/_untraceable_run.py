@@ -9,12 +9,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-torch.set_num_threads(1)
+from tests._stack import import_the_stack  # noqa: E402
+
+import_the_stack()
 
 import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_autopipe  # noqa: E402

@@ -26,12 +26,13 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-torch.set_num_threads(1)
+from tests._stack import import_the_stack  # noqa: E402
+
+import_the_stack()
 
 import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 

@@ -33,6 +33,7 @@ test that starts processes with neither mark waits the same way when it starts t
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import sys
@@ -127,6 +128,7 @@ def _file(suffix: str) -> IO[bytes] | None:
         return None
     if suffix not in _files:
         _files[suffix] = open(base + suffix, "ab")  # noqa: SIM115 - held for the session
+        atexit.register(_files[suffix].close)  # released at the shard's exit, not left to it
     return _files[suffix]
 
 

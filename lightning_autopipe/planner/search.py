@@ -12,7 +12,9 @@ otherwise the fast model's favourite stands.
 
 Activation recomputation is the last resort: only when no finalist fits device memory are
 its stages that do not fit made to recompute their activations (under a schedule that does
-not split the backward), priced by the same simulator; :func:`search_plan` prefers any depth
+not split the backward), priced by the same simulator; when that does not fit either, the
+cuts are walked to ones that fit with recomputation (:mod:`~.memwalk`: cuts chosen for time
+can leave one stage too big for any recomputation). :func:`search_plan` prefers any depth
 that fits without it.
 
 AutoPipe gives every stage the same replica count (what the runtime executes); DAPPLE and Piper
@@ -28,11 +30,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from lightning_autopipe.cluster import Cluster
-from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
+from lightning_autopipe.errors import MemoryPlanError, PlanError
 from lightning_autopipe.planner.autopipe import autopipe_proposals
 from lightning_autopipe.planner.baselines import propose
 from lightning_autopipe.planner.generators import schedule_generator, splits_backward
+from lightning_autopipe.planner.inputs import check_inputs
 from lightning_autopipe.planner.layout import BlockCosts, Layout
+from lightning_autopipe.planner.memwalk import fitting_cuts
 from lightning_autopipe.planner.plan import Plan, Proposal
 from lightning_autopipe.planner.polish import bound_many, evaluate_many, polish
 from lightning_autopipe.planner.simulate import simulate
@@ -98,7 +102,7 @@ def make_plan(
     t0 = time.perf_counter()
     if planner not in PLANNERS:
         raise PlanError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
-    devs = _check_inputs(profile, cluster, global_batch_size, devices, num_stages, replicas,
+    devs = check_inputs(profile, cluster, global_batch_size, devices, num_stages, replicas,
                          num_microbatches, startup_slices, use_all_devices, drain_slices)
     costs = BlockCosts.from_profile(profile, cluster)
     pins = dict(num_stages=num_stages, replicas=replicas, num_microbatches=num_microbatches,
@@ -151,6 +155,11 @@ def make_plan(
         redone = [r for p in plans if (r := _recomputing(p, profile, cluster, global_batch_size,
                                                          optimizer_factor, schedules, planner))]
         fitting = [p for p in redone if _fits(p, cluster)]
+        if not fitting and planner == "autopipe":  # other cuts may fit where these do not
+            moved = [r for p in plans if (r := _recomputing_elsewhere(
+                p, profile, costs, cluster, global_batch_size, optimizer_factor, schedules))]
+            fitting = [p for p in moved if _fits(p, cluster)]
+            redone += moved
         plans = redone or plans
     best = min(fitting or plans, key=lambda p: p.iteration_ms)
     if memory_check and not fitting:
@@ -225,6 +234,26 @@ def _recomputing(
                     plan.startup_slices, plan.drain_slices, schedule)
     return finish_plan(prop, plan.planner, profile, cluster, batch, optimizer_factor,
                        recompute=over)
+
+
+def _recomputing_elsewhere(
+    plan: Plan, profile: Profile, costs: BlockCosts, cluster: Cluster, batch: int,
+    optimizer_factor: float, schedules: Sequence[str],
+) -> Plan | None:
+    """:func:`_recomputing` at the cuts :func:`~.memwalk.fitting_cuts` walks to from
+    ``plan``'s (None when it finds none, or where :func:`_recomputing` may not recompute)."""
+    if splits_backward(plan.schedule) and "1f1b" not in schedules:
+        return None
+    prop = Proposal([list(st.devices) for st in plan.stages], plan.cuts, plan.num_microbatches,
+                    plan.startup_slices, plan.drain_slices, plan.schedule,
+                    plan.chunks_per_rank, plan.placement)
+    cuts = fitting_cuts(prop, costs, cluster, batch, optimizer_factor)
+    if cuts is None or cuts == plan.cuts:
+        return None
+    moved = finish_plan(replace(prop, cuts=cuts), plan.planner, profile, cluster, batch,
+                        optimizer_factor)
+    return moved if _fits(moved, cluster) else _recomputing(
+        moved, profile, cluster, batch, optimizer_factor, schedules, plan.planner)
 
 
 def finish_plan(
@@ -308,73 +337,6 @@ def search_plan(
 
 
 # ---------------------------------------------------------------------------- checks
-def _check_inputs(
-    profile: Profile,
-    cluster: Cluster,
-    batch: int,
-    devices: list[str] | None,
-    num_stages: int | None,
-    replicas: int | None,
-    m: int | None,
-    k: int | None,
-    use_all: bool,
-    j: int | None = None,
-) -> list[str]:
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise PlanError(f"global_batch_size must be a positive integer, got {batch!r}")
-    for name, v in (("num_stages", num_stages), ("replicas", replicas),
-                    ("num_microbatches", m), ("startup_slices", k), ("drain_slices", j)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise PlanError(f"{name} must be a positive integer or None, got {v!r}")
-    devs = [d.name for d in cluster.devices] if devices is None else list(devices)
-    for d in devs:
-        cluster.device(d)  # ClusterError naming the bad device
-    if len(set(devs)) != len(devs):
-        raise ClusterError(f"device list {devs} names a device twice")
-    if not devs:
-        raise ClusterError("no devices to plan for; pass at least one device name")
-    n, nd = len(profile.blocks), len(devs)
-    if num_stages is not None and num_stages > n:
-        raise PlanError(
-            f"cannot split {n} blocks of {profile.model!r} into {num_stages} stages; use at most "
-            f"{n} stages (or profile the model at a finer block granularity)"
-        )
-    need = (num_stages or 1) * (replicas or 1)
-    if need > nd:
-        raise ClusterError(
-            f"{num_stages or 1} stages x {replicas or 1} replicas need {need} devices but only "
-            f"{nd} are available ({cluster.name!r}); use fewer stages or replicas, or add devices"
-        )
-    if use_all and num_stages and replicas and need != nd:
-        raise PlanError(
-            f"use_all_devices needs stages x replicas == {nd} devices, but {num_stages} x "
-            f"{replicas} = {need}; pin a shape whose product is {nd}"
-        )
-    r = replicas or 1
-    if batch % r:
-        raise PlanError(
-            f"global batch {batch} is not divisible into {r} replicas; use a multiple of {r}"
-        )
-    if m is not None and batch % (r * m):
-        ok = [x for x in range(1, batch // r + 1) if (batch // r) % x == 0]
-        raise PlanError(
-            f"global batch {batch} is not divisible into {r} replicas x {m} micro-batches "
-            f"= {r * m}; use a batch that is a multiple of {r * m}, or num_microbatches in "
-            f"{ok[:12]}"
-        )
-    if k is not None and m is not None and k > batch // (r * m):
-        raise PlanError(
-            f"cannot split a micro-batch of {batch // (r * m)} samples into {k} startup slices;"
-            f" use startup_slices <= {batch // (r * m)} or fewer micro-batches"
-        )
-    if j is not None and m is not None and m >= 2 and j > batch // (r * m):
-        raise PlanError(
-            f"cannot split a micro-batch of {batch // (r * m)} samples into {j} drain slices;"
-            f" use drain_slices <= {batch // (r * m)} or fewer micro-batches"
-        )
-    return devs
-
-
 def _fits(plan: Plan, cluster: Cluster) -> bool:
     return all(b <= cluster.device(d).spec.memory_bytes for d, b in plan.peak_memory_bytes.items())
 

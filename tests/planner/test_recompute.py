@@ -91,6 +91,36 @@ def test_recomputation_is_chosen_only_when_nothing_fits_without_it():
                   replicas=1, num_microbatches=8, schedules=("gpipe",))
 
 
+@pytest.mark.parametrize("heavy", ["first", "last"])
+def test_cuts_chosen_for_time_move_until_a_recomputing_plan_fits(heavy):
+    """Two slow blocks at one end: the fastest cut gives the other stage seven of eight
+    blocks, more than 110 MB holds even recomputing; cuts that fit by recomputing exist, and
+    the plan is the fastest of every cut recomputing what does not fit (brute force)."""
+    slow = (0, 1) if heavy == "first" else (6, 7)
+    prof = Profile("p", 4, "ref", [
+        BlockProfile(b.name, 12.0 if i in slow else 1.0, 2.0, b.param_bytes, b.activation_bytes,
+                     b.memory_bytes) for i, b in enumerate(_profile().blocks)])
+    pins = {"num_stages": 2, "replicas": 1, "num_microbatches": 8, "startup_slices": 1,
+            "drain_slices": 1, "schedules": ("gpipe",)}
+    roomy = make_plan(prof, Cluster.local(2, memory_gb=16), 32, **pins)
+    assert max(st.blocks[1] - st.blocks[0] for st in roomy.stages) == 7
+    cluster = Cluster.local(2, memory_gb=110 * MB / 2**30)
+    limit = cluster.devices[0].spec.memory_bytes
+    options = []
+    for c in range(1, 8):
+        stages = [StagePlan((0, c), ["local:0"]), StagePlan((c, 8), ["local:1"])]
+        plain = simulate(Plan("t", 32, 8, 1, stages, schedule="gpipe"), prof, cluster)
+        over = [plain.peak_memory_bytes[f"local:{s}"] > limit for s in range(2)]
+        res = simulate(Plan("t", 32, 8, 1, stages, schedule="gpipe",
+                            recompute=over if any(over) else []), prof, cluster)
+        if max(res.peak_memory_bytes.values()) <= limit:
+            options.append((res.iteration_ms, c, over))
+    assert options and roomy.cuts[1] not in [c for _, c, _ in options]
+    tight = make_plan(prof, cluster, 32, **pins)
+    assert max(tight.peak_memory_bytes.values()) <= limit
+    assert (tight.iteration_ms, tight.cuts[1], tight.recompute) == min(options)
+
+
 def test_search_prefers_a_depth_that_fits_without_recomputation():
     """4 devices with 37 MB each, 2 micro-batches per step: 1 stage x 4 fits nothing, 2 x 2
     fits only by recomputing its first stage (and would train more samples per ms), 4 x 1

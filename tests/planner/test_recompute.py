@@ -115,7 +115,8 @@ def test_cuts_chosen_for_time_move_until_a_recomputing_plan_fits(heavy):
                             recompute=over if any(over) else []), prof, cluster)
         if max(res.peak_memory_bytes.values()) <= limit:
             options.append((res.iteration_ms, c, over))
-    assert options and roomy.cuts[1] not in [c for _, c, _ in options]
+    assert options
+    assert roomy.cuts[1] not in [c for _, c, _ in options]
     tight = make_plan(prof, cluster, 32, **pins)
     assert max(tight.peak_memory_bytes.values()) <= limit
     assert (tight.iteration_ms, tight.cuts[1], tight.recompute) == min(options)

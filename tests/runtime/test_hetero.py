@@ -189,8 +189,13 @@ def test_a_rank_slowed_by_a_core_neighbour_is_discovered_and_given_less_work(tmp
         return (len(r["types"]) == 2 and fast == 1.0 and slow < 0.8
                 and low / 1.25 <= slow <= high * 1.25)
 
+    # Up to three tries: discovery's few short passes on a shared core land anywhere between
+    # a third and half speed (five runs alone here: 0.30-0.52 against 0.36-0.50 independently
+    # timed, one of them outside the band), and a busy machine can take a share of a core too.
     r = run()
-    if not measured_as_set_up(r):  # a busy machine: another job took a share of a core
+    for _ in range(2):
+        if measured_as_set_up(r):
+            break
         r = run()
     assert r["servers"] == 1
     assert measured_as_set_up(r), (f"types {r['types']}, discovered speeds {r['speeds']}, "

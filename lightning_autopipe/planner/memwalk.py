@@ -12,6 +12,8 @@ The plan made from the cuts it returns recomputes only the stages that need it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.costmodel import evaluate_batch
 from lightning_autopipe.planner.generators import splits_backward
@@ -32,8 +34,7 @@ def fitting_cuts(prop: Proposal, costs: BlockCosts, cluster: Cluster, batch: int
         return None
     layout = Layout.from_cluster(cluster, prop.groups)
     schedule = "1f1b" if splits_backward(prop.schedule) else prop.schedule
-    step = Proposal(prop.groups, prop.cuts, prop.num_microbatches, prop.startup_slices,
-                    prop.drain_slices, schedule).step_shape(batch, optimizer_factor)
+    step = replace(prop, schedule=schedule).step_shape(batch, optimizer_factor)
     everywhere = [True] * layout.num_stages
 
     def price(cuts_list: list[list[int]]) -> list[tuple[float, bool]]:

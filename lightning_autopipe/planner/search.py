@@ -103,7 +103,7 @@ def make_plan(
     if planner not in PLANNERS:
         raise PlanError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
     devs = check_inputs(profile, cluster, global_batch_size, devices, num_stages, replicas,
-                         num_microbatches, startup_slices, use_all_devices, drain_slices)
+                        num_microbatches, startup_slices, use_all_devices, drain_slices)
     costs = BlockCosts.from_profile(profile, cluster)
     pins = dict(num_stages=num_stages, replicas=replicas, num_microbatches=num_microbatches,
                 startup_slices=startup_slices, drain_slices=drain_slices)
@@ -215,6 +215,13 @@ def _polish_favourite(
     return []
 
 
+def _proposal_of(plan: Plan) -> Proposal:
+    """The proposal ``plan`` was made from (its devices, cuts, step and schedule)."""
+    return Proposal([list(st.devices) for st in plan.stages], plan.cuts, plan.num_microbatches,
+                    plan.startup_slices, plan.drain_slices, plan.schedule,
+                    plan.chunks_per_rank, plan.placement)
+
+
 def _recomputing(
     plan: Plan, profile: Profile, cluster: Cluster, batch: int, optimizer_factor: float,
     schedules: Sequence[str], planner: str,
@@ -230,10 +237,8 @@ def _recomputing(
         if planner == "autopipe" and "1f1b" not in schedules:
             return None
         schedule = "1f1b"
-    prop = Proposal([list(st.devices) for st in plan.stages], plan.cuts, plan.num_microbatches,
-                    plan.startup_slices, plan.drain_slices, schedule)
-    return finish_plan(prop, plan.planner, profile, cluster, batch, optimizer_factor,
-                       recompute=over)
+    return finish_plan(replace(_proposal_of(plan), schedule=schedule), plan.planner, profile,
+                       cluster, batch, optimizer_factor, recompute=over)
 
 
 def _recomputing_elsewhere(
@@ -244,9 +249,7 @@ def _recomputing_elsewhere(
     ``plan``'s (None when it finds none, or where :func:`_recomputing` may not recompute)."""
     if splits_backward(plan.schedule) and "1f1b" not in schedules:
         return None
-    prop = Proposal([list(st.devices) for st in plan.stages], plan.cuts, plan.num_microbatches,
-                    plan.startup_slices, plan.drain_slices, plan.schedule,
-                    plan.chunks_per_rank, plan.placement)
+    prop = _proposal_of(plan)
     cuts = fitting_cuts(prop, costs, cluster, batch, optimizer_factor)
     if cuts is None or cuts == plan.cuts:
         return None

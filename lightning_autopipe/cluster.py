@@ -193,6 +193,9 @@ class Cluster:
             raise ClusterError(
                 f"Cluster.local needs reduce_gbps > 0 (inf: free), got {reduce_gbps}"
             )
+        if not memory_gb > 0:  # as a cluster file's memory_gb (hardware.positive)
+            raise ClusterError(f"Cluster.local needs memory_gb > 0 (GiB per device), got "
+                               f"{memory_gb}")
         spec = ServerSpec(
             name="local",
             count=1,

@@ -12,6 +12,7 @@ The plan made from the cuts it returns recomputes only the stages that need it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from lightning_autopipe.cluster import Cluster
@@ -43,7 +44,7 @@ def fitting_cuts(prop: Proposal, costs: BlockCosts, cluster: Cluster, batch: int
         out = []
         for e in evaluate_batch(costs, layout, cuts_list, step, critical_path=False,
                                 recompute=everywhere):
-            over = max(p / c for p, c in zip(e.peak_bytes, layout.capacity))
+            over = max(p / c if c > 0 else math.inf for p, c in zip(e.peak_bytes, layout.capacity))
             out.append((e.iteration_ms, True) if e.fits else (over, False))
         return out
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from lightning_autopipe.cluster import Cluster
-from lightning_autopipe.errors import MemoryPlanError, PlanError
+from lightning_autopipe.errors import ClusterError, MemoryPlanError, PlanError
 from lightning_autopipe.planner.costmodel import evaluate
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.plan import Plan, StagePlan
@@ -86,9 +86,11 @@ def test_recomputation_is_chosen_only_when_nothing_fits_without_it():
     assert any(tight.recompute)
     assert max(tight.peak_memory_bytes.values()) <= 0.6 * need
     assert tight.iteration_ms > roomy.iteration_ms  # it costs the recomputed forwards
-    with pytest.raises(MemoryPlanError, match="even with stages"):
+    with pytest.raises(MemoryPlanError, match="even with stages"):  # nor any other cuts
         make_plan(prof, Cluster.local(2, memory_gb=8 * MB / 2**30), 32, num_stages=2,
                   replicas=1, num_microbatches=8, schedules=("gpipe",))
+    with pytest.raises(ClusterError, match="memory_gb > 0"):
+        Cluster.local(2, memory_gb=0)
 
 
 @pytest.mark.parametrize("heavy", ["first", "last"])

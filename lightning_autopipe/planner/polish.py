@@ -102,9 +102,11 @@ def polish(
 ) -> Polished:
     """The best cuts a walk over :func:`neighbours` reaches from ``cuts``, and the sweeps taken.
 
-    ``price`` gives ``(iteration_ms, fits)`` of each cut list (:func:`evaluate_many` with the
-    plan's layout and step bound). Each sweep moves to the fastest neighbour (plans that fit
-    memory first) while it beats the current cuts by more than rounding; it stops at a local
+    ``price`` gives ``(figure, fits)`` of each cut list, the figure being what the walk lowers:
+    the step's ms (:func:`evaluate_many` with the plan's layout and step bound), or any figure
+    of the caller's (:mod:`~.memwalk` gives cuts that do not fit their worst overflow). Each
+    sweep moves to the fastest neighbour (plans that fit memory first) while it beats the
+    current cuts by more than rounding; it stops at a local
     optimum of these moves or after :func:`sweep_budget` sweeps. ``bound`` (a lower bound of
     the step and the exact ``fits``, :func:`~.bound.bound_batch`) spares the replay of
     the neighbours that cannot beat the current cuts: the fastest neighbour, when it beats

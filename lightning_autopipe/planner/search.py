@@ -12,10 +12,10 @@ otherwise the fast model's favourite stands.
 
 Activation recomputation is the last resort: only when no finalist fits device memory are
 its stages that do not fit made to recompute their activations (under a schedule that does
-not split the backward), priced by the same simulator; when that does not fit either, the
-cuts are walked to ones that fit with recomputation (:mod:`~.memwalk`: cuts chosen for time
-can leave one stage too big for any recomputation). :func:`search_plan` prefers any depth
-that fits without it.
+not split the backward), priced by the same simulator; when that does not fit either,
+AutoPipe's cuts are walked to ones that fit with recomputation (:mod:`~.memwalk`: cuts chosen
+for time can leave one stage too big for any recomputation). :func:`search_plan` prefers any
+depth that fits without it.
 
 AutoPipe gives every stage the same replica count (what the runtime executes); DAPPLE and Piper
 may replicate stages unevenly unless ``uniform_replicas``. Every planner's result is scored by
@@ -216,7 +216,8 @@ def _polish_favourite(
 
 
 def _proposal_of(plan: Plan) -> Proposal:
-    """The proposal ``plan`` was made from (its devices, cuts, step and schedule)."""
+    """The proposal ``plan`` was made from (its devices, cuts, step and schedule), for a plan
+    of one chunk per rank (the plans that may recompute)."""
     return Proposal([list(st.devices) for st in plan.stages], plan.cuts, plan.num_microbatches,
                     plan.startup_slices, plan.drain_slices, plan.schedule,
                     plan.chunks_per_rank, plan.placement)
@@ -245,18 +246,23 @@ def _recomputing_elsewhere(
     plan: Plan, profile: Profile, costs: BlockCosts, cluster: Cluster, batch: int,
     optimizer_factor: float, schedules: Sequence[str],
 ) -> Plan | None:
-    """:func:`_recomputing` at the cuts :func:`~.memwalk.fitting_cuts` walks to from
-    ``plan``'s (None when it finds none, or where :func:`_recomputing` may not recompute)."""
+    """The fastest plan at the cuts :func:`~.memwalk.fitting_cuts` finds for ``plan``'s
+    devices and step, each as it is where it fits, else recomputing its stages that do not
+    fit (:func:`_recomputing`); None when it finds no cuts that fit, or where
+    :func:`_recomputing` may not recompute."""
     if splits_backward(plan.schedule) and "1f1b" not in schedules:
         return None
     prop = _proposal_of(plan)
-    cuts = fitting_cuts(prop, costs, cluster, batch, optimizer_factor)
-    if cuts is None or cuts == plan.cuts:
-        return None
-    moved = finish_plan(replace(prop, cuts=cuts), plan.planner, profile, cluster, batch,
-                        optimizer_factor)
-    return moved if _fits(moved, cluster) else _recomputing(
-        moved, profile, cluster, batch, optimizer_factor, schedules, plan.planner)
+    found = []
+    for cuts in fitting_cuts(prop, costs, cluster, batch, optimizer_factor):
+        moved = finish_plan(replace(prop, cuts=cuts), plan.planner, profile, cluster, batch,
+                            optimizer_factor)
+        if not _fits(moved, cluster):
+            moved = _recomputing(moved, profile, cluster, batch, optimizer_factor, schedules,
+                                 plan.planner)
+        if moved is not None and _fits(moved, cluster):
+            found.append(moved)
+    return min(found, key=lambda p: p.iteration_ms, default=None)
 
 
 def finish_plan(

@@ -124,6 +124,24 @@ def test_cuts_chosen_for_time_move_until_a_recomputing_plan_fits(heavy):
     assert (tight.iteration_ms, tight.cuts[1], tight.recompute) == min(options)
 
 
+def test_a_long_model_on_many_stages_finds_the_cuts_that_fit_recomputing():
+    """64 blocks of equal memory and random times on 8 stages, memory for the even split with
+    every stage recomputing and 2% more: only cuts near the even split fit, which the walk
+    from the time-favourite cuts, one or two cuts at a time, does not reach."""
+    rng = random.Random(0)
+    prof = Profile("p", 1, "ref", [
+        BlockProfile(f"b{i}", (f := rng.lognormvariate(0, 1)), 2 * f, MB, MB // 16, 4 * MB)
+        for i in range(64)])
+    even = [StagePlan((8 * s, 8 * s + 8), [f"local:{s}"]) for s in range(8)]
+    need = max(simulate(Plan("t", 16, 16, 1, even, schedule="1f1b", recompute=[True] * 8),
+                        prof, Cluster.local(8)).peak_memory_bytes.values())
+    cluster = Cluster.local(8, memory_gb=1.02 * need / 2**30)
+    plan = make_plan(prof, cluster, 16, num_stages=8, replicas=1, num_microbatches=16,
+                     startup_slices=1, drain_slices=1, schedules=("1f1b",))
+    assert any(plan.recompute)
+    assert max(plan.peak_memory_bytes.values()) <= cluster.devices[0].spec.memory_bytes
+
+
 def test_search_prefers_a_depth_that_fits_without_recomputation():
     """4 devices with 37 MB each, 2 micro-batches per step: 1 stage x 4 fits nothing, 2 x 2
     fits only by recomputing its first stage (and would train more samples per ms), 4 x 1

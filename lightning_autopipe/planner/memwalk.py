@@ -53,19 +53,25 @@ def fitting_cuts(prop: Proposal, costs: BlockCosts, cluster: Cluster, batch: int
         make (its stages that do not fit recomputing, the others not); (worst overflow ratio
         with every stage recomputing, False) for the others: :func:`~.polish.polish` prefers
         fitting cuts, then the lower figure."""
-        out = []
         plain = evaluate_batch(costs, layout, cuts_list, step, critical_path=False)
         full = evaluate_batch(costs, layout, cuts_list, step, critical_path=False,
                               recompute=everywhere)
-        for cuts, e, a in zip(cuts_list, plain, full):
+        out: list[tuple[float, bool]] = []
+        mixed: dict[tuple[bool, ...], list[int]] = {}  # flags -> the cuts that need them
+        for k, (e, a) in enumerate(zip(plain, full)):
+            over = tuple(p > c for p, c in zip(e.peak_bytes, layout.capacity))
             if not a.fits:
                 out.append((max(p / c if c > 0 else math.inf
                                 for p, c in zip(a.peak_bytes, layout.capacity)), False))
-                continue
-            over = [p > c for p, c in zip(e.peak_bytes, layout.capacity)]
-            ms = (e if not any(over) else a if all(over) else evaluate_batch(
-                costs, layout, [cuts], step, critical_path=False, recompute=over)[0]).iteration_ms
-            out.append((ms, True))
+            elif not any(over) or all(over):
+                out.append(((a if any(over) else e).iteration_ms, True))
+            else:
+                out.append((math.nan, True))
+                mixed.setdefault(over, []).append(k)
+        for over, idx in mixed.items():  # one replay pass per set of recomputing stages
+            for k, e in zip(idx, evaluate_batch(costs, layout, [cuts_list[k] for k in idx], step,
+                                                critical_path=False, recompute=over)):
+                out[k] = (e.iteration_ms, True)
         return out
 
     factor = param_state_factor(optimizer_factor)

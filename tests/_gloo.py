@@ -36,6 +36,8 @@ _CASE_S = 300.0
 #: ranks can keep a core from them for many seconds.
 TIMEOUT_S = 120.0
 _START_S = 300.0
+#: Starts of a world tried before its test fails (each on a port found free just before).
+_START_TRIES = 3
 
 
 #: What the fork server imports once, so that a world's ranks start with it in memory.
@@ -85,28 +87,52 @@ class GlooWorld:
         self._conns: list[Any] = []
 
     def _start(self) -> None:
+        """Start the ranks; a start that fails is closed (the next case starts afresh) and
+        retried on another port: a port found free can be taken by another process before
+        rank 0 binds its store to it (the loopback's ephemeral ports are shared by the whole
+        machine), which killed rank 0 and, unclosed, failed every later case of the size."""
         ctx = forked_context()
-        port = free_port()
-        for rank in range(self.size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, self.size, port, self.timeout_s, child),
-                               daemon=True)
-            proc.start()
-            self._procs.append(proc)
-            self._conns.append(parent)
+        problem = ""
+        for _ in range(_START_TRIES):
+            port = free_port()
+            for rank in range(self.size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve,
+                                   args=(rank, self.size, port, self.timeout_s, child),
+                                   daemon=True)
+                proc.start()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            problem = self._await_ready()
+            if not problem:
+                return
+            self.close()
+        pytest.fail(f"gloo world of {self.size}: {problem} ({_START_TRIES} tries)")
+
+    def _await_ready(self) -> str:
+        """"" once every rank reported ready, else what went wrong."""
         for rank, conn in enumerate(self._conns):
             if not conn.poll(_START_S):
-                self.close()
-                pytest.fail(f"gloo world of {self.size}: rank {rank} did not start")
-            conn.recv()
+                return f"rank {rank} did not start within {_START_S:.0f} s"
+            try:
+                conn.recv()
+            except EOFError:
+                self._procs[rank].join(timeout=5)
+                return f"rank {rank} died while starting (exit {self._procs[rank].exitcode})"
+        return ""
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(rank, world, *args)`` on every rank; the results in rank order."""
         _machine.need_the_machine()  # the ranks run now: no other shard's test beside them
         if not self._procs:
             self._start()
-        for conn in self._conns:
-            conn.send((fn, args))
+        try:
+            for conn in self._conns:
+                conn.send((fn, args))
+        except OSError as exc:  # a rank gone between cases: the next case starts afresh
+            self.close()
+            pytest.fail(f"gloo world of {self.size}: a rank was gone before {fn.__name__} "
+                        f"({exc})", pytrace=False)
         results, errors = [], []
         for rank, conn in enumerate(self._conns):
             if not conn.poll(_CASE_S):

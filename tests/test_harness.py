@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from tests._launch import free_port
 from tests._worlds import collect_cases
 
 
@@ -32,6 +33,28 @@ def test_a_failing_rank_fails_the_case_with_its_traceback_and_the_world_recovers
     with pytest.raises(pytest.fail.Exception, match="(?s)rank 1: .*rank one breaks on purpose"):
         gloo(2).run(_raises_on_rank_1)
     assert gloo(2).run(_sum_of_ranks, 0) == [(0, 1), (1, 1)]  # a fresh world serves the next
+
+
+@pytest.mark.ranks
+def test_a_world_whose_port_was_taken_starts_on_another(monkeypatch):
+    """The port a world found free is taken before its rank 0 binds it (another process got
+    it first): the start is retried on a new port instead of failing this and every later
+    case of the size."""
+    import socket
+
+    import tests._gloo as G
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(G, "free_port", lambda: next(ports, None) or free_port())
+    world = G.GlooWorld(2, timeout_s=30)
+    try:
+        assert world.run(_sum_of_ranks, 0) == [(0, 1), (1, 1)]
+    finally:
+        world.close()
+        taken.close()
 
 
 def test_world_cases_merge_per_size_without_repeats_and_late_modules_last():

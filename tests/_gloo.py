@@ -103,23 +103,27 @@ class GlooWorld:
                 proc.start()
                 self._procs.append(proc)
                 self._conns.append(parent)
-            problem = self._await_ready()
+            problem, died = self._await_ready()
             if not problem:
                 return
             self.close()
-        pytest.fail(f"gloo world of {self.size}: {problem} ({_START_TRIES} tries)")
+            if not died:  # a rank that never answered: another try would wait as long again
+                break
+        pytest.fail(f"gloo world of {self.size}: {problem}")
 
-    def _await_ready(self) -> str:
-        """"" once every rank reported ready, else what went wrong."""
+    def _await_ready(self) -> tuple[str, bool]:
+        """Every rank's ready report: ``("", False)`` once all came, else what went wrong and
+        whether a rank died (a failed start worth trying again) rather than never answered."""
         for rank, conn in enumerate(self._conns):
             if not conn.poll(_START_S):
-                return f"rank {rank} did not start within {_START_S:.0f} s"
+                return f"rank {rank} did not start within {_START_S:.0f} s", False
             try:
                 conn.recv()
             except EOFError:
                 self._procs[rank].join(timeout=5)
-                return f"rank {rank} died while starting (exit {self._procs[rank].exitcode})"
-        return ""
+                return (f"rank {rank} died while starting (exit {self._procs[rank].exitcode}; "
+                        f"{_START_TRIES} tries)"), True
+        return "", False
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(rank, world, *args)`` on every rank; the results in rank order."""

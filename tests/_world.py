@@ -22,7 +22,6 @@ from __future__ import annotations
 import gc
 import importlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # the script's own folder (tests/) would shadow packages by its subfolders' names (tests/lightning)
 sys.path[0] = str(ROOT)
+
+from tests._launch import free_port  # noqa: E402 - the checkout is importable now
 
 
 def _import_the_stack() -> None:
@@ -60,15 +61,9 @@ def _rank() -> int:
 _START_S = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_others(world: int) -> list[subprocess.Popen]:
     """In the launching process: become rank 0 of ``world`` and start ranks 1.. as children."""
-    ports = {"MASTER_PORT": str(_free_port()), "AUTOPIPE_WORLD_READY_PORT": str(_free_port())}
+    ports = {"MASTER_PORT": str(free_port()), "AUTOPIPE_WORLD_READY_PORT": str(free_port())}
     common = {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(world), "NODE_RANK": "0", **ports}
     os.environ.update(common, LOCAL_RANK="0")
     return [subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, **common,

@@ -28,13 +28,6 @@ __all__ = ["CheckedMultiProcessingLauncher", "CheckedScriptLauncher", "check_bef
 
 def check_trainer(trainer: Any, precision_plugin: Any) -> None:
     """What the Trainer asks for must be something the pipeline runs."""
-    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-    if accumulate != 1:
-        raise PlanError(
-            f"accumulate_grad_batches={accumulate} is not supported by "
-            "AutoPipeStrategy; the pipeline already accumulates over micro-batches: raise "
-            "num_microbatches or the batch size instead"
-        )
     check_precision(precision_plugin)
 
 
@@ -56,10 +49,9 @@ def check_before_launch(
         module: the LightningModule handed to ``fit`` / ``validate`` ... (skipped when None).
 
     Raises:
-        PlanError: ``accumulate_grad_batches`` other than 1, an unsupported precision, manual
-            optimization, ``deterministic=True`` with an automatic depth, a pinned
-            ``num_stages`` that does not divide the world, or a given plan for another number
-            of devices.
+        PlanError: an unsupported precision, manual optimization, ``deterministic=True`` with
+            an automatic depth, a pinned ``num_stages`` that does not divide the world, or a
+            given plan for another number of devices.
         ClusterError: a cluster file that cannot be read or does not fit the launched world.
     """
     if trainer is not None and precision_plugin is not None:

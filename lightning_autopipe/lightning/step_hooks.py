@@ -2,7 +2,10 @@
 
 Lightning calls ``training_step`` inside the optimizer closure and ``backward`` after it; a
 pipeline runs every forward and backward of the step in ``training_step``, so the gradients are
-put aside there and handed back in ``backward`` (Lightning zeroes them in between). The
+put aside there and handed back in ``backward`` (Lightning zeroes them in between, on the first
+batch of an ``accumulate_grad_batches`` window). ``backward`` adds them to what the parameters
+hold, divided by ``accumulate_grad_batches`` as Lightning divides the loss it back-propagates,
+so a window of ``N`` batches steps on the gradients one process accumulates over them. The
 evaluation and prediction steps run the forward-only schedule; the module's own steps run per
 slice on the last stage (:mod:`~lightning_autopipe.lightning.steps`). Kept apart from
 :mod:`~lightning_autopipe.lightning.strategy` (setup, collectives, teardown) as a base class of
@@ -55,8 +58,9 @@ class StepHooks(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """Run the whole schedule (every forward and backward) and sync the gradients.
 
-        Lightning zeroes gradients *between* ``training_step`` and ``backward``, so the
-        gradients are put aside here and handed back in :meth:`backward`.
+        Lightning zeroes gradients *between* ``training_step`` and ``backward``, so this
+        batch's gradients are put aside here and handed back in :meth:`backward`; the
+        gradients the parameters held before (an accumulation window's) are left in place.
         """
         assert self._pipe is not None
         assert self._runner is not None
@@ -65,6 +69,8 @@ class StepHooks(ParallelStrategy):
         own = not runner.uses_pipeline_loss
         runner.begin("training_step" if own else "pipeline_loss", rest, extra)
         params = self._pipe.executor.parameters
+        held = [p.grad for p in params] if _within_window(self.lightning_module, rest,
+                                                          extra) else [None] * len(params)
         for p in params:
             p.grad = None
         step = self.lightning_module.trainer.global_step if self.lightning_module else None
@@ -73,8 +79,8 @@ class StepHooks(ParallelStrategy):
         if self._bn is not None:  # whole-batch BatchNorm statistics; replica 0's buffers
             self._bn.after_step()
         self._grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        for p, g in zip(params, held):
+            p.grad = g
         if own:
             self._finish()
         if not bool(torch.isfinite(loss)):
@@ -100,13 +106,18 @@ class StepHooks(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Install the gradients the schedule computed; the before/after-backward hooks run."""
+        """Add the gradients the schedule computed to the parameters' (module docstring); the
+        before/after-backward hooks run."""
         assert self._pipe is not None
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self._grads is not None:
+            window = _window(module)
             for p, g in zip(self._pipe.executor.parameters, self._grads):
-                p.grad = g
+                if g is None:
+                    continue
+                g = g / window if window > 1 else g
+                p.grad = g if p.grad is None else p.grad + g
             self._grads = None
         return self.precision_plugin.post_backward(closure_loss, module)
 
@@ -173,3 +184,18 @@ def _step_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tupl
 
 def _batch_idx(rest: tuple[Any, ...], extra: dict[str, Any]) -> Any:
     return rest[0] if rest else extra.get("batch_idx")
+
+
+def _within_window(module: Any, rest: tuple[Any, ...], extra: dict[str, Any]) -> bool:
+    """This batch continues an ``accumulate_grad_batches`` window: the gradients the
+    parameters hold are the window's so far. Not on a window's first batch, whose closure
+    zeroes them (Lightning's test): they are released before the step, not held through it."""
+    window = _window(module)
+    batch_idx = _batch_idx(rest, extra)
+    return window > 1 and not (isinstance(batch_idx, int) and batch_idx % window == 0)
+
+
+def _window(module: Any) -> int:
+    """The Trainer's ``accumulate_grad_batches`` (1 without a Trainer)."""
+    trainer = getattr(module, "_trainer", None)
+    return int(getattr(trainer, "accumulate_grad_batches", 1) or 1)

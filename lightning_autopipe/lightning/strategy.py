@@ -140,7 +140,10 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:
-        return True
+        """Lightning accumulates (``accumulate_grad_batches``): it runs the closure of each
+        batch of a window and steps the optimizer after the last; each batch is one pipeline
+        step whose gradients :meth:`backward` adds to the window's (:mod:`.step_hooks`)."""
+        return False
 
     @property
     @override

@@ -20,6 +20,7 @@ TRAIN_STEPS = 3  # per epoch
 EPOCHS = 2  # then one more by fitting again
 VAL_PER_REPLICA = 2 * REPLICA_BATCH + 3  # a short last batch: its units hold 2 and 1 samples
 LR = 0.2
+ACCUMULATE = 2  # accumulate_grad_batches: windows of 2, 2 batches and the epoch's last alone
 
 
 def dataset(num: int, seed: int) -> TensorDataset:
@@ -181,3 +182,16 @@ def run_sequence(trainer_factory, replicas: int, explicit_sampler: bool, ckpt_di
     plan = getattr(trainer.strategy, "plan", None)
     out["plan"] = plan.to_json() if plan is not None else None
     return out
+
+
+def run_accumulate(trainer_factory, replicas: int, explicit_sampler: bool) -> dict:
+    """fit under ``accumulate_grad_batches=ACCUMULATE`` (no checkpoints): the logged rows, the
+    weights and the optimizer steps taken, for the pipeline and the reference alike."""
+    from tests._recording import RecordingLogger
+
+    task, logger = Classifier(), RecordingLogger()
+    trainer = trainer_factory(logger=logger, max_epochs=EPOCHS, enable_checkpointing=False,
+                              accumulate_grad_batches=ACCUMULATE)
+    trainer.fit(task, loaders(replicas, explicit_sampler)["train"])
+    return {"acc_logged": list(logger.rows), "acc_steps": trainer.global_step,
+            "acc_state": {k: v.detach().clone() for k, v in task.state_dict().items()}}

@@ -143,6 +143,9 @@ def run_case(case: str, world: int, out: Path) -> dict:
                                                                **kw),
                                          replicas=world // 2, explicit_sampler=False,
                                          ckpt_dir=out / f"ckpt-{case}"))
+        elif case == "accumulate":
+            record.update(M.run_accumulate(lambda **kw: _trainer(world, root, **kw),
+                                           replicas=world // 2, explicit_sampler=False))
         elif case == "telemetry":
             record.update(telemetry_run(world, root))
         elif case == "readme":

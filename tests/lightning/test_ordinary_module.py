@@ -27,8 +27,9 @@ from tests.lightning._run import (
     readme_inputs,
 )
 
-CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "crafted", "readme", "telemetry"],
-         4: ["ordinary", "twice-replica1"]}
+CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "crafted", "readme", "telemetry",
+             "accumulate"],
+         4: ["ordinary", "twice-replica1", "accumulate"]}
 RTOL, ATOL = 1e-5, 1e-6
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,8 @@ def _auto(tmp: Path, replicas: int) -> dict:
                           enable_progress_bar=False, num_sanity_val_steps=0,
                           default_root_dir=str(tmp), **kw)
 
-    return M.run_sequence(factory, replicas, explicit_sampler=True, ckpt_dir=tmp / "ckpt")
+    return M.run_sequence(factory, replicas, explicit_sampler=True, ckpt_dir=tmp / "ckpt") | (
+        M.run_accumulate(factory, replicas, explicit_sampler=True))
 
 
 def _runs(world: int, worlds, tmp_path_factory) -> SimpleNamespace:
@@ -128,6 +130,25 @@ def test_logged_losses_accuracies_and_parameters_equal_auto(runs):
     assert set(state) == set(runs.auto["fit_state"])
     for name, value in runs.auto["fit_state"].items():
         _close(state[name], value, f"parameter {name} after fit")
+
+
+def test_accumulate_grad_batches_steps_on_the_windows_gradients_like_auto(runs):
+    """Windows of 2 batches and, at each epoch's end, 1: the same optimizer steps, logged
+    losses and weights as one process accumulating over the same batches (a batch's
+    gradients lost, or not divided by the window, would move the weights elsewhere)."""
+    ranks = runs.ranks["accumulate"]
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+        assert rec["acc_steps"] == runs.auto["acc_steps"] == M.EPOCHS * -(
+            -M.TRAIN_STEPS // M.ACCUMULATE)
+        _same_logs(rec["acc_logged"], runs.auto["acc_logged"], ["train_loss", "train_acc"],
+                   f"accumulating, rank {rec['rank']}")
+    state = _whole_state(ranks, "acc_state")
+    assert set(state) == set(runs.auto["acc_state"])
+    for name, value in runs.auto["acc_state"].items():
+        _close(state[name], value, f"parameter {name} after accumulating")
+    one_step = runs.auto["fit_state"]  # not trivially equal: accumulation changed the training
+    assert any(not torch.equal(v, one_step[k]) for k, v in runs.auto["acc_state"].items())
 
 
 def test_model_checkpoint_monitoring_val_loss_picks_the_same_best_epoch(runs):

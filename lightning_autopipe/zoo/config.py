@@ -201,6 +201,7 @@ class TrainerConfig:
     limit_val_batches: Any = 0
     num_sanity_val_steps: int = 0
     gradient_clip_val: float | None = None
+    accumulate_grad_batches: int = 1
     enable_progress_bar: bool = True
     enable_checkpointing: bool = False
     deterministic: bool = False

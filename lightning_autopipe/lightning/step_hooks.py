@@ -94,7 +94,7 @@ class StepHooks(ParallelStrategy):
         if self.options.nonfinite_loss == "skip":
             rank_zero_warn(
                 f"non-finite training loss {float(loss)} at step {step} ({where}); skipping the "
-                "step: its gradients are dropped on every rank"
+                "batch: its gradients are dropped on every rank"
             )
             self._grads = [None] * len(self._grads or [])
             return

@@ -1,0 +1,124 @@
+"""What torch.fx runs at trace time without recording it: the split model must not lose it.
+
+symbolic_trace runs the forward's Python once with proxies. A ``torch.no_grad()`` /
+``torch.autocast`` section and a buffer updated by a value that does not depend on the inputs
+run then and are missing from its graph, so a split made from it would differentiate the
+no-grad section, compute the autocast section in float32, or never count. ``tracer="auto"``
+must capture such models with torch.export instead (chained stages equal to the model, its
+gradients, outputs and buffers), and ``tracer="fx"`` must refuse them naming the construct.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_autopipe import TraceError, split_model
+from tests.graph._reference import call, check_split
+
+
+class NoGradSection(nn.Module):
+    """``l2`` runs without autograd: no gradient reaches ``l2`` or ``l1`` through it."""
+
+    WIDTH = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.l1(x)
+        with torch.no_grad():
+            t = self.l2(h)
+        return self.l3(h * t)
+
+
+class AutocastSection(nn.Module):
+    WIDTH = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.b(h)
+        return self.c(h.float())
+
+
+class StepCounter(nn.Module):
+    """Counts its calls in a buffer (an update that reads no input)."""
+
+    WIDTH = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+@pytest.mark.parametrize("model_cls", [NoGradSection, AutocastSection])
+def test_a_mode_section_is_captured_by_export_and_the_stages_equal_the_model(model_cls):
+    torch.manual_seed(0)
+    model, x = model_cls(), (torch.randn(3, model_cls.WIDTH),)
+    blocks = split_model(model, x)
+    assert blocks.tracer == "export"
+    n = len(blocks)
+    for cuts in ([0, n], [0, 1, n], list(range(n + 1))):
+        check_split(blocks, model, x, cuts)
+    with torch.no_grad():
+        torch.testing.assert_close(blocks.run(x, list(range(n + 1))), call(model, x),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("model_cls", "construct"), [(NoGradSection, "torch.no_grad()"),
+                                                      (AutocastSection, "torch.autocast"),
+                                                      (StepCounter, "buffer 'steps'")])
+def test_tracer_fx_refuses_what_it_cannot_record_and_names_it(model_cls, construct):
+    model = model_cls()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TraceError) as info:
+        split_model(model, (torch.randn(2, model_cls.WIDTH),), tracer="fx")
+    assert construct in str(info.value)
+    assert "tracer='export'" in str(info.value)
+    for k, v in model.state_dict().items():  # the trace left the model as it found it
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+def test_a_buffer_update_runs_in_every_pipelined_step():
+    model, x = StepCounter(), (torch.randn(2, 4),)
+    blocks = split_model(model, x)
+    assert int(model.steps) == 0  # neither tracing nor the example run counted
+    n = len(blocks)
+    blocks.run(x, [0, 1, n])
+    blocks.run(x, list(range(n + 1)))
+    assert int(model.steps) == 2
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_list_and_dict_outputs_keep_their_type_under_fx(container):
+    class Outputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            return [self.b(h), h] if container == "list" else {"out": self.b(h), "h": h}
+
+    model, x = Outputs(), (torch.randn(2, 4),)
+    blocks = split_model(model, x)
+    assert blocks.tracer == "fx"
+    out = blocks.run(x, [0, 1, len(blocks)])
+    assert type(out) is type(call(model, x))
+    if container == "list":
+        out.append(None)  # a user may change what the model returned, as with the model's
+        check_split(blocks, model, x, [0, 1, len(blocks)])
+    else:
+        out["extra"] = None

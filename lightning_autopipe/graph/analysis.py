@@ -4,12 +4,18 @@ A node is *anchored* when it runs in exactly one block (tensor-valued work that 
 inputs), or *floating* when every block that needs it recomputes its own copy: parameters and
 buffers (``get_attr``), constants, and cheap non-tensor values such as sizes. Floating nodes are
 what keep SymInts, shapes and parameters from ever crossing a stage boundary.
+
+The example run also records which values alias one storage (a view, an in-place op's result)
+and which storages the graph writes in place: two aliases sent over one stage boundary arrive
+as two tensors, so a write through one would no longer reach the other (:mod:`~.cuts` never
+cuts there, :mod:`~.stage` clones a received tensor written through a view).
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +54,11 @@ class GraphInfo:
     path: dict[fx.Node, str | None]
     params_of: dict[fx.Node, dict[int, int]]  # node -> {id(param): numel} it reads directly
     modules: dict[str, nn.Module]
+    #: tensor node -> the node whose value owns its storage (itself unless it is a view or an
+    #: in-place op's result): values with one root are aliases of one tensor
+    alias_root: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    #: roots whose storage an anchored node writes in place (through any of its aliases)
+    mutated_roots: set[fx.Node] = field(default_factory=set)
 
     def is_value(self, node: fx.Node) -> bool:
         """Anchored nodes and model inputs: the only values that may cross blocks."""
@@ -127,6 +138,28 @@ def _is_dropped_kind(node: fx.Node) -> bool:
     return "assert" in name or "sym_constrain_range" in str(node.target)
 
 
+def mutates_first_arg(node: fx.Node, root: nn.Module) -> bool:
+    """Whether ``node`` writes its first argument in place (``x.add_(...)``, an
+    ``inplace=True`` module or function, an aten op whose schema marks argument 0 written)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_module":
+        try:
+            return bool(getattr(root.get_submodule(str(node.target)), "inplace", False))
+        except AttributeError:
+            return False
+    if node.op == "call_function":
+        if node.kwargs.get("inplace", False):
+            return True
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.arguments:
+            alias = schema.arguments[0].alias_info
+            return bool(alias is not None and alias.is_write)
+        return getattr(node.target, "__name__", "").endswith("_")
+    return False
+
+
 def _is_impure(node: fx.Node) -> bool:
     if node.op == "call_method":
         return str(node.target).endswith("_") and not str(node.target).endswith("__")
@@ -147,6 +180,19 @@ class _Recorder(fx.Interpreter):
         self.dropped = dropped
         self.meta: dict[fx.Node, ValueMeta] = {}
         self.current: fx.Node | None = None
+        self.alias_root: dict[fx.Node, fx.Node] = {}
+        # id(storage-owning tensor) -> (a weak reference to it, the first node that produced
+        # it): values are freed as the run goes, so an id is trusted only while it is alive
+        self._owners: dict[int, tuple[weakref.ref, fx.Node]] = {}
+
+    def _note_alias(self, n: fx.Node, value: torch.Tensor) -> None:
+        base = value._base if value._base is not None else value
+        known = self._owners.get(id(base))
+        if known is not None and known[0]() is base:
+            self.alias_root[n] = known[1]
+        else:
+            self._owners[id(base)] = (weakref.ref(base), n)
+            self.alias_root[n] = n
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
@@ -157,6 +203,7 @@ class _Recorder(fx.Interpreter):
         else:
             value = super().run_node(n)
         if isinstance(value, torch.Tensor):
+            self._note_alias(n, value)
             self.meta[n] = ValueMeta(
                 True,
                 tuple(value.shape),
@@ -179,7 +226,9 @@ def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             buf.copy_(saved)
 
 
-def _record(traced: Traced, flat: tuple[torch.Tensor, ...], dropped: set[fx.Node]) -> dict:
+def _record(
+    traced: Traced, flat: tuple[torch.Tensor, ...], dropped: set[fx.Node]
+) -> tuple[dict[fx.Node, ValueMeta], dict[fx.Node, fx.Node]]:
     feeds: dict[fx.Node, Any] = dict(zip(traced.input_nodes, flat))
     feeds.update(traced.constant_inputs)
     recorder = _Recorder(traced.gm, feeds, dropped)
@@ -203,7 +252,7 @@ def _record(traced: Traced, flat: tuple[torch.Tensor, ...], dropped: set[fx.Node
         ) from exc
     finally:
         _restore(snapshot)
-    return recorder.meta
+    return recorder.meta, recorder.alias_root
 
 
 def analyze(traced: Traced, flat_inputs: tuple[torch.Tensor, ...]) -> GraphInfo:
@@ -218,7 +267,7 @@ def analyze(traced: Traced, flat_inputs: tuple[torch.Tensor, ...]) -> GraphInfo:
             continue  # a module call stays: it may be made for its side effects
         if all(u in dropped for u in n.users) and not _is_impure(n):
             dropped.add(n)
-    meta = _record(traced, flat_inputs, dropped)
+    meta, alias_root = _record(traced, flat_inputs, dropped)
 
     inputs = set(traced.input_nodes)
     depends: dict[fx.Node, bool] = {}
@@ -259,6 +308,10 @@ def analyze(traced: Traced, flat_inputs: tuple[torch.Tensor, ...]) -> GraphInfo:
             if mod is not None:
                 reads = {id(p): p.numel() for p in mod.parameters()}
         params_of[n] = reads
+    mutated_roots = {
+        alias_root[a] for n in anchored
+        if mutates_first_arg(n, gm) and (a := n.args[0] if n.args else None) in alias_root
+    }
     return GraphInfo(
         traced=traced,
         nodes=nodes,
@@ -270,6 +323,8 @@ def analyze(traced: Traced, flat_inputs: tuple[torch.Tensor, ...]) -> GraphInfo:
         path=path,
         params_of=params_of,
         modules=modules,
+        alias_root=alias_root,
+        mutated_roots=mutated_roots,
     )
 
 

@@ -157,26 +157,44 @@ def _args(n: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _boundary_costs(info: GraphInfo) -> list[tuple[int, int, int]]:
-    """For boundary p (before anchored node p): (non-tensor values, tensor count, bytes)."""
+def _live(info: GraphInfo) -> dict[fx.Node, tuple[int, int]]:
+    """Value -> the boundaries ``[start, end]`` it crosses (boundary p is before anchored
+    node p; the last, ``len(anchored)``, leads to the outputs); values crossing none left out."""
     count = len(info.anchored)
     pos = {n: i for i, n in enumerate(info.anchored)}
     last: dict[fx.Node, int] = {}
     for i, n in enumerate(info.anchored):
         for v in info.reqs(n)[0]:
             last[v] = max(last.get(v, -1), i)
-    out_node = info.nodes[-1]
     for leaf in info.traced.output_leaves:
         if isinstance(leaf, fx.Node):
             deps = {leaf} if info.is_value(leaf) else set(info.reqs(leaf)[0])
             for v in deps:
                 last[v] = count
-    del out_node
+    spans = {v: (pos.get(v, -1) + 1, end) for v, end in last.items()}
+    return {v: (a, b) for v, (a, b) in spans.items() if a <= b}
+
+
+def _aliased_boundaries(info: GraphInfo, live: dict[fx.Node, tuple[int, int]]) -> set[int]:
+    """Boundaries two aliases of a storage written in place cross together: sent as two
+    tensors, a write through one would no longer reach the other (the model's view and base
+    would part), so no cut may fall there."""
+    out: set[int] = set()
+    for root in info.mutated_roots:
+        spans = [span for v, span in live.items() if info.alias_root.get(v) is root]
+        for p in {p for a, b in spans for p in range(a, b + 1)}:
+            if sum(a <= p <= b for a, b in spans) > 1:
+                out.add(p)
+    return out
+
+
+def _boundary_costs(
+    info: GraphInfo, live: dict[fx.Node, tuple[int, int]]
+) -> list[tuple[int, int, int]]:
+    """For boundary p (before anchored node p): (non-tensor values, tensor count, bytes)."""
+    count = len(info.anchored)
     diff = [[0, 0, 0] for _ in range(count + 2)]
-    for v, end in last.items():
-        start = pos.get(v, -1) + 1
-        if start > end:
-            continue
+    for v, (start, end) in live.items():
         meta = info.meta.get(v)
         row = (0, 1, meta.nbytes) if meta and meta.is_tensor else (1, 0, 0)
         for k in range(3):
@@ -228,7 +246,9 @@ def choose_blocks(info: GraphInfo, granularity: str = "sub-block") -> list[Block
         return []
     keys = _keys(info, granularity)
     memo: dict[fx.Node, dict[int, int]] = {}
-    costs = _boundary_costs(info)
+    live = _live(info)
+    costs = _boundary_costs(info, live)
+    aliased = _aliased_boundaries(info, live)
     segs: list[_Seg] = []
     group, prev_gid = 0, None
     for i, (n, key) in enumerate(zip(nodes, keys)):
@@ -244,10 +264,11 @@ def choose_blocks(info: GraphInfo, granularity: str = "sub-block") -> list[Block
             group += 1
             prev_gid = gid
         segs.append(_Seg(i, i + 1, key, group, dict(params), {_name(key): sum(params.values())}))
-    # Never cut where a non-tensor value is live: merge across such boundaries first.
+    # Never cut where a non-tensor value is live, or two aliases of a storage written in
+    # place: merge across such boundaries first.
     merged: list[_Seg] = [segs[0]]
     for s in segs[1:]:
-        if costs[s.start][0] > 0:
+        if costs[s.start][0] > 0 or s.start in aliased:
             merged[-1] = _merge(merged[-1], s)
         else:
             merged.append(s)

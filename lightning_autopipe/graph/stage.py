@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 
 from lightning_autopipe.errors import TraceError
-from lightning_autopipe.graph.analysis import GraphInfo
+from lightning_autopipe.graph.analysis import GraphInfo, mutates_first_arg
 
 __all__ = ["StageIO", "StageModule", "TieGroup", "ValueInfo", "build_stage"]
 
@@ -89,40 +89,22 @@ class StageModule(fx.GraphModule):
         return self.meta["autopipe"]["outputs"]
 
 
-def _mutates_first_arg(node: fx.Node, root: nn.Module) -> bool:
-    """In-place ops on a stage input would modify a received (leaf) tensor: clone it first."""
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.endswith("__")
-    if node.op == "call_module":
-        try:
-            return bool(getattr(root.get_submodule(str(node.target)), "inplace", False))
-        except AttributeError:
-            return False
-    if node.op == "call_function":
-        if node.kwargs.get("inplace", False):
-            return True
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and schema.arguments:
-            alias = schema.arguments[0].alias_info
-            return bool(alias is not None and alias.is_write)
-        return getattr(node.target, "__name__", "").endswith("_")
-    return False
-
-
 class _Builder:
-    def __init__(self, info: GraphInfo, inputs: list[fx.Node]):
+    def __init__(self, info: GraphInfo, inputs: list[fx.Node], nodes: list[fx.Node]):
+        """``nodes``: the stage's anchored nodes. An input the stage writes in place, itself or
+        through a view of it, is cloned first: a received tensor is an autograd leaf."""
         self.info = info
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.available: list[fx.Node] = []  # original values present in the stage, in order
         root = info.traced.gm
-        mutated = {
-            a
-            for v in inputs
-            for u in v.users
-            if _mutates_first_arg(u, root) and (a := u.args[0] if u.args else None) is v
+        written = {
+            info.alias_root.get(a, a)
+            for u in nodes
+            if mutates_first_arg(u, root) and isinstance(a := u.args[0] if u.args else None,
+                                                         fx.Node)
         }
+        mutated = {v for v in inputs if info.alias_root.get(v, v) in written}
         for v in inputs:
             ph = self.graph.placeholder(v.name)
             ph.meta = dict(v.meta)
@@ -194,7 +176,7 @@ def build_stage(
         block_range: ``(i, j)`` for the metadata.
         original_names: id(tensor) -> its names in the original model's ``state_dict``.
     """
-    builder = _Builder(info, inputs)
+    builder = _Builder(info, inputs, [n for nodes in blocks for n in nodes])
     for nodes in blocks:
         for n in nodes:
             builder.add(n)

@@ -287,7 +287,11 @@ def choose_blocks(info: GraphInfo, granularity: str = "sub-block") -> list[Block
             final[-1] = _merge(final[-1], s)
         else:
             final.append(s)
-    return _named(final, nodes)
+    blocks = _named(final, nodes)
+    for leaf in info.traced.output_leaves:  # an output computed from parameters alone is
+        if isinstance(leaf, fx.Node) and leaf in info.floating:  # computed by the last block
+            blocks[-1].params.update(_node_params(info, memo, leaf))
+    return blocks
 
 
 def _name(key: Any) -> str:

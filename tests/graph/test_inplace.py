@@ -87,3 +87,4 @@ def test_views_of_a_storage_nobody_writes_still_cut_freely():
     assert blocks.names == ["l1", "l2", "l3"]
     for cuts in _every_cut(len(blocks)):
         check_split(blocks, model, x, cuts)
+

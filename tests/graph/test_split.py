@@ -258,3 +258,23 @@ def test_a_wrapped_model_splits_like_the_model(granularity: str) -> None:
     assert wrapped.names == [f"net.inner.{n}" for n in plain.names]
     for cuts in _cut_sets(len(wrapped)):
         check_split(wrapped, model, example, cuts)
+
+
+def test_a_parameter_read_only_by_an_output_belongs_to_the_last_block():
+    """``self.scale * 2`` reads no input: the last stage computes it from ``scale``, which is
+    then not reported unused (a parameter no stage holds)."""
+
+    class ScaleOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x))), self.scale * 2
+
+    model, x = ScaleOut(), (torch.randn(2, 4),)
+    blocks = split_model(model, x)
+    assert blocks.unused_params == []
+    last = blocks.stage(len(blocks) - 1, len(blocks))
+    assert "scale" in last.param_names.values()

@@ -79,10 +79,7 @@ def autopipe_proposals(
     shapes = score_shapes(costs, cluster, devs, batch, pins, use_all, optimizer_factor,
                           max_slices)
     if not shapes:
-        raise PlanError(
-            f"no (stages x replicas) shape uses all {len(devs)} devices with global batch "
-            f"{batch}; pick a device count with more divisors or drop use_all_devices"
-        )
+        raise PlanError(_no_shape(pins, use_all, len(devs), batch))
     shapes.sort(key=lambda x: (not x.fits, x.score))
     k_pin = pins["startup_slices"]
     picked: list[Shape] = []
@@ -159,3 +156,25 @@ def _reschedule(
     if not pin_startup:
         k, _ = choose_startup_slices(costs, layout, part.cuts, step, max_slices)
     return Proposal(prop.groups, part.cuts, step.num_microbatches, k, 1, step.schedule)
+
+
+def _no_shape(pins: dict, use_all: bool, devices: int, batch: int) -> str:
+    """Why no (stages, replicas, micro-batches) shape is left, naming the pins that exclude
+    every one (shapes.stage_replica_pairs, shapes._terms)."""
+    slices = {k: pins[k] for k in ("startup_slices", "drain_slices") if pins[k]}
+    pinned = ", ".join(f"{k}={v}" for k, v in {**{k: pins[k] for k in (
+        "num_stages", "replicas", "num_microbatches")}, **slices}.items() if v)
+    if slices:
+        return (
+            f"no shape gives every micro-batch of a replica at least {max(slices.values())} "
+            f"samples for {pinned} with global batch {batch} on {devices} devices: each slice "
+            "needs a sample; lower the pinned slices or num_microbatches, or raise the batch"
+        )
+    if use_all:
+        return (
+            f"no (stages x replicas) shape uses all {devices} devices with global batch "
+            f"{batch}{' and ' + pinned if pinned else ''}; pick a device count with more "
+            "divisors, other pins, or drop use_all_devices"
+        )
+    return (f"no (stages x replicas) shape fits {devices} devices with global batch {batch}"
+            f"{' and ' + pinned if pinned else ''}; change the pins")

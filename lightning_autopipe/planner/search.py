@@ -124,7 +124,8 @@ def make_plan(
             optimizer_factor=optimizer_factor, max_startup_slices=max_startup_slices,
             schedules=one_chunk(schedules),
         )
-        for p in props:  # a pinned drain applies to every planner's layout
+        for p in props:  # pinned slices apply to every planner's layout
+            p.startup_slices = startup_slices or p.startup_slices
             p.drain_slices = drain_slices or p.drain_slices
     # Level 4: the simulator picks among the finalists when that is cheap; otherwise the fast
     # model's favourite stands (it tracks the simulator closely) and is simulated only to report
@@ -356,10 +357,11 @@ def _memory_error(plan: Plan, cluster: Cluster, batch: int) -> MemoryPlanError:
     need, have = plan.peak_memory_bytes[over], cluster.device(over).spec.memory_bytes
     s = next(i for i, st in enumerate(plan.stages) if over in st.devices)
     redone = [i for i, r in enumerate(plan.recompute) if r]
+    replicas = plan.stages[0].replicas
     return MemoryPlanError(
         f"no plan fits device memory{f' even with stages {redone} recomputing' if redone else ''}"
         f": the best plan ({plan.num_stages} stages, "
-        f"{[st.replicas for st in plan.stages][0]} replicas, {plan.num_microbatches} "
+        f"{replicas} replica{'s' if replicas != 1 else ''}, {plan.num_microbatches} "
         f"micro-batches of global batch {batch}) needs {need / GiB:.2f} GiB on {over} (stage {s}, "
         f"blocks {list(plan.stages[s].blocks)}) which has {have / GiB:.2f} GiB; use more "
         "stages, a smaller micro-batch (more micro-batches or a smaller batch), more devices, "

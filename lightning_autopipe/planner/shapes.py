@@ -154,7 +154,8 @@ def stage_replica_pairs(
             r_list = [nd // s] if nd % s == 0 else []
         else:
             r_list = sorted({r for r in range(1, nd // s + 1) if batch % r == 0})
-        out.extend((s, r) for r in r_list if s * r <= nd and not batch % r)
+        out.extend((s, r) for r in r_list
+                   if (s * r == nd if use_all else s * r <= nd) and not batch % r)
     return out
 
 
@@ -184,7 +185,8 @@ def _terms(
     rows, keys = [], []
     for p, (s, r, *_rest) in enumerate(pairs):
         for m in [m_pin] if m_pin else _divisors(batch // r):
-            if (batch // r) % m or batch // (r * m) < max(k_pin or 1, j_pin or 1):
+            slices = max(k_pin or 1, (j_pin or 1) if m > 1 else 1)  # one micro-batch: no drain
+            if (batch // r) % m or batch // (r * m) < slices:
                 continue  # a pinned m, k or j this shape's replica batch cannot hold
             rows.append(p)
             keys.append((s, r, m))

@@ -81,6 +81,33 @@ def test_pins_devices_and_runtime_constraints_are_respected():
         assert len({st.replicas for st in same.stages}) == 1
 
 
+def test_use_all_devices_holds_with_a_pinned_replica_count():
+    """Slow links make one stage look best; use_all_devices still spreads over every device,
+    and where no stage count times the pinned replicas makes the device count it is refused."""
+    prof = Profile("m", 1, "t", [BlockProfile(f"b{i}", 1.0, 2.0, 10**6, 10**8, 10**6)
+                                 for i in range(4)])
+    cl = Cluster.local(4, gbps=0.1)
+    assert make_plan(prof, cl, 4, replicas=1).num_stages == 1  # what it would pick freely
+    plan = make_plan(prof, cl, 4, replicas=1, use_all_devices=True)
+    assert (plan.num_stages, sorted(plan.devices)) == (4, sorted(d.name for d in cl.devices))
+    with pytest.raises(PlanError, match=r"uses all 3 devices .*replicas=2"):
+        make_plan(prof, Cluster.local(3), 4, replicas=2, use_all_devices=True)
+
+
+@pytest.mark.parametrize("planner", ["autopipe", "dapple", "piper", "time", "uniform"])
+def test_every_planner_keeps_pinned_startup_and_drain_slices(planner):
+    plan = make_plan(_profile(8), LOCAL4, 16, planner=planner, num_stages=2, replicas=1,
+                     num_microbatches=2, startup_slices=2, drain_slices=2)
+    assert (plan.startup_slices, plan.drain_slices) == (2, 2)
+
+
+def test_slices_no_micro_batch_can_hold_are_refused_naming_the_slices():
+    with pytest.raises(PlanError, match=r"at least 2 samples for startup_slices=2"):
+        make_plan(_profile(4), Cluster.local(2), 1, startup_slices=2)
+    # one micro-batch has no drain: a pinned drain count is moot, as under a pinned m = 1
+    assert make_plan(_profile(4), Cluster.local(2), 1, drain_slices=2).num_microbatches == 1
+
+
 def test_joint_search_is_at_least_as_good_as_every_pinned_shape():
     prof = _profile(10)
     cl = two_speeds("two-speeds", network_gbps=25, fast="f", slow="s")

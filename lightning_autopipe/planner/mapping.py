@@ -6,7 +6,9 @@ in the all-reduce. The mapper builds a few structurally different layouts and ke
 cost model predicts fastest, after partitioning the blocks *for that layout* (so a fast group gets
 more blocks instead of idling):
 
-* devices are chosen fastest first (whole servers together) when not all are used;
+* when not all devices are used, the layouts below are built on the fastest devices (whole
+  servers together), and also on the servers of the fastest internal links and on the first
+  ranks: the fastest devices can sit behind slow links the shape's traffic would cross;
 * ``grouped``: each stage's replicas are consecutive devices of one speed class in topology order,
   so a data-parallel group shares the innermost level it can (no needless cross-server
   all-reduce) and consecutive stages sit next to each other (their activations stay on the fast
@@ -69,7 +71,51 @@ def candidate_groupings(
             f"{num_stages} stages x {replicas} replicas need {need} devices but only "
             f"{len(devices)} are available; use fewer stages or replicas, or add devices"
         )
-    chosen = speed_order(cluster, devices)[:need]
+    out: dict[str, list[list[str]]] = {}
+    for tag, chosen in _device_subsets(cluster, devices, need).items():
+        for name, groups in _groupings(cluster, chosen, num_stages, replicas).items():
+            out[f"{tag}:{name}" if tag else name] = groups
+    seen, unique = set(), {}
+    for name, groups in out.items():
+        key = tuple(tuple(g) for g in groups)
+        if key not in seen:
+            seen.add(key)
+            unique[name] = groups
+    return unique
+
+
+def _device_subsets(cluster: Cluster, devices: Sequence[str], need: int) -> dict[str, list[str]]:
+    """The devices a shape of ``need`` runs on, when not all are needed: the fastest (whole
+    servers together, :func:`speed_order`), and also the servers of the fastest internal links
+    first (``links``) and the first ranks (``ranks``), each in :func:`speed_order`. The
+    fastest devices can sit behind slow links that the traffic of the shape (activations,
+    the all-reduce) would cross; the layouts of every subset are priced alike."""
+    fastest = speed_order(cluster, devices)
+    out = {"": fastest[:need]}
+    if need >= len(fastest):
+        return out
+    devs = [cluster.device(n) for n in fastest]
+    specs = dict(cluster.instances)
+    inner = {d.server: min((lv.gbps for lv in specs[d.server].levels), default=float("inf"))
+             for d in devs}
+    first_rank: dict[str, int] = {}
+    for d in devs:
+        first_rank.setdefault(d.server, d.rank)
+    by_links = sorted(devs, key=lambda d: (-inner[d.server], -d.spec.speed,
+                                           -d.spec.memory_bytes, first_rank[d.server], d.rank))
+    by_rank = sorted(devs, key=lambda d: d.rank)
+    for tag, order in (("links", by_links), ("ranks", by_rank)):
+        chosen = speed_order(cluster, [d.name for d in order[:need]])
+        if all(set(chosen) != set(c) for c in out.values()):
+            out[tag] = chosen
+    return out
+
+
+def _groupings(
+    cluster: Cluster, chosen: list[str], num_stages: int, replicas: int
+) -> dict[str, list[list[str]]]:
+    """The named layouts of :func:`candidate_groupings` on the devices ``chosen`` (fastest
+    first)."""
     topo = sorted(chosen, key=lambda n: cluster.device(n).rank)
     out: dict[str, list[list[str]]] = {}
     grouped = [chosen[s * replicas : (s + 1) * replicas] for s in range(num_stages)]
@@ -82,13 +128,7 @@ def candidate_groupings(
     if topo != chosen:
         out["rank-order"] = [topo[s * replicas : (s + 1) * replicas] for s in range(num_stages)]
     out.update(_speed_orders(cluster, grouped))
-    seen, unique = set(), {}
-    for name, groups in out.items():
-        key = tuple(tuple(g) for g in groups)
-        if key not in seen:
-            seen.add(key)
-            unique[name] = groups
-    return unique
+    return out
 
 
 def _speed_orders(cluster: Cluster, grouped: list[list[str]]) -> dict[str, list[list[str]]]:

@@ -124,3 +124,24 @@ def test_mapper_dedupes_interchangeable_layouts_and_keeps_distinct_ones():
     times = [r.estimate.iteration_ms for r in ranked]
     assert times == sorted(times)
     assert len({r.layout.signature() for r in ranked}) == len(ranked)
+
+
+def test_a_faster_server_behind_slow_links_loses_to_a_slower_one_with_fast_links():
+    """Two replicas of one stage: the faster devices (speed 1.0) share a 1 Gb/s level, the
+    slower ones (0.9) a 1000 Gb/s one; the all-reduce of big gradients decides. AutoPipe
+    places the replicas on the fast links, at least as well as any yardstick's placement."""
+    from lightning_autopipe.profile import BlockProfile, Profile
+
+    prof = Profile("m", 1, "t", [BlockProfile(f"b{i}", 1.0, 2.0, 10**8, 10**4, 10**6)
+                                 for i in range(2)])
+    cluster = Cluster.from_dict({"name": "c", "network_gbps": 10, "servers": [
+        {"name": "p", "gpus": 2, "device": {"name": "P", "speed": 0.9, "memory_gb": 16},
+         "levels": [{"size": 2, "gbps": 1000}]},
+        {"name": "q", "gpus": 2, "device": {"name": "Q", "speed": 1.0, "memory_gb": 16},
+         "levels": [{"size": 2, "gbps": 1}]}]})
+    pins = dict(num_stages=1, replicas=2, num_microbatches=1)
+    plan = make_plan(prof, cluster, 4, **pins)
+    assert sorted(plan.devices) == ["p:0", "p:1"]
+    for planner in ("time", "parameters", "uniform", "dapple", "piper"):
+        other = make_plan(prof, cluster, 4, planner=planner, **pins)
+        assert plan.iteration_ms <= other.iteration_ms * (1 + 1e-9), planner

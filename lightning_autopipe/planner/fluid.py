@@ -6,6 +6,12 @@ split max-min fairly (progressive filling: the most constrained resource fixes t
 flows, their share is taken out of every other resource they use, repeat). Rates are
 re-evaluated whenever a flow starts or ends, but only for the flows connected to it through
 shared resources, and only once per time stamp however many flows start at that moment.
+
+Every flow knows when it would end at its current rate (``due``, computed when the rate is
+set), but only the flows of a connected group that end first have a completion event in the
+heap: the others' rates change before they could end (at that first end, or at a start), so
+their events would be stale. With ``m`` flows on one link (GPipe's sends of every micro-batch
+at once) that is one event per change instead of ``m``, and the event times are the same.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ __all__ = ["Flow", "FluidLinks"]
 class Flow:
     """One transfer in progress: bytes left, current rate (bytes/ms) and a payload."""
 
-    __slots__ = ("rem", "rate", "t", "res", "ver", "payload")
+    __slots__ = ("rem", "rate", "t", "res", "ver", "payload", "due", "queued")
 
     def __init__(self, nbytes: float, res: tuple, payload: object, now: float) -> None:
         self.rem = nbytes
@@ -28,6 +34,8 @@ class Flow:
         self.res = res
         self.ver = 0  # bumped on every rate change; -1 once finished
         self.payload = payload
+        self.due = 0.0  # when it ends at its current rate
+        self.queued = -1  # the version whose completion event is in the heap
 
 
 class FluidLinks:
@@ -68,8 +76,9 @@ class FluidLinks:
             fl.add(f)
         if alone:  # nothing to share with (yet): full speed without rebalancing
             f.rate = min(cap[r] for r in res)
-            f.ver = 1
-            heapq.heappush(self._heap, (now + nbytes / f.rate, self._tick(), self._event(f, 1)))
+            f.ver = f.queued = 1
+            f.due = now + nbytes / f.rate
+            heapq.heappush(self._heap, (f.due, self._tick(), self._event(f, 1)))
         else:
             self._dirty.append(f)
 
@@ -97,17 +106,24 @@ class FluidLinks:
 
     def _rebalance(self, now: float, seeds: list[Flow]) -> None:
         flows = self._flows
-        comp: set[Flow] = set(seeds)
-        stack = list(comp)
+        comp: set[Flow] = set()
+        groups: list[list[Flow]] = []  # the connected groups of flows, each on its resources
         rs: set[tuple] = set()
-        while stack:  # every flow connected to the seeds through shared resources
-            for r in stack.pop().res:
-                if r not in rs:
-                    rs.add(r)
-                    for g in flows[r]:
-                        if g not in comp:
-                            comp.add(g)
-                            stack.append(g)
+        for seed in seeds:  # every flow connected to the seeds through shared resources
+            if seed in comp:
+                continue
+            comp.add(seed)
+            group, stack = [seed], [seed]
+            while stack:
+                for r in stack.pop().res:
+                    if r not in rs:
+                        rs.add(r)
+                        for g in flows[r]:
+                            if g not in comp:
+                                comp.add(g)
+                                group.append(g)
+                                stack.append(g)
+            groups.append(group)
         old = {}
         for f in comp:
             f.rem -= f.rate * (now - f.t)
@@ -129,8 +145,16 @@ class FluidLinks:
                         for r in f.res:
                             cap[r] -= share
                             cnt[r] -= 1
-        heap, tick, event = self._heap, self._tick, self._event
         for f in comp:
-            if f.rate != old[f]:  # an unchanged rate keeps its pending completion event valid
+            if f.rate != old[f]:  # an unchanged rate keeps its due time (and pending event)
                 f.ver += 1
-                heapq.heappush(heap, (now + max(f.rem, 0.0) / f.rate, tick(), event(f, f.ver)))
+                f.due = now + max(f.rem, 0.0) / f.rate
+        # each connected group only needs the events of its first ends (module docstring); a
+        # group that an ended flow split is reached here through each of its parts' seeds
+        heap, tick, event = self._heap, self._tick, self._event
+        for group in groups:
+            first = min(f.due for f in group)
+            for f in group:
+                if f.due == first and f.queued != f.ver:
+                    f.queued = f.ver
+                    heapq.heappush(heap, (f.due, tick(), event(f, f.ver)))

@@ -27,6 +27,7 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_autopipe.errors import InputError, OptionError, TraceError
+from lightning_autopipe.graph.fx_guard import Unrecorded, plain, watch_unrecorded
 
 __all__ = ["TRACE_LOGS_ENV", "Inputs", "Traced", "has_meta", "normalize_inputs", "on_meta",
            "trace"]
@@ -213,7 +214,7 @@ def _from_graph_module(
             default = sig.parameters[name].default
             constants[node] = None if default is inspect.Parameter.empty else default
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    leaves, spec = pytree.tree_flatten(_plain(output.args[0]))
+    leaves, spec = pytree.tree_flatten(plain(output.args[0]))
     order = list(provided)
 
     def flatten(values: Inputs) -> tuple[torch.Tensor, ...]:
@@ -246,88 +247,6 @@ def _from_graph_module(
     )
 
 
-class _Unrecorded(Exception):
-    """torch.fx ran part of the forward eagerly instead of recording it (see
-    :func:`_watch_unrecorded`): its graph would compute something else than the model."""
-
-
-#: context managers whose switch of autograd or autocast mode torch.fx runs at trace time
-#: without recording it: the graph would differentiate a ``no_grad`` section, or compute an
-#: ``autocast`` section in the inputs' precision
-_MODE_SWITCHES = (
-    (torch.autograd.grad_mode.no_grad, "__enter__", "torch.no_grad()"),
-    (torch.autograd.grad_mode.enable_grad, "__enter__", "torch.enable_grad()"),
-    (torch.autograd.grad_mode.set_grad_enabled, "__init__", "torch.set_grad_enabled(...)"),
-    (torch.autograd.grad_mode.inference_mode, "__enter__", "torch.inference_mode()"),
-    (torch.amp.autocast_mode.autocast, "__enter__", "torch.autocast(...)"),
-)
-
-
-@contextmanager
-def _watch_unrecorded(model: nn.Module) -> Iterator[None]:
-    """Raise :class:`_Unrecorded` when the forward switches autograd / autocast mode or
-    updates a buffer while torch.fx traces it.
-
-    symbolic_trace runs the forward's Python with proxies: a mode switch and an update of a
-    buffer by a value that does not depend on the inputs (``self.steps.add_(1)``) happen
-    once, at trace time, and are missing from the graph, so the split model would silently
-    train differently. ``torch.export`` records both; ``tracer="auto"`` moves on to it.
-    The buffers are restored to their values before the trace.
-    """
-    seen: list[str] = []
-    saved = [(cls, name, cls.__dict__[name]) for cls, name, _ in _MODE_SWITCHES]
-
-    def watching(original: Callable[..., Any], what: str) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            seen.append(what)
-            return original(*args, **kwargs)
-        return call
-
-    buffers = [(n, b, b.detach().clone()) for n, b in model.named_buffers()
-               if b is not None and b.device.type != "meta"]
-    for (cls, name, original), (_, _, what) in zip(saved, _MODE_SWITCHES):
-        setattr(cls, name, watching(original, what))
-    try:
-        yield
-    finally:
-        for cls, name, original in saved:
-            setattr(cls, name, original)
-        changed = [n for n, b, before in buffers if not _same(b, before)]
-        with torch.no_grad():
-            for _, b, before in buffers:
-                b.copy_(before)
-    if seen:
-        raise _Unrecorded(f"the forward enters {seen[0]}, which torch.fx runs once while "
-                          "tracing instead of recording it in the graph")
-    if changed:
-        raise _Unrecorded(f"the forward updates buffer {changed[0]!r} by a value that does not "
-                          "depend on the inputs, which torch.fx runs once while tracing "
-                          "instead of recording it in the graph")
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.equal(a, b) or (
-        a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
-        and torch.equal(a.nan_to_num(), b.nan_to_num())))
-
-
-def _plain(value: Any) -> Any:
-    """An fx output structure with fx's immutable lists and dicts made plain again, so the
-    split model returns a ``list`` / ``dict`` where the model does."""
-    if isinstance(value, fx.immutable_collections.immutable_list):
-        return [_plain(v) for v in value]
-    if isinstance(value, fx.immutable_collections.immutable_dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        items = [_plain(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return type(value)((k, _plain(v)) for k, v in value.items())
-    return value
-
-
 def _trace_fx(model: nn.Module, inputs: Inputs, sig: inspect.Signature) -> Traced:
     names = _positional_names(sig)
     provided = set(inputs) if isinstance(inputs, dict) else set(names[: len(inputs)])
@@ -336,7 +255,7 @@ def _trace_fx(model: nn.Module, inputs: Inputs, sig: inspect.Signature) -> Trace
         for n in names
         if n not in provided and sig.parameters[n].default is not inspect.Parameter.empty
     }
-    with _watch_unrecorded(model):
+    with watch_unrecorded(model):
         gm = fx.symbolic_trace(model, concrete_args=concrete or None)
     return _from_graph_module(gm, model, inputs, sig, "fx")
 
@@ -503,7 +422,7 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
             raise
         except Exception as exc:  # noqa: BLE001 - fx failing is the common case for HF models
             fx_error = exc
-        if tracer == "fx" and isinstance(fx_error, _Unrecorded):
+        if tracer == "fx" and isinstance(fx_error, Unrecorded):
             raise TraceError(
                 f"torch.fx cannot capture {type(model).__name__}: {fx_error} (the split model "
                 "would compute without it); pass tracer='export' (or 'auto', which tries "

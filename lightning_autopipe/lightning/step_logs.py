@@ -3,8 +3,14 @@
 A step that runs once per slice would log each key once per slice; Lightning's result collection
 expects one value per step, weighted by the batch size for ``on_epoch`` means. :class:`SliceLogs`
 checks each call as ``LightningModule.log`` binds it, keeps one record per key and combines the
-slices by the key's ``reduce_fx``: ``mean`` weighted by sample count (or the ``batch_size``
-given), so the merged value is the whole batch's, ``sum`` / ``max`` / ``min`` as such. What
+slices by the key's ``reduce_fx``: ``mean`` weighted by sample count (or by the ``batch_size``
+given, e.g. a slice's token count), so the merged value is the whole batch's, ``sum`` /
+``max`` / ``min`` as such (a count or an extreme of the batch: a mean logged with them is
+combined the same way). A ``batch_size`` that is one number in every slice while their sample
+counts differ is the batch's size written as a constant (``batch_size=self.batch_size``): the
+slices are then weighted by their samples and the step logs that constant, as one process
+would; otherwise the step's ``batch_size`` (the weight of its value in an ``on_epoch`` mean)
+is the slices' sum. What
 cannot be merged into a number (a ``torchmetrics.Metric`` object, a tensor of several elements,
 a custom reduction, a process group) is refused with :class:`StepContractError`.
 """
@@ -44,19 +50,30 @@ LoggedValue = tuple[str, dict[str, Any], float, bool]
 class _Record:
     options: dict[str, Any]  # the call's keywords (whether batch_size was given, not its value)
     reduce: str
-    total: Tensor  # float64: sum of weight x value (mean), sum, max or min
-    weight: float  # sum of the slices' weights (their batch_size, else sample count)
+    values: list[Tensor]  # float64, one per slice
+    samples: list[int]  # each slice's sample count
+    given: list[float | None]  # each slice's batch_size, None where not given
     wide: bool  # a float64 value was logged (merged as float64, else float32)
 
+    def weights(self) -> tuple[list[float], float]:
+        """The slices' weights in a mean and the step's ``batch_size`` (module docstring)."""
+        if self.given[0] is None:
+            return [float(n) for n in self.samples], float(sum(self.samples))
+        given = [float(g) for g in self.given]  # type: ignore[arg-type]
+        constant = len(set(given)) == 1 and given != [float(n) for n in self.samples]
+        if constant:
+            return [float(n) for n in self.samples], given[0]
+        return given, sum(given)
 
-def bind_log(hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], samples: int,
-             ) -> tuple[str, Tensor, dict[str, Any], float]:
-    """One ``self.log(*args, **kwargs)`` call of a slice of ``samples`` samples, checked.
+
+def bind_log(hook: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+             ) -> tuple[str, Tensor, dict[str, Any], float | None]:
+    """One ``self.log(*args, **kwargs)`` call of a slice, checked.
 
     Returns:
-        ``(name, value, options, weight)``: ``value`` a one-element tensor, ``options`` the
-        call's keywords with ``reduce`` normalised, ``weight`` the ``batch_size`` given or the
-        slice's sample count.
+        ``(name, value, options, given)``: ``value`` a one-element tensor, ``options`` the
+        call's keywords with ``reduce`` normalised, ``given`` the ``batch_size`` given (None
+        when not).
 
     Raises:
         TypeError: arguments ``LightningModule.log`` does not take (its own error).
@@ -106,8 +123,7 @@ def bind_log(hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], samples: 
     batch_size = options.pop("batch_size")
     options["batch_size_given"] = batch_size is not None
     options["reduce"] = reduce_name
-    weight = float(batch_size) if batch_size is not None else float(samples)
-    return name, value, options, weight
+    return name, value, options, None if batch_size is None else float(batch_size)
 
 
 class SliceLogs:
@@ -119,31 +135,26 @@ class SliceLogs:
     def __bool__(self) -> bool:
         return bool(self._records)
 
-    def merge(self, name: str, value: Tensor, options: dict[str, Any], weight: float) -> None:
-        """Add one slice's value of ``name`` (as :func:`bind_log` returned it)."""
+    def merge(self, name: str, value: Tensor, options: dict[str, Any], samples: int,
+              given: float | None) -> None:
+        """Add one slice's value of ``name`` (as :func:`bind_log` returned it) for a slice of
+        ``samples`` samples."""
         options = dict(options)
         reduce = options.pop("reduce")
         wide = value.dtype == torch.float64
         value = value.detach().reshape(()).double()
         rec = self._records.get(name)
         if rec is None:
-            total = value * weight if reduce == "mean" else value
-            self._records[name] = _Record(options, reduce, total, weight, wide)
+            self._records[name] = _Record(options, reduce, [value], [samples], [given], wide)
             return
         if rec.options != options or rec.reduce != reduce:
             raise StepContractError(
                 f"self.log({name!r}, ...) was called with different arguments in two micro-batch "
                 f"slices of one step ({rec.options} vs {options}); use the same arguments"
             )
-        if reduce == "mean":
-            rec.total = rec.total + value * weight
-        elif reduce == "sum":
-            rec.total = rec.total + value
-        elif reduce == "max":
-            rec.total = torch.maximum(rec.total, value)
-        else:
-            rec.total = torch.minimum(rec.total, value)
-        rec.weight += weight
+        rec.values.append(value)
+        rec.samples.append(samples)
+        rec.given.append(given)
         rec.wide = rec.wide or wide
 
     def combined(self) -> list[LoggedValue]:
@@ -155,15 +166,19 @@ class SliceLogs:
         for (name, rec), value in zip(self._records.items(), values):
             options = {k: rec.options[k] for k in _PASSED}
             options["reduce_fx"] = rec.reduce
-            options["batch_size"] = max(1, round(rec.weight))
+            options["batch_size"] = max(1, round(rec.weights()[1]))
             out.append((name, options, float(value), rec.wide))
         return out
 
 
 def _value(rec: _Record) -> Tensor:
+    values = torch.stack(rec.values)
     if rec.reduce == "mean":
-        return rec.total / max(rec.weight, 1e-300)
-    return rec.total
+        weights = torch.tensor(rec.weights()[0], dtype=torch.float64)
+        return (values * weights).sum() / max(float(weights.sum()), 1e-300)
+    if rec.reduce == "sum":
+        return values.sum()
+    return values.max() if rec.reduce == "max" else values.min()
 
 
 def _is_metric(value: Any) -> bool:

@@ -177,8 +177,8 @@ class StepRunner:
             return outputs
 
         def log(*args: Any, **kwargs: Any) -> None:
-            name, value, options, weight = bind_log(hook, args, kwargs, n)
-            logged[name] = (value, options, weight)  # a key logged twice keeps its last value
+            name, value, options, given = bind_log(hook, args, kwargs)
+            logged[name] = (value, options, given)  # a key logged twice keeps its last value
 
         module.__dict__["forward"], module.__dict__["log"] = forward, log
         try:
@@ -204,8 +204,8 @@ class StepRunner:
                 "runs as a pipeline per micro-batch slice and the step must take the slice's "
                 f"outputs from self(...) (called exactly once), {WAY_OUT}"
             )
-        for name, (value, options, weight) in logged.items():
-            self._logs.merge(name, value, options, weight)
+        for name, (value, options, given) in logged.items():
+            self._logs.merge(name, value, options, n, given)
         if hook == "predict_step":
             self._sizes.append(n)
             self._predictions.append(out)

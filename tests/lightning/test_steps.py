@@ -44,6 +44,7 @@ class Module(pl.LightningModule):
         self.log("worst", F.cross_entropy(logits, y, reduction="none").max(), reduce_fx="max")
         self.log("best", F.cross_entropy(logits, y, reduction="none").min(), reduce_fx="min")
         self.log("count", len(y), batch_size=2 * len(y))  # a Python number, own weights
+        self.log("loss_c", loss, batch_size=10)  # the batch size as a constant (hparams)
         if self.mistake == "shape":
             self(x[:1])
         if self.mistake == "vector":
@@ -83,9 +84,13 @@ def test_slices_log_what_one_whole_batch_step_logs():
         logits = module.lin(x)
         per_sample = F.cross_entropy(logits, y, reduction="none")
     logged = {name: (value, options) for name, options, value, _ in outcome.logs}
-    assert list(logged) == ["loss", "hits", "worst", "best", "count"]
+    assert list(logged) == ["loss", "hits", "worst", "best", "count", "loss_c"]
     torch.testing.assert_close(logged["loss"][0], float(per_sample.mean()), rtol=1e-6, atol=0)
     assert logged["loss"][1]["batch_size"] == 10  # the whole batch, for on_epoch means
+    # one batch_size in every slice of 2, 2, 1 and 5 samples: the batch's size, as one
+    # process logs it; the slices weigh by their samples (not equally) and the step logs 10
+    torch.testing.assert_close(logged["loss_c"][0], float(per_sample.mean()), rtol=1e-6, atol=0)
+    assert logged["loss_c"][1]["batch_size"] == 10
     assert logged["hits"][0] == float((logits.argmax(-1) == y).sum())
     torch.testing.assert_close(logged["worst"][0], float(per_sample.max()))
     torch.testing.assert_close(logged["best"][0], float(per_sample.min()))

@@ -7,12 +7,13 @@ batch whose samples match the example so the profile can include ``pipeline_loss
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
-from lightning_autopipe.errors import PlanError
+from lightning_autopipe.errors import InputError, PlanError
 
 
 def _example(trainer: Any, module: Any) -> tuple[Any, int, Any]:
@@ -41,12 +42,37 @@ def _example(trainer: Any, module: Any) -> tuple[Any, int, Any]:
         except StopIteration:
             raise PlanError("the dataloader is empty; AutoPipeStrategy needs a batch") from None
         inputs = as_call_args(model_inputs(module, batch))
+        _check_forward(module, inputs, "the first batch of the dataloader")
         first = next(iter(inputs.values() if isinstance(inputs, dict) else inputs))
         size = size or int(first.shape[0])
         if example is None:
             return inputs, int(size), batch
     example = as_call_args(example)
+    _check_forward(module, example, "example_input_array")
     return example, int(size), _batch_like(module, batch, example)
+
+
+def _check_forward(module: Any, inputs: Any, source: str) -> None:
+    """The forward inputs drawn from ``source`` must bind to ``module.forward``: said here in
+    the terms of the module and its batches, not of the tracer's ``example_inputs``.
+
+    Raises:
+        InputError: naming the inputs, the signature, and ``pipeline_inputs`` as the fix.
+    """
+    sig = inspect.signature(module.forward)
+    try:
+        sig.bind(**inputs) if isinstance(inputs, dict) else sig.bind(*inputs)
+    except TypeError as exc:
+        given = (f"keyword arguments {sorted(inputs)}" if isinstance(inputs, dict)
+                 else f"{len(inputs)} positional argument(s)")
+        raise InputError(
+            f"the forward inputs AutoPipeStrategy took from {source} ({given}) do not fit "
+            f"{type(module).__name__}.forward{sig}: {exc}. The inputs are pipeline_inputs("
+            "batch) when the module defines it, else batch[0] of a tuple or list batch, else "
+            "the batch itself, a dict batch as keyword arguments; define pipeline_inputs(self, "
+            "batch) returning the tensors forward takes (e.g. batch['x'], or a dict of them "
+            "keyed by forward's parameter names): only tensors cross pipeline stages"
+        ) from None
 
 
 def _batch_like(module: Any, batch: Any, example: Any) -> Any:

@@ -158,6 +158,13 @@ def broadcast_buffers(module: nn.Module, group: Any, src: int) -> None:
 def batch_norm_note(replica_batch: int, num_microbatches: int, startup_slices: int,
                     drain_slices: int, replicas: int) -> str:
     """What BatchNorm normalises over under this plan, in words (logged once by rank 0)."""
+    tracked = ("its running statistics (used in evaluation) are tracked once per step" + (
+        f"; the first replica's buffers are copied to the other {replicas - 1} after every "
+        "step (as DDP's broadcast_buffers)" if replicas > 1 else ""))
+    if num_microbatches <= 1 and startup_slices <= 1:  # one unit: the whole replica batch
+        return (f"BatchNorm: in training each layer normalises over the replica's whole batch "
+                f"of {replica_batch} samples (one micro-batch, unsliced), as one process "
+                f"does; {tracked}")
     micro = replica_batch // max(num_microbatches, 1)
     smallest = micro // max(startup_slices, drain_slices if num_microbatches > 1 else 1, 1)
     parts = [f"BatchNorm: in training each layer normalises over one unit of the pipeline "

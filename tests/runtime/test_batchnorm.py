@@ -124,6 +124,10 @@ def test_note_says_what_batch_norm_normalises_over():
     assert "slices down to 2" in text
     assert "batch of 16" in text
     assert "broadcast_buffers" in text
+    whole = batch_norm_note(8, 1, 1, 1, replicas=1)  # one unsliced micro-batch: no caveat
+    assert "whole batch of 8 samples" in whole
+    assert "Pin num_microbatches" not in whole
+    assert "not over" not in whole
 
 
 def test_deterministic_fixes_the_counts_by_a_rule_and_refuses_an_auto_depth():

@@ -101,7 +101,9 @@ def bind_log(hook: str, args: tuple[Any, ...], kwargs: dict[str, Any],
             "merge: the step runs once per micro-batch slice on the last stage only, and what "
             "it logs is combined per key and sent to every rank as numbers. Log the value "
             "itself (a one-element tensor, e.g. metric(preds, target) or metric.compute()), "
-            + WAY_OUT + " (then log from on_train_batch_end)"
+            + (WAY_OUT + " (then log from on_train_batch_end)" if hook == "training_step" else
+               "or update the metric in the step (metric.update(...)) and log "
+               f"metric.compute() from on_{hook.split('_')[0]}_epoch_end")
         )
     reduce = options.pop("reduce_fx")
     if isinstance(reduce, str):

@@ -138,6 +138,30 @@ def test_mistakes_are_raised_after_the_step_naming_pipeline_loss(mistake, phrase
     assert "log" not in module.__dict__
 
 
+@pytest.mark.parametrize("hook", ["training_step", "validation_step"])
+def test_a_logged_metric_object_is_refused_with_a_way_out_that_works_for_the_hook(hook):
+    """Training: pipeline_loss (the strategy's own loop); evaluation, where pipeline_loss runs
+    no step at all: update the metric in the step, log compute() at the epoch's end."""
+    from torchmetrics import MeanMetric
+
+    module = Module()
+    module.metric = MeanMetric()
+
+    def step(batch, batch_idx):
+        loss = F.cross_entropy(module(batch[0]), batch[1])
+        module.metric(loss)
+        module.log("mean", module.metric)
+        return loss
+
+    setattr(module, hook, step)
+    runner, _ = _run(module, hook)
+    with pytest.raises(StepContractError) as info:
+        runner.finish(LAYOUT, None, CPU)
+    way_out = ("pipeline_loss" if hook == "training_step"
+               else "log metric.compute() from on_validation_epoch_end")
+    assert way_out in str(info.value)
+
+
 def test_an_error_of_the_step_itself_is_raised_as_it_is():
     runner, _ = _run(Module("bug"))
     with pytest.raises(KeyError, match="a bug of the step itself"):

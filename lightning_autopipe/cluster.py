@@ -193,9 +193,9 @@ class Cluster:
             raise ClusterError(
                 f"Cluster.local needs reduce_gbps > 0 (inf: free), got {reduce_gbps}"
             )
-        if not memory_gb > 0:  # as a cluster file's memory_gb (hardware.positive)
-            raise ClusterError(f"Cluster.local needs memory_gb > 0 (GiB per device), got "
-                               f"{memory_gb}")
+        for key, value in (("memory_gb", memory_gb), ("speed", speed)):
+            if not (value > 0 and math.isfinite(value)):  # as a cluster file's (hardware)
+                raise ClusterError(f"Cluster.local needs a finite {key} > 0, got {value}")
         spec = ServerSpec(
             name="local",
             count=1,

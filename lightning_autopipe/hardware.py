@@ -160,6 +160,14 @@ def positive(value: Any, key: str, where: str) -> float:
     return v
 
 
+def finite_positive(value: Any, key: str, where: str) -> float:
+    """A device's speed or memory: > 0 and finite (a bandwidth may be ``.inf``: free)."""
+    v = positive(value, key, where)
+    if not math.isfinite(v):
+        raise ClusterError(f"{where}: {key} must be a finite number, got {value!r}")
+    return v
+
+
 def non_negative(value: Any, key: str, where: str) -> float:
     v = _number(value, key, where)
     if not v >= 0:
@@ -270,8 +278,8 @@ def parse_device(dev: Any, where: str, base: Path | None = None) -> DeviceSpec:
             ) from exc
     return DeviceSpec(
         name=str(require(dev, "name", where)),
-        speed=positive(require(dev, "speed", where), "speed", where),
-        memory_gb=positive(require(dev, "memory_gb", where), "memory_gb", where),
+        speed=finite_positive(require(dev, "speed", where), "speed", where),
+        memory_gb=finite_positive(require(dev, "memory_gb", where), "memory_gb", where),
         overhead_ms=non_negative(dev.get("overhead_ms", 0.0), "overhead_ms", where),
         reduce_gbps=positive(dev.get("reduce_gbps", math.inf), "reduce_gbps", where),
         profile=profile,

@@ -29,10 +29,13 @@ importing torch; measuring one is :func:`lightning_autopipe.runtime.profiler.pro
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lightning_autopipe.errors import InputError
 
 __all__ = [
     "DEFAULT_INPUT_SHARE",
@@ -109,8 +112,22 @@ class BlockProfile:
     shared_input_bytes: int = 0
 
     def __post_init__(self) -> None:
+        for key in ("forward_ms", "backward_ms", "forward_fixed_ms", "backward_fixed_ms",
+                    "backward_input_ms", "backward_weight_ms", "param_bytes",
+                    "activation_bytes", "memory_bytes", "shared_input_bytes"):
+            value = getattr(self, key)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise InputError(f"block {self.name!r}: {key} must be a finite number >= 0, "
+                                 f"got {value!r}; measure the profile again")
+        for part, whole in (("forward_fixed_ms", "forward_ms"),
+                            ("backward_fixed_ms", "backward_ms")):
+            if getattr(self, part) > getattr(self, whole) * (1 + 1e-9) + 1e-12:
+                raise InputError(
+                    f"block {self.name!r}: {part}={getattr(self, part)!r} exceeds "
+                    f"{whole}={getattr(self, whole)!r}; the fixed part is part of the time"
+                )
         if (self.backward_input_ms is None) != (self.backward_weight_ms is None):
-            raise ValueError(
+            raise InputError(
                 f"block {self.name!r}: backward_input_ms and backward_weight_ms come together "
                 "(the two parts of a split backward); give both or neither"
             )
@@ -145,10 +162,16 @@ class Profile:
     fingerprint: str | None = field(default=None)
 
     def __post_init__(self) -> None:
-        if self.micro_batch_size < 1:
-            raise ValueError(f"Profile.micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if not self.blocks:
-            raise ValueError(f"Profile of {self.model!r} has no blocks; profile a split model")
+        mbs = self.micro_batch_size
+        if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
+            raise InputError(f"Profile.micro_batch_size must be an integer >= 1, got {mbs!r}")
+        if not isinstance(self.blocks, list | tuple) or not self.blocks:
+            raise InputError(f"Profile of {self.model!r} has no blocks (got {self.blocks!r}); "
+                             "profile a split model")
+        bad = [b for b in self.blocks if not isinstance(b, BlockProfile | dict)]
+        if bad:
+            raise InputError(f"Profile of {self.model!r}: a block must be a BlockProfile or a "
+                             f"mapping of its fields, got {bad[0]!r}")
         self.blocks = [b if isinstance(b, BlockProfile) else BlockProfile(**b) for b in self.blocks]
 
     def __len__(self) -> int:
@@ -171,27 +194,41 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
+        if not isinstance(data, dict):
+            raise InputError(f"a profile JSON is an object, got {type(data).__name__}")
         missing = {"model", "micro_batch_size", "device", "blocks"} - set(data)
         if missing:
-            raise ValueError(f"profile JSON lacks keys {sorted(missing)}")
+            raise InputError(f"profile JSON lacks keys {sorted(missing)}")
+        if not isinstance(data["blocks"], list) or not all(
+                isinstance(b, dict) for b in data["blocks"]):
+            raise InputError("profile JSON: 'blocks' must be a list of objects, one per block")
+        mbs = data["micro_batch_size"]
+        if isinstance(mbs, bool) or not isinstance(mbs, int | float) or mbs != int(mbs):
+            raise InputError(f"profile JSON: micro_batch_size must be an integer, got {mbs!r}")
         keys = {f for f in BlockProfile.__dataclass_fields__} - set(_OPTIONAL)
         blocks = []
         for i, b in enumerate(data["blocks"]):
             lacking = keys - set(b)
             if lacking:
-                raise ValueError(f"profile block {i} lacks keys {sorted(lacking)}")
-            blocks.append(
-                BlockProfile(
-                    name=str(b["name"]),
-                    forward_ms=float(b["forward_ms"]),
-                    backward_ms=float(b["backward_ms"]),
-                    param_bytes=int(b["param_bytes"]),
-                    activation_bytes=int(b["activation_bytes"]),
-                    memory_bytes=int(b["memory_bytes"]),
-                    **{k: float(b[k]) for k in _OPTIONAL if k in b and k not in _INTS},
-                    **{k: int(b[k]) for k in _INTS if k in b},
+                raise InputError(f"profile block {i} lacks keys {sorted(lacking)}")
+            try:
+                blocks.append(
+                    BlockProfile(
+                        name=str(b["name"]),
+                        forward_ms=float(b["forward_ms"]),
+                        backward_ms=float(b["backward_ms"]),
+                        param_bytes=int(b["param_bytes"]),
+                        activation_bytes=int(b["activation_bytes"]),
+                        memory_bytes=int(b["memory_bytes"]),
+                        **{k: float(b[k]) for k in _OPTIONAL if k in b and k not in _INTS},
+                        **{k: int(b[k]) for k in _INTS if k in b},
+                    )
                 )
-            )
+            except InputError:
+                raise
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise InputError(f"profile block {i} ({b.get('name')!r}): a field is not a "
+                                 f"number ({exc}); measure the profile again") from None
         return cls(
             model=str(data["model"]),
             micro_batch_size=int(data["micro_batch_size"]),

@@ -239,3 +239,33 @@ def test_a_half_batch_probe_that_fails_prints_nothing(
     assert capfd.readouterr().err == ""
     assert len(prof) == len(blocks)
     assert all(b.forward_ms > 0 and b.backward_ms > 0 for b in prof.blocks)
+
+
+@pytest.mark.parametrize(("field", "value", "phrase"), [
+    ("forward_ms", float("nan"), "forward_ms must be a finite number >= 0"),
+    ("backward_ms", float("inf"), "backward_ms must be a finite number >= 0"),
+    ("forward_ms", -1.0, "forward_ms must be a finite number >= 0"),
+    ("param_bytes", -8, "param_bytes must be a finite number >= 0"),
+    ("forward_fixed_ms", 5.0, "forward_fixed_ms=5.0 exceeds forward_ms=1.0"),
+])
+def test_a_block_of_impossible_costs_is_refused_naming_the_field(field, value, phrase):
+    """A NaN, infinite or negative cost, or a fixed part above the whole, would give plans of
+    NaN or negative step times (or a bare assertion deep in the planner)."""
+    fields = dict(name="b0", forward_ms=1.0, backward_ms=2.0, param_bytes=1,
+                  activation_bytes=1, memory_bytes=1) | {field: value}
+    with pytest.raises(InputError, match=phrase):
+        BlockProfile(**fields)
+
+
+@pytest.mark.parametrize(("data", "phrase"), [
+    ({"blocks": None}, "'blocks' must be a list of objects"),
+    ({"blocks": [1]}, "'blocks' must be a list of objects"),
+    ({"micro_batch_size": 2.5}, "micro_batch_size must be an integer"),
+    ({"blocks": [{"name": "b", "forward_ms": "fast", "backward_ms": 1, "param_bytes": 1,
+                  "activation_bytes": 1, "memory_bytes": 1}]}, "a field is not a number"),
+])
+def test_a_malformed_profile_file_is_an_input_error(data, phrase):
+    good = Profile("m", 4, "cpu", [BlockProfile("b", 1.0, 2.0, 1, 1, 1)]).to_dict()
+    with pytest.raises(InputError, match=phrase):
+        Profile.from_dict(good | data)
+

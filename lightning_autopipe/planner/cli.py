@@ -144,6 +144,18 @@ def plan_main(argv: list[str]) -> int:
     except AutoPipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        _write(args, plan, profile, cluster)
+    except OSError as exc:
+        print(f"error: cannot write {exc.filename or 'an output file'}: {exc.strerror or exc}; "
+              "pass a path in a writable folder", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.json else format_plan(plan, profile, cluster))
+    return 0
+
+
+def _write(args: argparse.Namespace, plan: Any, profile: Profile, cluster: Any) -> None:
+    """The files the options ask for: ``--out`` (plan JSON), ``--trace``, ``--png``."""
     if args.out:
         plan.save(args.out)
     if args.trace or args.png:
@@ -157,5 +169,3 @@ def plan_main(argv: list[str]) -> int:
         if args.png:
             timeline.write_png(result, args.png)
             print(f"wrote {args.png}", file=sys.stderr)
-    print(plan.to_json() if args.json else format_plan(plan, profile, cluster))
-    return 0

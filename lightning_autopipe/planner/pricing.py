@@ -101,11 +101,17 @@ def type_profiles(profile: Profile, cluster: Cluster) -> dict[str, Profile]:
         if own is None or d.spec.name in out:
             continue
         if own.names != profile.names:
+            first = next((i for i, (a, b) in enumerate(zip(own.names, profile.names)) if a != b),
+                         min(len(own.names), len(profile.names)))
+            differ = (f"block {first} is {own.names[first]!r} there and "
+                      f"{profile.names[first]!r} here"
+                      if first < min(len(own.names), len(profile.names)) else
+                      f"{len(own.names)} blocks there, {len(profile.names)} here")
             raise ClusterError(
                 f"device type {d.spec.name!r} of cluster {cluster.name!r} has a profile of "
-                f"{len(own.names)} blocks ({own.model!r}) but the model being planned has "
-                f"{len(profile.names)} ({profile.model!r}); profile the device type again for "
-                "this model and granularity, or drop its profile to price it by its speed"
+                f"other blocks than the model being planned ({own.model!r} vs "
+                f"{profile.model!r}: {differ}); profile the device type again for this model "
+                "and granularity, or drop its profile to price it by its speed"
             )
         if own.fingerprint and profile.fingerprint and own.fingerprint != profile.fingerprint:
             raise ClusterError(

@@ -105,6 +105,8 @@ _DELETE = object()
         (["servers"], _DELETE, "lacks key 'servers'"),
         (["network_gbps"], _DELETE, "lacks key 'network_gbps'"),
         (["servers", 1, "device", "speed"], -1, "speed must be > 0, got -1"),
+        (["servers", 1, "device", "speed"], float("inf"), "speed must be a finite number"),
+        (["servers", 1, "device", "memory_gb"], float("inf"), "memory_gb must be a finite"),
         (["servers", 1, "device", "memory_gb"], "lots", "memory_gb must be a number, got 'lots'"),
         (["servers", 0, "gpus"], 0, "gpus must be a positive integer, got 0"),
         (["servers", 1, "count"], 1.5, "count must be a positive integer, got 1.5"),

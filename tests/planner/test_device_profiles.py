@@ -142,6 +142,10 @@ def test_a_profile_of_other_blocks_is_refused_with_the_fix():
     other = Profile("resnet", 4, "old", REF.blocks[:5])
     with pytest.raises(ClusterError, match=r"old.*5 blocks.*8.*profile the device type again"):
         make_plan(REF, _cluster(other), 32)
+    renamed = Profile(REF.model, 4, "old", [replace(b, name=f"layer.{i}")
+                                            for i, b in enumerate(REF.blocks)])
+    with pytest.raises(ClusterError, match=r"block 0 is 'layer.0' there and '.+' here"):
+        make_plan(REF, _cluster(renamed), 32)
 
 
 def test_a_missing_profile_file_names_the_file_and_the_fix(tmp_path):

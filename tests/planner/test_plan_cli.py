@@ -79,6 +79,22 @@ def test_errors_exit_2_with_the_message(profile_path, capsys):
     assert "cannot read profile" in capsys.readouterr().err
 
 
+def test_an_unwritable_output_or_a_malformed_profile_exits_2_naming_it(profile_path, tmp_path,
+                                                                        capsys):
+    missing = tmp_path / "no" / "such" / "folder"
+    for flag in ("--out", "--trace"):
+        assert plan_main(_args(profile_path, flag, str(missing / "x.json"))) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write {missing / 'x.json'}" in err
+        assert "Traceback" not in err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": "m", "micro_batch_size": 4, "device": "cpu",
+                               "blocks": None}))
+    assert plan_main(["--profile", str(bad), "--cluster", "mixed_rack",
+                      "--global-batch-size", "8"]) == 2
+    assert "'blocks' must be a list" in capsys.readouterr().err
+
+
 def test_the_local_cluster_and_unknown_names(profile_path, capsys):
     base = ["--profile", str(profile_path), "--global-batch-size", "8", "--json"]
     assert plan_main([*base, "--cluster", "local", "--world-size", "2"]) == 0

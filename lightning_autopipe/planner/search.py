@@ -355,15 +355,20 @@ def _memory_error(plan: Plan, cluster: Cluster, batch: int) -> MemoryPlanError:
     over = max(plan.peak_memory_bytes,
                key=lambda d: plan.peak_memory_bytes[d] / cluster.device(d).spec.memory_bytes)
     need, have = plan.peak_memory_bytes[over], cluster.device(over).spec.memory_bytes
-    s = next(i for i, st in enumerate(plan.stages) if over in st.devices)
+    held = [i for i, st in enumerate(plan.stages) if over in st.devices]
     redone = [i for i, r in enumerate(plan.recompute) if r]
     replicas = plan.stages[0].replicas
+    v = plan.chunks_per_rank
+    depth = (f"{plan.num_stages} stages" if v == 1 else
+             f"{plan.num_ranks} ranks x {v} chunks")
+    where = (f"stage {held[0]}, blocks {list(plan.stages[held[0]].blocks)}" if len(held) == 1
+             else f"chunks {held}, blocks {[list(plan.stages[c].blocks) for c in held]}")
     return MemoryPlanError(
         f"no plan fits device memory{f' even with stages {redone} recomputing' if redone else ''}"
-        f": the best plan ({plan.num_stages} stages, "
+        f": the best plan ({depth}, "
         f"{replicas} replica{'s' if replicas != 1 else ''}, {plan.num_microbatches} "
-        f"micro-batches of global batch {batch}) needs {need / GiB:.2f} GiB on {over} (stage {s}, "
-        f"blocks {list(plan.stages[s].blocks)}) which has {have / GiB:.2f} GiB; use more "
+        f"micro-batches of global batch {batch}) needs {need / GiB:.2f} GiB on {over} ({where})"
+        f" which has {have / GiB:.2f} GiB; use more "
         "stages, a smaller micro-batch (more micro-batches or a smaller batch), more devices, "
         "or pass memory_check=False to get the plan anyway"
     )

@@ -57,6 +57,16 @@ def test_nothing_fits_memory_is_a_memory_error_with_numbers_and_suggestions():
     assert max(plan.peak_memory_bytes.values()) > GIB
 
 
+def test_a_chunked_plan_that_does_not_fit_is_named_in_ranks_and_chunks():
+    """Two ranks of two V chunks: the device holds chunks 0 and 3, both named."""
+    prof = Profile("m", 4, "t", [BlockProfile(f"b{i}", 1.0, 2.0, 4 * 2**20, 2**20, 8 * 2**20)
+                                 for i in range(8)])
+    cl = Cluster.local(2, memory_gb=0.01)
+    with pytest.raises(MemoryPlanError, match=r"2 ranks x 2 chunks.* on local:0 \(chunks "
+                                              r"\[0, 3\], blocks \[\[0, \d\], \[\d, 8\]\]\)"):
+        make_plan(prof, cl, 16, num_stages=2, replicas=1, schedules=("zbv",))
+
+
 def test_memory_limits_steer_the_search_to_a_plan_that_fits():
     prof = _profile(n=8, param_bytes=GIB // 4)  # 1 GiB of state per block
     cl = Cluster.local(4, memory_gb=2.6)  # at most two blocks per device

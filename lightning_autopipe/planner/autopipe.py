@@ -80,7 +80,11 @@ def autopipe_proposals(
                           max_slices)
     if not shapes:
         raise PlanError(_no_shape(pins, use_all, len(devs), batch))
-    shapes.sort(key=lambda x: (not x.fits, x.score))
+    if any(sh.fits for sh in shapes):
+        shapes.sort(key=lambda x: (not x.fits, x.score))
+    else:  # the rough check (an even split against the smallest memory) refused them all:
+        # mixed memories may still fit uneven stages, so the shapes nearest to fitting go on
+        shapes.sort(key=lambda x: (x.overflow, x.score))
     k_pin = pins["startup_slices"]
     picked: list[Shape] = []
     per_shape: dict[tuple[int, int], int] = {}

@@ -113,10 +113,24 @@ class BlockCosts:
 
     def stage_work(self, layout: Layout) -> list[list[float]] | None:
         """Per-stage compute prefix sums for the partitioner, or None when every stage is
-        priced from the reference profile (the partitioner then divides by the speeds)."""
+        priced from the reference profile (the partitioner then divides by the speeds).
+
+        A device type's own profile may be measured at another micro-batch size than the
+        reference: its sums are restated at the reference's (fixed parts kept, the rest
+        scaled by samples), so that the stages' work is compared for the same samples.
+        """
         if all(k is None for k in layout.keys):
             return None
-        return [self.typed(k).compute for k in layout.keys]
+        return [self._work_at(self.typed(k), self.micro_batch_size) for k in layout.keys]
+
+    @staticmethod
+    def _work_at(costs: BlockCosts, micro_batch_size: int) -> list[float]:
+        if costs.micro_batch_size == micro_batch_size:
+            return costs.compute
+        ratio = micro_batch_size / costs.micro_batch_size
+        fixed = ([f + b for f, b in zip(costs.ffix, costs.bfix)] if costs.ffix
+                 else [0.0] * len(costs.compute))
+        return [x + (c - x) * ratio for x, c in zip(fixed, costs.compute)]
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class Shape:
     microbatches: int
     score: float
     fits: bool
+    overflow: float = 0.0  # the rough check's need over capacity (> 1: does not fit)
 
 
 def microbatch_choices(batch: int, replicas: int) -> list[int]:
@@ -219,5 +220,5 @@ def _terms(
     need = (params / s) * param_state_factor(optimizer_factor) + (mem / s * scale) * np.minimum(
         s, m)
     fits = need <= cap
-    return [Shape(k[0], k[1], k[2], e, f)
-            for k, e, f in zip(keys, est.tolist(), fits.tolist())]
+    return [Shape(k[0], k[1], k[2], e, f, o)
+            for k, e, f, o in zip(keys, est.tolist(), fits.tolist(), (need / cap).tolist())]

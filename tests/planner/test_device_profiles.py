@@ -154,3 +154,35 @@ def test_a_missing_profile_file_names_the_file_and_the_fix(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(ClusterError, match=r"missing.json.*drop the profile key"):
         Cluster.load(tmp_path / "c.yaml")
+
+
+
+def test_a_device_profile_measured_at_another_micro_batch_plans_the_same(tmp_path):
+    """An old device type's own profile restated at 4x the micro-batch (4x the times, the same
+    cost per sample) describes the same device: the same plan (the partitioner compared its
+    times at 32 samples with the reference's at 1 and planned a step 2x slower)."""
+    mb = 2**20
+    rows = [(3.3, 7.8, 11.3, 21.5, 36, 16, 24), (4.9, 11.8, 11.6, 42.3, 42, 16, 57),
+            (1.8, 3.8, 4.4, 4.0, 10, 10, 53), (1.9, 3.8, 4.0, 12.4, 7, 14, 36),
+            (4.7, 9.6, 9.7, 28.9, 32, 4, 8), (1.9, 4.6, 3.4, 17.6, 28, 3, 47),
+            (1.1, 1.9, 3.1, 6.1, 32, 9, 41), (0.5, 1.1, 1.9, 3.8, 39, 13, 50),
+            (1.3, 2.1, 4.8, 8.0, 5, 12, 16), (0.8, 1.3, 2.5, 3.1, 41, 1, 8),
+            (2.3, 4.3, 7.2, 15.8, 25, 13, 59)]
+    ref = Profile("m", 1, "new", [BlockProfile(f"b{i}", r[0], r[1], r[4] * mb, r[5] * mb,
+                                               r[6] * mb) for i, r in enumerate(rows)])
+    plans = []
+    for mbs in (8, 32):
+        old = Profile("m", mbs, "old", [BlockProfile(f"b{i}", r[2] * mbs / 8, r[3] * mbs / 8,
+                                                     r[4] * mb, r[5] * mb, r[6] * mb)
+                                        for i, r in enumerate(rows)])
+        old.save(tmp_path / f"old{mbs}.json")
+        cl = Cluster.from_dict({"name": "c", "network_gbps": 25, "servers": [
+            {"name": "a", "gpus": 2, "device": {"name": "new", "speed": 1.0, "memory_gb": 40},
+             "levels": [{"size": 2, "gbps": 100}]},
+            {"name": "b", "gpus": 2, "device": {"name": "old", "speed": 0.4, "memory_gb": 40,
+                                                "profile": f"old{mbs}.json"},
+             "levels": [{"size": 2, "gbps": 100}]}]}, base=tmp_path)
+        plans.append(make_plan(ref, cl, 16))
+    a, b = plans
+    assert (b.cuts, b.devices, b.schedule) == (a.cuts, a.devices, a.schedule)
+    assert b.iteration_ms == pytest.approx(a.iteration_ms, rel=1e-9)

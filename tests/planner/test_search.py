@@ -57,6 +57,27 @@ def test_nothing_fits_memory_is_a_memory_error_with_numbers_and_suggestions():
     assert max(plan.peak_memory_bytes.values()) > GIB
 
 
+def test_mixed_memories_find_the_uneven_stages_that_fit():
+    """Devices of 0.2 and 0.3 GiB: an even split of the model overflows the smallest in every
+    shape, yet six stages fit when the small devices take less. The planner finds that plan
+    (it raised MemoryPlanError naming a one-stage shape)."""
+    mb = 2**20
+    rows = [(2.09, 4.61, 9, 8, 22), (3.33, 7.77, 46, 5, 2), (1.26, 3.09, 30, 8, 46),
+            (1.23, 1.91, 13, 5, 18), (1.18, 1.97, 44, 8, 5), (0.72, 1.11, 1, 10, 45),
+            (4.02, 8.14, 23, 15, 30), (3.08, 6.75, 36, 7, 46), (2.7, 4.83, 15, 2, 43)]
+    prof = Profile("m", 1, "t", [BlockProfile(f"b{i}", f, b, p * mb, a * mb, m * mb)
+                                 for i, (f, b, p, a, m) in enumerate(rows)])
+    cl = Cluster.from_dict({"name": "c", "network_gbps": 25, "servers": [
+        {"name": "s0", "gpus": 2, "device": {"name": "D0", "speed": 0.5, "memory_gb": 0.2},
+         "levels": [{"size": 2, "gbps": 100}]},
+        {"name": "s1", "gpus": 4, "device": {"name": "D1", "speed": 0.5, "memory_gb": 0.3},
+         "levels": [{"size": 4, "gbps": 100}]}]})
+    pinned = make_plan(prof, cl, 4, num_stages=6, replicas=1, num_microbatches=4)
+    plan = make_plan(prof, cl, 4)
+    assert plan.iteration_ms <= pinned.iteration_ms * (1 + 1e-9)
+    assert all(b <= cl.device(d).spec.memory_bytes for d, b in plan.peak_memory_bytes.items())
+
+
 def test_a_chunked_plan_that_does_not_fit_is_named_in_ranks_and_chunks():
     """Two ranks of two V chunks: the device holds chunks 0 and 3, both named."""
     prof = Profile("m", 4, "t", [BlockProfile(f"b{i}", 1.0, 2.0, 4 * 2**20, 2**20, 8 * 2**20)

@@ -177,9 +177,18 @@ class PipelineExecutor:
         self.stage.train()
         if self.memory is not None:
             self.memory.begin_step()
+        # a tie sums its copies' gradients: only this step's, or what every copy already
+        # holds (an earlier step's sum, accumulated) would be counted once per copy
+        tied = list({id(t.param): t.param for t in self.tied}.values())
+        held = [p.grad for p in tied]
+        for p in tied:
+            p.grad = None
         loss = self._run(batch, train=True)
         with self._watch("gradient all-reduce", None, communication=True):
             self._sync_gradients()
+        for p, g in zip(tied, held):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
         if self.memory is not None:
             self.memory.end_step()
         return loss

@@ -189,6 +189,13 @@ class StageRunner:
         if not self._splits:
             self._weight_state[a.unit] = (result, grads, None)
             return
+        if not any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+            # no input takes a gradient (the layers before are frozen): there is nothing to
+            # split off, and an input-gradient pass would find no weights behind the inputs
+            # (leaving none for W): W runs the whole backward, as on the first stage
+            self._weight_state[a.unit] = (result, grads, None)
+            self._hand_back(a.unit, input_grads(inputs))
+            return
         if self._deferral is not None:
             with self.module.deferring_weights() as pending:
                 backward_whole(a, result, grads)

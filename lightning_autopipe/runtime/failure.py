@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lightning_autopipe.errors import PipelineRuntimeError
 
 __all__ = [
+    "GONE",
     "FailureBoard",
     "LauncherWatch",
     "describe",
@@ -63,6 +64,12 @@ def describe(exc: BaseException, limit: int = 600) -> str:
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return f"{type(exc).__name__}: {text}"
+
+
+#: :meth:`FailureBoard.first` when the board cannot be read any more: rank 0, its store's host,
+#: read a posted failure and exited before this rank could (a failure, not this peer's fault)
+GONE = ("rank 0, which holds the job's failure board, has already exited on a rank's failure "
+        "(the failing rank's error is in rank 0's log and its own)")
 
 
 class FailureBoard:
@@ -106,14 +113,15 @@ class FailureBoard:
         return False
 
     def first(self, wait_s: float = 1.0) -> str | None:
-        """The first posted failure, waiting up to ``wait_s`` for one to appear."""
+        """The first posted failure, waiting up to ``wait_s`` for one to appear; :data:`GONE`
+        when the board cannot be read (its host, rank 0, has exited)."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 if self._store.check([self._text_key]):
                     return self._store.get(self._text_key).decode()
             except Exception:
-                return None
+                return GONE
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)

@@ -39,7 +39,7 @@ from lightning_autopipe.runtime.backward import splits_backward_at
 from lightning_autopipe.runtime.checks import check_batch_sizes
 from lightning_autopipe.runtime.chunks import chunk_modules
 from lightning_autopipe.runtime.failure import FailureBoard, pipeline_failure
-from lightning_autopipe.runtime.gradsync import GradientSync
+from lightning_autopipe.runtime.gradsync import GradientSync, step_gradients_only
 from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout
 from lightning_autopipe.runtime.outbox import Outbox
 from lightning_autopipe.runtime.stage_runner import StageRunner, action_table, check_action
@@ -177,18 +177,10 @@ class PipelineExecutor:
         self.stage.train()
         if self.memory is not None:
             self.memory.begin_step()
-        # a tie sums its copies' gradients: only this step's, or what every copy already
-        # holds (an earlier step's sum, accumulated) would be counted once per copy
-        tied = list({id(t.param): t.param for t in self.tied}.values())
-        held = [p.grad for p in tied]
-        for p in tied:
-            p.grad = None
-        loss = self._run(batch, train=True)
-        with self._watch("gradient all-reduce", None, communication=True):
-            self._sync_gradients()
-        for p, g in zip(tied, held):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+        with step_gradients_only(t.param for t in self.tied):  # ties sum this step's alone
+            loss = self._run(batch, train=True)
+            with self._watch("gradient all-reduce", None, communication=True):
+                self._sync_gradients()
         if self.memory is not None:
             self.memory.end_step()
         return loss

@@ -67,9 +67,9 @@ def describe(exc: BaseException, limit: int = 600) -> str:
 
 
 #: :meth:`FailureBoard.first` when the board cannot be read any more: rank 0, its store's host,
-#: read a posted failure and exited before this rank could (a failure, not this peer's fault)
-GONE = ("rank 0, which holds the job's failure board, has already exited on a rank's failure "
-        "(the failing rank's error is in rank 0's log and its own)")
+#: died, or read a posted failure and exited before this rank could
+GONE = ("rank 0, which holds the job's failure board, is gone: it died, or it exited on "
+        "another rank's failure (its log says which)")
 
 
 class FailureBoard:
@@ -154,6 +154,8 @@ def pipeline_failure(
             board.post(message)
         return PipelineRuntimeError(message)
     first = board.first(wait_s=2.0) if board is not None else None
+    if first is GONE and peer == 0:  # the peer is the board's host: it is the one gone
+        first = None
     if first is not None and first != (board.posted if board is not None else None):
         return PipelineRuntimeError(f"{where} stopped in {what} of {when} because {first}")
     other = f"rank {peer}" if peer is not None else "a peer rank"

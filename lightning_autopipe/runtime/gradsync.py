@@ -14,7 +14,8 @@ gradients took as long as the all-reduce itself).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["GradientSync", "make_buckets"]
+__all__ = ["GradientSync", "make_buckets", "step_gradients_only"]
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -143,3 +144,23 @@ class GradientSync:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             self._works.append((work, flat, grads))
             self._next += 1
+
+
+@contextmanager
+def step_gradients_only(params: Iterable[nn.Parameter]) -> Iterator[None]:
+    """Inside: ``params`` start the step without gradients; after: what they held before is
+    added back.
+
+    A weight tied across ranks sums its copies' gradients, and every copy already holds the
+    earlier steps' sum when steps accumulate into ``.grad``: summed again it would count once
+    per copy. Only this step's gradients are summed.
+    """
+    own = list({id(p): p for p in params}.values())
+    held = [p.grad for p in own]
+    for p in own:
+        p.grad = None
+    yield
+    for p, g in zip(own, held):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
+

@@ -38,5 +38,10 @@ def test_a_board_whose_host_has_exited_blames_no_peer():
     err = pipeline_failure(board, TimeoutError("timed out"), where="rank 3",
                            what="receive of activations", when="step 1", peer=2,
                            communication=True)
-    assert "rank 0, which holds the job's failure board, has already exited" in str(err)
+    assert "because rank 0, which holds the job's failure board, is gone" in str(err)
     assert "rank 2 has probably died" not in str(err)
+    # waiting on rank 0 itself, the board's host: rank 0 is the one that died or hung
+    err = pipeline_failure(board, TimeoutError("timed out"), where="rank 1",
+                           what="receive of activations", when="step 1", peer=0,
+                           communication=True)
+    assert "rank 0 has probably died or hung" in str(err)

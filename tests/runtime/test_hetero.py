@@ -281,7 +281,9 @@ def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_war
         return all(1 / margin < t < margin for t in r["timing_ratios"])
 
     r = run()
-    if len(r["types"]) != 1 or not alike(r):  # a busy machine: a core slowed while profiling
+    for _ in range(2):  # a busy machine: a core slowed while profiling (up to three runs)
+        if len(r["types"]) == 1 and alike(r):
+            break
         r = run()
     if not alike(r):  # e.g. a VM whose second vCPU shares its physical core with other guests
         pytest.skip(f"the two cores do not run alike here (an independent workload timed "

@@ -20,12 +20,18 @@ from lightning_autopipe import split_model
 from tests.graph._reference import check_split
 
 
-class WriteThroughView(nn.Module):
-    """``v`` views ``h``; ``h`` is read after the write through ``v``."""
+class Three(nn.Module):
+    """Three linear layers ``l1``, ``l2``, ``l3`` (``width`` in, ``last_in`` into ``l3``);
+    each model below wires them its own way."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 8, last_in: int = 8) -> None:
         super().__init__()
-        self.l1, self.l2, self.l3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.l1, self.l2 = nn.Linear(width, width), nn.Linear(width, width)
+        self.l3 = nn.Linear(last_in, width)
+
+
+class WriteThroughView(Three):
+    """``v`` views ``h``; ``h`` is read after the write through ``v``."""
 
     def forward(self, x):
         h = self.l1(x)
@@ -35,12 +41,8 @@ class WriteThroughView(nn.Module):
         return self.l3(g + h)
 
 
-class SetItemOnReceived(nn.Module):
+class SetItemOnReceived(Three):
     """``h[:, 0] = ...`` on a value another block computed (export records a view and copy_)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1, self.l2, self.l3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x):
         h = self.l1(x) * 1
@@ -71,18 +73,14 @@ def test_views_of_a_storage_nobody_writes_still_cut_freely():
     """Only written storages constrain the cuts: a read-only view crossing beside its base
     keeps every block of the layer (no needless merge)."""
 
-    class ReadOnlyView(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.l1, self.l2, self.l3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(4, 8)
-
+    class ReadOnlyView(Three):
         def forward(self, x):
             h = self.l1(x)
             v = h[:, :4]
             g = self.l2(h)
             return self.l3(v) + g + h
 
-    model, x = ReadOnlyView(), (torch.randn(4, 8),)
+    model, x = ReadOnlyView(last_in=4), (torch.randn(4, 8),)
     blocks = split_model(model, x)
     assert blocks.names == ["l1", "l2", "l3"]
     for cuts in _every_cut(len(blocks)):

@@ -18,14 +18,19 @@ from lightning_autopipe import TraceError, split_model
 from tests.graph._reference import call, check_split
 
 
-class NoGradSection(nn.Module):
-    """``l2`` runs without autograd: no gradient reaches ``l2`` or ``l1`` through it."""
+class Three(nn.Module):
+    """Three linear layers of ``WIDTH`` features; each model below wires them its own way."""
 
     WIDTH = 4
 
     def __init__(self) -> None:
         super().__init__()
-        self.l1, self.l2, self.l3 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        w = self.WIDTH
+        self.l1, self.l2, self.l3 = nn.Linear(w, w), nn.Linear(w, w), nn.Linear(w, w)
+
+
+class NoGradSection(Three):
+    """``l2`` runs without autograd: no gradient reaches ``l2`` or ``l1`` through it."""
 
     def forward(self, x):
         h = self.l1(x)
@@ -34,33 +39,26 @@ class NoGradSection(nn.Module):
         return self.l3(h * t)
 
 
-class AutocastSection(nn.Module):
+class AutocastSection(Three):
     WIDTH = 8
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-
     def forward(self, x):
-        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.l1(x))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            h = self.b(h)
-        return self.c(h.float())
+            h = self.l2(h)
+        return self.l3(h.float())
 
 
-class StepCounter(nn.Module):
+class StepCounter(Three):
     """Counts its calls in a buffer (an update that reads no input)."""
 
-    WIDTH = 4
-
     def __init__(self) -> None:
         super().__init__()
-        self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def forward(self, x):
         self.steps.add_(1)
-        return self.l2(torch.tanh(self.l1(x)))
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
 
 
 @pytest.mark.parametrize("model_cls", [NoGradSection, AutocastSection])

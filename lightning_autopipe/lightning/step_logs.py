@@ -6,13 +6,13 @@ checks each call as ``LightningModule.log`` binds it, keeps one record per key a
 slices by the key's ``reduce_fx``: ``mean`` weighted by sample count (or by the ``batch_size``
 given, e.g. a slice's token count), so the merged value is the whole batch's, ``sum`` /
 ``max`` / ``min`` as such (a count or an extreme of the batch: a mean logged with them is
-combined the same way). A ``batch_size`` that is one number in every slice while their sample
-counts differ is the batch's size written as a constant (``batch_size=self.batch_size``): the
-slices are then weighted by their samples and the step logs that constant, as one process
-would; otherwise the step's ``batch_size`` (the weight of its value in an ``on_epoch`` mean)
-is the slices' sum. What
-cannot be merged into a number (a ``torchmetrics.Metric`` object, a tensor of several elements,
-a custom reduction, a process group) is refused with :class:`StepContractError`.
+combined the same way). A ``batch_size`` that is one number in every slice, other than the
+slices' own sample counts, is the batch's size written as a constant
+(``batch_size=self.batch_size``): the slices are then weighted by their samples and the step
+logs that constant, as one process would; otherwise the step's ``batch_size`` (the weight of
+its value in an ``on_epoch`` mean) is the slices' sum. What cannot be merged into a number (a
+``torchmetrics.Metric`` object, a tensor of several elements, a custom reduction, a process
+group) is refused with :class:`StepContractError`.
 """
 
 from __future__ import annotations

@@ -35,10 +35,11 @@ def _cluster(name: str, world_size: int | None) -> Any:
 
     if name == "local":
         if world_size is None or world_size < 1:
+            given = "" if world_size is None else f" (got --world-size {world_size})"
             raise ClusterError(
                 "--cluster local describes the processes a run launches on this machine; pass "
-                "--world-size N to plan for N of them (default CPU link figures; a training run "
-                "measures the real ones), or name a cluster file"
+                "--world-size N, N >= 1, to plan for N of them (default CPU link figures; a "
+                f"training run measures the real ones), or name a cluster file{given}"
             )
         return Cluster.local(world_size)
     if world_size is not None:

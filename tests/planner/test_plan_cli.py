@@ -102,6 +102,9 @@ def test_the_local_cluster_and_unknown_names(profile_path, capsys):
     assert {d for s in plan["stages"] for d in s["devices"]} <= {"local:0", "local:1"}
     assert plan_main([*base, "--cluster", "local"]) == 2
     assert "--world-size N" in capsys.readouterr().err
+    assert plan_main([*base, "--cluster", "local", "--world-size", "0"]) == 2
+    assert "N >= 1" in (err := capsys.readouterr().err)
+    assert "got --world-size 0" in err
     assert plan_main([*base, "--cluster", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert "no cluster file 'nosuch'" in err

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -163,7 +164,7 @@ class Profile:
 
     def __post_init__(self) -> None:
         mbs = self.micro_batch_size
-        if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
+        if isinstance(mbs, bool) or not isinstance(mbs, numbers.Integral) or mbs < 1:
             raise InputError(f"Profile.micro_batch_size must be an integer >= 1, got {mbs!r}")
         if not isinstance(self.blocks, list | tuple) or not self.blocks:
             raise InputError(f"Profile of {self.model!r} has no blocks (got {self.blocks!r}); "

@@ -33,11 +33,12 @@ by its speed; memory limits are part of that partition and of the score.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import ClusterError, PlanError
+from lightning_autopipe.hardware import Device
 from lightning_autopipe.planner.costmodel import Estimate, evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.partition import balanced_cuts, stage_limits
@@ -46,14 +47,19 @@ from lightning_autopipe.planner.step import StepShape
 __all__ = ["speed_order", "candidate_groupings", "rank_layouts", "MappingResult"]
 
 
-def speed_order(cluster: Cluster, devices: Sequence[str] | None = None) -> list[str]:
-    """``devices`` fastest server first, keeping each server's devices together in rank order."""
+def speed_order(
+    cluster: Cluster, devices: Sequence[str] | None = None,
+    first: Callable[[Device], float] | None = None,
+) -> list[str]:
+    """``devices`` fastest server first, keeping each server's devices together in rank order
+    (``first``: a key ranked before the speed, smallest first)."""
     names = [d.name for d in cluster.devices] if devices is None else list(devices)
     devs = [cluster.device(n) for n in names]
     first_rank: dict[str, int] = {}
     for d in devs:
         first_rank.setdefault(d.server, d.rank)
-    devs.sort(key=lambda d: (-d.spec.speed, -d.spec.memory_bytes, first_rank[d.server], d.rank))
+    devs.sort(key=lambda d: (first(d) if first is not None else 0.0, -d.spec.speed,
+                             -d.spec.memory_bytes, first_rank[d.server], d.rank))
     return [d.name for d in devs]
 
 
@@ -94,18 +100,15 @@ def _device_subsets(cluster: Cluster, devices: Sequence[str], need: int) -> dict
     out = {"": fastest[:need]}
     if need >= len(fastest):
         return out
-    devs = [cluster.device(n) for n in fastest]
     specs = dict(cluster.instances)
-    inner = {d.server: min((lv.gbps for lv in specs[d.server].levels), default=float("inf"))
-             for d in devs}
-    first_rank: dict[str, int] = {}
-    for d in devs:
-        first_rank.setdefault(d.server, d.rank)
-    by_links = sorted(devs, key=lambda d: (-inner[d.server], -d.spec.speed,
-                                           -d.spec.memory_bytes, first_rank[d.server], d.rank))
-    by_rank = sorted(devs, key=lambda d: d.rank)
+
+    def slowest_link(d: Device) -> float:  # the server's slowest internal level, fastest first
+        return -min((lv.gbps for lv in specs[d.server].levels), default=float("inf"))
+
+    by_links = speed_order(cluster, devices, first=slowest_link)
+    by_rank = sorted(fastest, key=lambda n: cluster.device(n).rank)
     for tag, order in (("links", by_links), ("ranks", by_rank)):
-        chosen = speed_order(cluster, [d.name for d in order[:need]])
+        chosen = speed_order(cluster, order[:need])
         if all(set(chosen) != set(c) for c in out.values()):
             out[tag] = chosen
     return out

@@ -166,8 +166,8 @@ def make_plan(
     if memory_check and not fitting:
         raise _memory_error(best, cluster, global_batch_size)
     best.search_ms = search_ms
-    best.search_notes = notes + choice_note(best, fitting or plans, props, lambda p: finish_plan(
-        p, planner, profile, cluster, global_batch_size, optimizer_factor))
+    best.search_notes = notes + choice_note(best, fitting or plans, props, lambda p: optimistic_ms(
+        p, costs, cluster, global_batch_size, optimizer_factor))
     return best
 
 

@@ -68,6 +68,10 @@ __all__ = ["DeviceSpec", "Level", "ServerSpec", "Device", "Cluster", "BYTES_PER_
 BYTES_PER_MS_PER_GBPS = 1e9 / 8 / 1e3
 
 _DEFAULT_NETWORK_LATENCY_US = 20.0
+#: Devices a cluster may describe: the planner models each one, so a slip such as ``count:
+#: 100000000`` would otherwise build (and plan over) that many before anything is reported.
+#: Planning 32,768 devices takes seconds; this is 32 times that.
+MAX_DEVICES = 2**20
 _TOP_KEYS = {"name", "network_gbps", "network_latency_us", "servers", "description"}
 
 
@@ -90,6 +94,15 @@ class Cluster:
             raise ClusterError(
                 f"cluster {self.name!r} has no servers; list at least one under 'servers' "
                 "(the 'local' cluster is built with Cluster.local(world_size) instead)"
+            )
+        total = sum(spec.count * spec.gpus for spec in self.servers)
+        if total > MAX_DEVICES:
+            sizes = ", ".join(f"{spec.name!r}: {spec.count} x {spec.gpus}"
+                              for spec in self.servers)
+            raise ClusterError(
+                f"cluster {self.name!r} describes {total:,} devices ({sizes}: count x gpus), "
+                f"more than the {MAX_DEVICES:,} the planner models; check the servers' "
+                "'count' and 'gpus'"
             )
         self._instances = []
         seen: dict[str, str] = {}

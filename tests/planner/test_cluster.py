@@ -125,6 +125,7 @@ _DELETE = object()
         (["servers", 0, "name"], "a:b", "without ':'"),
         (["servers"], [], "'servers' is empty"),
         (["servers"], "nv", "'servers' must be a list"),
+        (["servers", 1, "count"], 10**8, "describes 800,000,008 devices"),
     ],
 )
 def test_malformed_cluster_names_key_and_value(path: list, value: object, expect: str) -> None:

@@ -8,7 +8,8 @@ with proposals of their own. Level 4: when cheap enough, the simulator
 (:func:`~.simulate.simulate`, link contention included) picks among the best proposals;
 otherwise the fast model's favourite stands.
 
-``search_ms`` is the time to choose the plan (filling the chosen plan's figures is not part).
+``search_ms`` is the time to choose the plan (filling the chosen plan's figures is not part;
+the memory fallback below, which chooses among simulated plans, is).
 
 Activation recomputation is the last resort: only when no finalist fits device memory are
 its stages that do not fit made to recompute their activations (under a schedule that does
@@ -152,7 +153,8 @@ def make_plan(
         plans = [finish_plan(props[0], planner, profile, cluster, global_batch_size,
                              optimizer_factor)]
     fitting = [p for p in plans if _fits(p, cluster)]
-    if not fitting:  # recomputation only when nothing fits without it
+    if not fitting:  # recomputation only when nothing fits without it (part of the search)
+        fallback_t0 = time.perf_counter()
         redone = [r for p in plans if (r := _recomputing(p, profile, cluster, global_batch_size,
                                                          optimizer_factor, schedules, planner))]
         fitting = [p for p in redone if _fits(p, cluster)]
@@ -162,6 +164,7 @@ def make_plan(
             fitting = [p for p in moved if _fits(p, cluster)]
             redone += moved
         plans = redone or plans
+        search_ms += (time.perf_counter() - fallback_t0) * 1e3
     best = min(fitting or plans, key=lambda p: p.iteration_ms)
     if memory_check and not fitting:
         raise _memory_error(best, cluster, global_batch_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 
@@ -91,6 +92,28 @@ def test_recomputation_is_chosen_only_when_nothing_fits_without_it():
                   replicas=1, num_microbatches=8, schedules=("gpipe",))
     with pytest.raises(ClusterError, match="memory_gb > 0"):
         Cluster.local(2, memory_gb=0)
+
+
+def test_the_search_time_counts_the_recomputation_fallback(monkeypatch):
+    """The fallback chooses among simulated plans: its time is search time, not left out of
+    ``search_ms`` as filling the chosen plan's figures is."""
+    import lightning_autopipe.planner.search as search
+
+    prof = _profile()
+    roomy = make_plan(prof, Cluster.local(2, memory_gb=16), 32, num_stages=2, replicas=1,
+                      num_microbatches=8, schedules=("gpipe",))
+    tight = Cluster.local(2, memory_gb=0.6 * max(roomy.peak_memory_bytes.values()) / 2**30)
+    inner = search._recomputing
+
+    def slow(*args, **kwargs):
+        time.sleep(0.25)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(search, "_recomputing", slow)
+    plan = make_plan(prof, tight, 32, num_stages=2, replicas=1, num_microbatches=8,
+                     schedules=("gpipe",))
+    assert any(plan.recompute)
+    assert plan.search_ms >= 250
 
 
 @pytest.mark.parametrize("heavy", ["first", "last"])

@@ -230,7 +230,8 @@ def migrate(
         bytes_received=sum(b.numel() for b in recvs.values()),
         messages_sent=len(sends),
         messages_received=len(recvs),
-        names_kept=sum(1 for n in new.ranks[rank] if n in set(old.ranks[rank])),
+        names_kept=sum(1 for n in new.ranks[rank] if n in set(old.ranks[rank])) - sum(
+            1 for (_, d), v in moves.items() if d == rank for n in v if n in old.ranks[rank]),
         names_received=sum(len(v) for (_, d), v in moves.items() if d == rank),
         total_bytes=int(totals[1]),
         total_messages=int(totals[2]),
@@ -341,6 +342,7 @@ def _assemble(
             got[name], got_state[name], pos = wire.unpack_entry(catalog[name], recvs[src], pos,
                                                             device)
             got_groups[name] = catalog[name]["groups"]
+    kept -= set(got)  # a received copy replaces this rank's own (another replica's buffer)
     out_tensors = {n: tensors[n] if n in kept else got[n] for n in new.ranks[rank]}
     out_opts = []
     for i, opt in enumerate(optimizers):

@@ -4,7 +4,8 @@ Pure data and functions (no communication), so every rank derives the same trans
 same two plans and a re-plan decision can price a switch before making it. A name a rank holds
 in both layouts stays where it is; any other name a new holder needs comes from *one* old
 holder, the one of the same data-parallel replica when there is one (BatchNorm statistics
-differ between replicas; parameters and optimizer state do not), else the first replica's.
+differ between replicas; parameters and optimizer state do not), else the first replica's; a
+rank that moves to another replica takes that replica's copy of the names that differ.
 :mod:`~lightning_autopipe.runtime.migrate` carries the transfers out.
 """
 
@@ -27,10 +28,15 @@ class StateLayout:
         ranks: per global rank, the whole model's names (parameters by their first name, tied
             copies under one name; persistent buffers) its stage holds, in the stage's order.
         replicas: per global rank, its data-parallel replica.
+        per_replica: the names whose values may differ between replicas (buffers such as
+            BatchNorm statistics; parameters and optimizer state are the same in every
+            replica): a rank that holds one from another replica than its new one takes the
+            new one's copy (:func:`plan_transfers`).
     """
 
     ranks: tuple[tuple[str, ...], ...]
     replicas: tuple[int, ...]
+    per_replica: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if len(self.ranks) != len(self.replicas):
@@ -56,7 +62,8 @@ class StateLayout:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"ranks": [list(r) for r in self.ranks], "replicas": list(self.replicas)}
+        return {"ranks": [list(r) for r in self.ranks], "replicas": list(self.replicas),
+                "per_replica": sorted(self.per_replica)}
 
     @classmethod
     def from_plan(cls, plan: Any, blocks: Any, device_names: Sequence[str]) -> StateLayout:
@@ -69,16 +76,18 @@ class StateLayout:
         from lightning_autopipe.runtime.rebind import stage_names, tie_aliases
 
         aliases = tie_aliases(blocks, plan.cuts)
-        per_stage = [
-            tuple(dict.fromkeys(stage_names(blocks.stage(*s.blocks), aliases).values()))
-            for s in plan.stages
-        ]
+        per_stage, buffers = [], set()
+        for s in plan.stages:
+            stage = blocks.stage(*s.blocks)
+            names = stage_names(stage, aliases)
+            per_stage.append(tuple(dict.fromkeys(names.values())))
+            buffers |= {names[k] for k, _ in stage.named_buffers() if k in names}
         ranks, replicas = [], []
         for rank in range(len(device_names)):
             lay = layout_for_rank(plan, device_names, rank)  # its chunks' names together
             ranks.append(tuple(dict.fromkeys(n for c in lay.chunks for n in per_stage[c])))
             replicas.append(lay.replica)
-        return cls(tuple(ranks), tuple(replicas))
+        return cls(tuple(ranks), tuple(replicas), frozenset(buffers))
 
 
 def plan_transfers(old: StateLayout, new: StateLayout) -> dict[tuple[int, int], list[str]]:
@@ -97,8 +106,10 @@ def plan_transfers(old: StateLayout, new: StateLayout) -> dict[tuple[int, int], 
     moves: dict[tuple[int, int], list[str]] = {}
     missing = []
     for dst, names in enumerate(new.ranks):
-        have = set(old.ranks[dst])
         want_replica = new.replicas[dst] % old.num_replicas
+        have = set(old.ranks[dst])
+        if old.replicas[dst] != want_replica:  # its copies of these are another replica's
+            have -= old.per_replica
         for name in names:
             if name in have:
                 continue

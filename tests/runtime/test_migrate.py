@@ -39,8 +39,11 @@ CASES2 = [
     Case("gpt-adam-cuts-swap", "gpt", "adam",
          (Layout((0, 3, 7)), Layout((0, 5, 7)), Layout((0, 5, 7), reverse=True)),
          scheduler=True),
-    # pipeline to data parallel: BatchNorm statistics and SGD momentum move with the layers
-    Case("cnn-bn-pp-to-dp", "cnn_bn", "sgd", (Layout((0, 3, 6)), Layout((0, 6), replicas=2))),
+    # pipeline to data parallel: BatchNorm statistics and SGD momentum move with the layers;
+    # and back: rank 1 (replica 1) holds the last layers' statistics of its own replica, and
+    # takes replica 0's, which it now continues
+    Case("cnn-bn-pp-to-dp", "cnn_bn", "sgd",
+         (Layout((0, 3, 6)), Layout((0, 6), replicas=2), Layout((0, 3, 6)))),
     # loss scaling across two switches; an overflow after the first backs the scale off and
     # a growth interval of 2 makes the growth tracker count too
     Case("gpt-scaler-pp-dp-pp", "gpt", "sgd",
@@ -63,6 +66,13 @@ CASES4 = [
 # ------------------------------------------------------------------------------ pure parts
 def _layout(*ranks: tuple[str, ...], replicas: tuple[int, ...] | None = None) -> StateLayout:
     return StateLayout(tuple(ranks), replicas or (0,) * len(ranks))
+
+
+def test_a_rank_moving_to_another_replica_takes_that_replicas_buffers():
+    # data parallel to a pipeline: rank 1 holds everything, but as replica 1
+    old = StateLayout((("w", "bn"), ("w", "bn")), (0, 1), frozenset({"bn"}))
+    new = StateLayout((("w",), ("w", "bn")), (0, 0), frozenset({"bn"}))
+    assert plan_transfers(old, new) == {(0, 1): ["bn"]}  # the weight is the same everywhere
 
 
 def test_transfers_keep_what_a_rank_holds_and_take_each_name_from_one_holder():

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import fx, nn
+from torch import Tensor, fx, nn
 
 from lightning_autopipe.errors import BlockRangeError, InputError, OptionError, TraceError
 from lightning_autopipe.graph.analysis import GraphInfo, analyze
@@ -24,6 +24,7 @@ from lightning_autopipe.graph.stage import (
     StageModule,
     TieGroup,
     ValueInfo,
+    adopt_orphans,
     build_stage,
 )
 from lightning_autopipe.graph.trace import Inputs, trace
@@ -70,7 +71,6 @@ class BlockGraph:
         granularity: the granularity it was split at.
         tracer: the front end used: ``"fx"``, ``"export"`` or ``"graph_module"``.
         dynamic_batch: whether inputs may have another batch size than the example's.
-        unused_params: original parameter names no block reads (held by no stage).
     """
 
     def __init__(self, info: GraphInfo, blocks: list[Block], granularity: str):
@@ -84,13 +84,8 @@ class BlockGraph:
         self._original_names = _original_names(info)
         self._needs = self._compute_needs()
         self._boundaries = self._compute_boundaries()
-        used = {pid for b in blocks for pid in b.params}
-        self.unused_params = [
-            name
-            for name, p in info.traced.model.named_parameters()
-            if id(p) not in used and p.requires_grad
-        ]
         self.fingerprint = self._fingerprint()
+        self._orphans: dict[str, Tensor] | None = None
 
     # ------------------------------------------------------------------------- structure
     def __len__(self) -> int:
@@ -210,16 +205,29 @@ class BlockGraph:
         """
         self._check_range(i, j)
         if (i, j) not in self._stages:
-            outputs: list[Any] = self._boundaries[j]
-            self._stages[(i, j)] = build_stage(
-                self._info,
-                [b.nodes for b in self._blocks[i:j]],
-                self._boundaries[i],
-                outputs,
-                (i, j),
-                self._original_names,
-            )
+            stage = self._build(i, j)
+            if i == 0:
+                adopt_orphans(stage, self.orphans)
+            self._stages[(i, j)] = stage
         return self._stages[(i, j)]
+
+    def _build(self, i: int, j: int) -> StageModule:
+        return build_stage(self._info, [b.nodes for b in self._blocks[i:j]],
+                           self._boundaries[i], self._boundaries[j], (i, j),
+                           self._original_names)
+
+    @property
+    def orphans(self) -> dict[str, Tensor]:
+        """The model's ``state_dict`` entries (by their first name) that no block reads: the
+        first stage holds them (:func:`~.stage.adopt_orphans`)."""
+        if self._orphans is None:
+            held = {id(t) for t in self._build(0, len(self)).state_dict(keep_vars=True).values()}
+            self._orphans = {}
+            for name, t in self.model.state_dict(keep_vars=True).items():
+                if id(t) not in held:
+                    held.add(id(t))  # a tensor under several names is adopted once
+                    self._orphans[name] = t
+        return self._orphans
 
     def keep_stages(self, ranges: Iterable[tuple[int, int]]) -> None:
         """Forget the cached stage modules of every range but ``ranges`` (the running plan's).

@@ -157,6 +157,34 @@ def _fix_buffers(stage: nn.Module, shared: set[int], persistent: set[int]) -> No
             owner._non_persistent_buffers_set.add(field)
 
 
+def adopt_orphans(stage: StageModule, orphans: dict[str, torch.Tensor]) -> None:
+    """Give ``stage`` the model's tensors no block reads, under their original names.
+
+    A parameter or persistent buffer the forward never touches (a head kept for later, a
+    layer switched off by a flag) is still part of the model: in its ``state_dict``, its
+    optimizer's state (Adagrad makes state for every parameter up front) and so its
+    checkpoint, which must load into the plain model with ``strict=True``. A stage holding
+    nothing but what its graph reads would drop it; the first stage keeps it instead (as one
+    process does: present, never given a gradient). A holder module is made for each missing
+    step of its path, so no module of the user's gains an attribute.
+    """
+    names = stage.meta["autopipe"]["param_names"]
+    for name, tensor in orphans.items():
+        path, _, field = name.rpartition(".")
+        owner: nn.Module = stage
+        for part in path.split(".") if path else []:
+            child = owner._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        if isinstance(tensor, nn.Parameter):
+            owner.register_parameter(field, tensor)
+        else:
+            owner.register_buffer(field, tensor)
+        names[name] = name
+
+
 def build_stage(
     info: GraphInfo,
     blocks: list[list[fx.Node]],

@@ -262,7 +262,7 @@ def test_a_wrapped_model_splits_like_the_model(granularity: str) -> None:
 
 def test_a_parameter_read_only_by_an_output_belongs_to_the_last_block():
     """``self.scale * 2`` reads no input: the last stage computes it from ``scale``, which is
-    then not reported unused (a parameter no stage holds)."""
+    then no orphan (a tensor no block reads, kept by the first stage)."""
 
     class ScaleOut(nn.Module):
         def __init__(self) -> None:
@@ -275,6 +275,6 @@ def test_a_parameter_read_only_by_an_output_belongs_to_the_last_block():
 
     model, x = ScaleOut(), (torch.randn(2, 4),)
     blocks = split_model(model, x)
-    assert blocks.unused_params == []
+    assert blocks.orphans == {}
     last = blocks.stage(len(blocks) - 1, len(blocks))
     assert "scale" in last.param_names.values()

@@ -204,6 +204,45 @@ def test_pipeline_gradients_equal_single_process(gloo, cuts, replicas, k, j, sch
     gloo(world).run(_check_rank, cuts, replicas, k, j, schedule)
 
 
+def _clip_float64(rank: int, world: int) -> list[float]:
+    """2 stages of the float64 toy chain: ``clip_grad_norm_`` over the pipeline against
+    torch's over one process's gradients, to float64 precision (the tied E counted once)."""
+    from lightning_autopipe.planner.generators import SCHEDULES
+
+    plan = _plan([0, 2, 4], 1, m=2, k=1, batch=8, j=1)
+    lay = layout_for_rank(plan, [f"cpu0:{i}" for i in range(world)], rank)
+    groups = build_groups(lay, [(0, 1)], timeout=timedelta(seconds=TIMEOUT_S))
+    torch.manual_seed(0)
+    ref = ToyChain().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    toy_loss(ref(x), (x, y)).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    torch.manual_seed(0)
+    chain = ToyChain().double()
+    i, j = plan.stages[lay.stage].blocks
+    ex = _toy_executor(ToyStage(chain, i, j), lay, groups, 2, 1, 1, SCHEDULES["1f1b"],
+                       [TiedParameter(0, chain.E, counted=lay.is_first)])
+    ex.train_step((x, y))
+    for p in chain.parameters():  # the other stage's layers: no gradient here
+        if p.grad is not None and not p.grad.any():
+            p.grad = None
+    got = ex.clip_grad_norm_(0.01)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0, check_dtype=False)
+    own = {f"l{b}" for b in (1, 2) if i <= b < j} | {"E"}
+    for name, p in chain.named_parameters():
+        if name.split(".")[0] in own:
+            torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad,
+                                       rtol=1e-12, atol=1e-15, msg=lambda s, n=name: f"{n}: {s}")
+    ex.close()
+    destroy_groups(groups)
+    return float(got)
+
+
+def test_clipping_a_float64_model_equals_torch_to_float64_precision(gloo):
+    norms = gloo(2).run(_clip_float64)
+    assert norms[0] == norms[1]
+
+
 def _release_case(
     rank: int, stages: int, m: int, k: int, j: int, schedule: str
 ) -> list[tuple[str, int]]:

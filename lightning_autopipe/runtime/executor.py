@@ -227,17 +227,14 @@ class PipelineExecutor:
 
     def global_grad_norm(self, norm_type: float = 2.0) -> Tensor:
         """Norm of the whole model's gradient (every stage, tied copies counted once), in
-        float64: a float64 model's clipping then matches one process's to its precision (a
-        float32 sum moved its clip factor by 1e-7), and a float32 model's loses nothing."""
+        float64 (so a float64 model's clipping matches one process's to its precision)."""
         skip = {id(t.param) for t in self.tied if not t.counted}
         grads = [p.grad for p in self.parameters if p.grad is not None and id(p) not in skip]
         inf = math.isinf(norm_type)
+        local = torch.zeros((), device=self.device, dtype=torch.float64)
         if grads:
             norms = torch.stack([g.detach().norm(norm_type, dtype=torch.float64) for g in grads])
-            local = norms.max() if inf else norms.pow(norm_type).sum()
-        else:
-            local = torch.zeros((), device=self.device, dtype=torch.float64)
-        local = local.to(self.device, torch.float64)
+            local = (norms.max() if inf else norms.pow(norm_type).sum()).to(self.device)
         if self.layout.num_stages > 1:
             op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
             dist.all_reduce(local, op=op, group=self.groups.pipeline)

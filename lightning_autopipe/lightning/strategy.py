@@ -47,6 +47,7 @@ from lightning_autopipe.lightning.held_pipeline import (
     destroy_pipeline_groups,
     destroy_released_groups,
 )
+from lightning_autopipe.lightning.local_optimizers import make_local_optimizers
 from lightning_autopipe.lightning.optimizer_state import with_measured_optimizer_state
 from lightning_autopipe.lightning.precision import install_loss_scaling
 from lightning_autopipe.lightning.prelaunch import (
@@ -203,8 +204,9 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         self.model = module
         self.model_to_device()
         if fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            self._check_optimizers()
+            make_local_optimizers(module, lambda: self.setup_optimizers(trainer),
+                                  lambda: self.optimizers, self._check_optimizers,
+                                  device=self.root_device, distributed=self.world_size > 1)
             self._replanner.start_fit(self)
         self.setup_precision_plugin()
         self._install_executor()

@@ -30,6 +30,7 @@ __all__ = [
     "describe",
     "is_communication_error",
     "pipeline_failure",
+    "stop_everywhere",
     "watch_launcher",
 ]
 
@@ -221,3 +222,24 @@ def watch_launcher(rank: int) -> LauncherWatch | None:
     if _WATCH is None and os.getppid() > 1:
         _WATCH = LauncherWatch(rank)
     return _WATCH
+
+
+def stop_everywhere(exc: BaseException | None, doing: str) -> None:
+    """Collective: when any rank's ``exc`` is set, every rank raises with that rank's error.
+
+    For a step every rank takes on its own between collectives (profiling its blocks, making
+    its optimizers): a rank that fails alone would leave the others waiting in the next
+    collective until its timeout, with a message that names no one. So every rank says how
+    the step went and all stop on the first failure: the failing rank re-raises its own
+    exception, the others a :class:`PipelineRuntimeError` naming it and what it was ``doing``.
+    """
+    said = None if exc is None else f"{type(exc).__name__}: {exc}"
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, said)
+    failed = [(r, msg) for r, msg in enumerate(everyone) if msg is not None]
+    if not failed:
+        return
+    if exc is not None:
+        raise exc
+    first, msg = failed[0]
+    raise PipelineRuntimeError(f"rank {first} failed {doing}: {msg}")

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_autopipe.cluster import Cluster
-from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.profile import Profile
 from lightning_autopipe.runtime import log, profiler
@@ -43,6 +42,7 @@ from lightning_autopipe.runtime.discover import (
     host_name,
     write_cluster,
 )
+from lightning_autopipe.runtime.failure import stop_everywhere
 from lightning_autopipe.runtime.units import slice_batch
 
 __all__ = ["Measurement", "is_distributed", "measure", "resolve_cluster", "with_overheads"]
@@ -116,6 +116,7 @@ def measure(
         )
     names = _launched_names(cluster, options, world_size) if cluster is not None else []
     mine = failure = None
+    profiling = "while profiling the blocks for discovery and planning"
     if planning:
         try:
             mine = profile_for(options.compile_backend, _profile(
@@ -124,10 +125,10 @@ def measure(
             overhead = _action_overhead(device)  # as the profile: while every rank does it
         except Exception as exc:
             if distributed:
-                _stop_everywhere(exc, rank)
+                stop_everywhere(exc, profiling)
             failure = exc
         if distributed:
-            _stop_everywhere(None, rank)  # no rank failed: go on together
+            stop_everywhere(None, profiling)  # no rank failed: go on together
     profile = mine
     if discovering:
         cluster, profile, _ = discover(mine, device)
@@ -314,27 +315,6 @@ def _profile(
             stacklevel=3,
         )
     return profiler.profile_blocks(blocks, example, device=str(device), repeats=repeats)
-
-
-def _stop_everywhere(exc: BaseException | None, rank: int) -> None:
-    """Collective: when any rank's ``exc`` is set, every rank raises with that rank's error.
-
-    A rank that fails alone would leave the others waiting in the next collective; so every
-    rank says how its profiling went and all of them stop on the first failure (the failing
-    rank re-raises its own exception, the others a :class:`PipelineRuntimeError` naming it).
-    """
-    said = None if exc is None else f"{type(exc).__name__}: {exc}"
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, said)
-    failed = [(r, msg) for r, msg in enumerate(everyone) if msg is not None]
-    if not failed:
-        return
-    if exc is not None:
-        raise exc
-    first, msg = failed[0]
-    raise PipelineRuntimeError(
-        f"rank {first} failed while profiling the blocks for discovery and planning: {msg}"
-    )
 
 
 def _launched_names(cluster: Any, options: AutoPipeOptions, world_size: int) -> list[str]:

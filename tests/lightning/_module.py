@@ -21,6 +21,7 @@ EPOCHS = 2  # then one more by fitting again
 VAL_PER_REPLICA = 2 * REPLICA_BATCH + 3  # a short last batch: its units hold 2 and 1 samples
 LR = 0.2
 ACCUMULATE = 2  # accumulate_grad_batches: windows of 2, 2 batches and the epoch's last alone
+FIRST_STAGE_BLOCKS = 3  # the pipeline's cut (tests/lightning/_run.py:fixed_plan)
 
 
 def dataset(num: int, seed: int) -> TensorDataset:
@@ -34,6 +35,7 @@ class Classifier(pl.LightningModule):
 
     ``mistake``: ``"twice"`` (``self(...)`` called twice), ``"never"`` (a loss without
     ``self(...)``), ``"metric"`` (logs a torchmetrics object), each in ``training_step``;
+    ``"optimizer"`` (``configure_optimizers`` raises on rank 1 alone);
     ``only_replica`` restricts it to that data-parallel replica's last stage.
     """
 
@@ -90,8 +92,23 @@ class Classifier(pl.LightningModule):
         logits = self(batch[0])
         return {"probs": logits.softmax(-1), "label": logits.argmax(-1)}
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
+    def configure_optimizers(self):  # the fine-tuning idiom: what is frozen is left out
+        if self.mistake == "optimizer" and self.trainer.global_rank == 1:
+            raise ValueError("rank one's optimizer breaks on purpose")
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
+
+
+def freeze_first_stage(task: Classifier, cut: int) -> Classifier:
+    """Freeze every parameter the pipeline's first stage (blocks ``[0, cut)``) holds, as
+    fine-tuning freezes embeddings: that stage then trains nothing."""
+    from lightning_autopipe.graph import split_model
+
+    blocks = split_model(task, (torch.zeros(2, 3, 8, 8),))
+    first = set(blocks.stage(0, cut).param_names.values())
+    for name, p in task.named_parameters():
+        if name in first:
+            p.requires_grad_(False)
+    return task
 
 
 def loaders(replicas: int, explicit_sampler: bool) -> dict[str, DataLoader]:
@@ -192,7 +209,8 @@ def run_accumulate(trainer_factory, replicas: int, explicit_sampler: bool) -> di
     weights and the optimizer steps taken, for the pipeline and the reference alike."""
     from tests._recording import RecordingLogger
 
-    task, logger = Classifier(), RecordingLogger()
+    # the first stage trains nothing (fixed_plan's cut): its rank makes an empty optimizer
+    task, logger = freeze_first_stage(Classifier(), FIRST_STAGE_BLOCKS), RecordingLogger()
     trainer = trainer_factory(logger=logger, max_epochs=EPOCHS, enable_checkpointing=False,
                               accumulate_grad_batches=ACCUMULATE)
     trainer.fit(task, loaders(replicas, explicit_sampler)["train"])

@@ -27,8 +27,8 @@ from tests.lightning._run import (
     readme_inputs,
 )
 
-CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "crafted", "readme", "telemetry",
-             "accumulate"],
+CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "optimizer", "crafted", "readme",
+             "telemetry", "accumulate"],
          4: ["ordinary", "twice-replica1", "accumulate"]}
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -232,6 +232,17 @@ def test_contract_mistakes_raise_their_message_on_every_rank_without_a_hang(runs
             assert "pipeline_loss" in message, message
             # a rank left waiting for its peer would only stop at the strategy's timeout (120 s)
             assert rec["elapsed"] < NO_HANG_S, (case, rec["rank"], rec["elapsed"])
+
+
+def test_configure_optimizers_failing_on_one_rank_stops_every_rank_with_its_error(runs2):
+    got = {rec["rank"]: rec for rec in runs2.ranks["optimizer"]}
+    assert got[1]["error"] == ("ValueError", "rank one's optimizer breaks on purpose")
+    kind, message = got[0]["error"]
+    assert kind == "PipelineRuntimeError"
+    assert ("rank 1 failed while making its optimizers (configure_optimizers): ValueError: "
+            "rank one's optimizer breaks on purpose") in message
+    for rec in got.values():  # not the strategy's timeout (120 s) in a collective
+        assert rec["elapsed"] < NO_HANG_S, rec
 
 
 def test_crafted_checkpoint_is_refused_by_fit_and_read_model_state_and_runs_no_code(runs2):

@@ -149,3 +149,10 @@ def rebind_optimizer(
     numbered = numbered_state(groups, named["state"])
     numbered.pop(NAMES, None)
     opt.load_state_dict(numbered)  # casts the state to each parameter's device and dtype
+    for group, saved in zip(opt.param_groups, groups):  # but the optimizer's own dtypes stay:
+        for p, name in zip(group["params"], saved[NAMES]):  # NAdam keeps mu_product float32
+            for key, value in named["state"].get(name, {}).items():
+                now = opt.state[p].get(key)
+                if isinstance(value, Tensor) and isinstance(now, Tensor) and \
+                        now.dtype != value.dtype:
+                    opt.state[p][key] = now.to(value.dtype)

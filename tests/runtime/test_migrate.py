@@ -149,6 +149,32 @@ def test_rebind_keeps_the_optimizer_and_continues_as_the_reference():
         rebind_optimizer(opt, {}, moved)
 
 
+def test_rebind_keeps_the_optimizers_own_state_dtypes():
+    """torch's ``load_state_dict`` casts state to the parameter's dtype; NAdam keeps its
+    ``mu_product`` in float32 for a float64 model, and after a rebind it still does, so the
+    run continues exactly as one process's."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 4).double()
+    ref = copy.deepcopy(net)
+    opt, ref_opt = (torch.optim.NAdam(m.parameters(), lr=0.01) for m in (net, ref))
+    x = torch.randn(8, 4, dtype=torch.float64)
+
+    def step(o, m):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        o.step()
+
+    step(opt, net), step(ref_opt, ref)
+    names = {id(p): n for n, p in net.named_parameters()}
+    rebind_optimizer(opt, dict(net.named_parameters()),
+                     copy.deepcopy(named_optimizer_state(opt, names)))
+    assert opt.state[net.weight]["mu_product"].dtype == torch.float32
+    for _ in range(5):
+        step(opt, net), step(ref_opt, ref)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_stage_tensors_are_the_objects_and_loading_keeps_them():
     lin = nn.Linear(3, 2)
     got = stage_tensors(lin)

@@ -29,6 +29,17 @@ __all__ = ["CheckedMultiProcessingLauncher", "CheckedScriptLauncher", "check_bef
 def check_trainer(trainer: Any, precision_plugin: Any) -> None:
     """What the Trainer asks for must be something the pipeline runs."""
     check_precision(precision_plugin)
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    if any(isinstance(c, StochasticWeightAveraging) for c in getattr(trainer, "callbacks", [])):
+        # it copies the whole module at setup and averages that copy's parameters with the
+        # module's, which holds one stage once the model is split: a bare shape error later
+        raise PlanError(
+            "StochasticWeightAveraging does not run under AutoPipeStrategy: it averages a copy "
+            "of the whole model with the module's parameters, and each rank holds one stage "
+            "of them (Lightning refuses it for sharded strategies alike); remove the callback, "
+            "or average the weights of a checkpoint (it holds the whole model) after training"
+        )
 
 
 def check_before_launch(

@@ -60,7 +60,7 @@ from lightning_autopipe.lightning.reproducible import BatchNormSteps, reproducib
 from lightning_autopipe.lightning.reproducible import note as reproducible_note
 from lightning_autopipe.lightning.sampler import elastic_replica_batch, stripe_for_layout
 from lightning_autopipe.lightning.step_hooks import StepHooks
-from lightning_autopipe.lightning.steps import StepRunner
+from lightning_autopipe.lightning.steps import StepRunner, epoch_end_note
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.batchnorm import has_batch_norm
@@ -394,6 +394,10 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
     def on_exception(self, exception: BaseException) -> None:
         """Post this rank's failure for its peers (the executor already posted its own)."""
         board = self._pipe.executor.failures if self._pipe is not None else None
+        if self._pipe is not None:
+            note = epoch_end_note(exception, self.lightning_module, self._pipe.layout)
+            if note is not None:
+                exception.add_note(note)
         if board is not None:
             board.post(f"rank {self.global_rank} failed: {describe(exception)}")
         self._failed = True  # the pipeline may hold half a step: teardown releases it

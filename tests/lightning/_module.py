@@ -69,6 +69,7 @@ class Classifier(pl.LightningModule):
         acc = (logits.argmax(-1) == y).float().mean()
         self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "train")
         self.log(f"{stage}_acc", acc, sync_dist=True)
+        self.log(f"{stage}_samples", float(len(y)), reduce_fx="sum", sync_dist=True)  # DDP's sum
         return logits, loss
 
     def training_step(self, batch, batch_idx):

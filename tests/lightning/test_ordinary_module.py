@@ -123,7 +123,8 @@ def test_logged_losses_accuracies_and_parameters_equal_auto(runs):
     assert sorted(rec["replica"] for rec in ranks) == sorted(list(range(runs.replicas)) * 2)
     for rec in ranks:  # logged once, on every rank, as under DDP
         _same_logs(rec["fit_logged"], runs.auto["fit_logged"],
-                   ["train_loss", "train_acc", "val_loss", "val_acc"], f"rank {rec['rank']}")
+                   ["train_loss", "train_acc", "val_loss", "val_acc", "train_samples",
+                    "val_samples"], f"rank {rec['rank']}")
     assert len(_series(ranks[0]["fit_logged"], "train_loss")) == M.EPOCHS * M.TRAIN_STEPS
     assert len(_series(ranks[0]["fit_logged"], "val_loss")) == M.EPOCHS
     state = _whole_state(ranks, "fit_state")

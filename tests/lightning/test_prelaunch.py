@@ -97,3 +97,13 @@ def test_manual_optimization_is_refused_before_launch(no_launch):
         trainer.fit(Manual(), M.loaders(1, explicit_sampler=False)["train"])
     assert no_launch.starts == []
     assert not torch.distributed.is_initialized()
+
+
+def test_stochastic_weight_averaging_is_refused_before_launch(no_launch):
+    """SWA averages a copy of the whole model with the module's parameters, one stage each
+    after the split: refused with the reason, not a shape error at its first epoch."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    with pytest.raises(PlanError, match="StochasticWeightAveraging does not run under"):
+        _fit(AutoPipeStrategy(), callbacks=[StochasticWeightAveraging(swa_lrs=0.01)])
+    assert no_launch.starts == []

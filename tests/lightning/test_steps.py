@@ -220,3 +220,32 @@ def test_an_unknown_step_or_a_missing_pipeline_loss_is_an_option_error():
         runner.begin("train_step", (0,))
     with pytest.raises(OptionError, match=r"asked of Module, which has no pipeline_loss"):
         runner.begin("pipeline_loss", (0,))
+
+
+def test_an_epoch_end_hook_failing_where_no_step_runs_is_told_why():
+    """Lightning 2's way to aggregate at epoch end (collect outputs on ``self`` in the step,
+    reduce them in ``on_validation_epoch_end``) finds an empty list on a rank whose stage
+    runs no step: the error gets a note saying so and what to do instead."""
+    from types import SimpleNamespace
+
+    from lightning_autopipe.lightning.steps import epoch_end_note
+
+    class Collects(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.outputs = []
+
+        def on_validation_epoch_end(self):
+            torch.stack(self.outputs).mean()
+
+    module = Collects()
+    with pytest.raises(RuntimeError) as info:
+        module.on_validation_epoch_end()
+    first = SimpleNamespace(is_last=False, stage=0, num_stages=2)
+    note = epoch_end_note(info.value, module, first)
+    assert note is not None
+    assert "on_validation_epoch_end raised on a rank holding stage 0 of 0..1" in note
+    assert "metric.compute()" in note
+    assert epoch_end_note(info.value, module, SimpleNamespace(is_last=True, stage=1,
+                                                              num_stages=2)) is None
+    assert epoch_end_note(RuntimeError("elsewhere"), module, first) is None

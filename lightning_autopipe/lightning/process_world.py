@@ -36,7 +36,12 @@ from lightning_autopipe.lightning.prelaunch import (
 )
 from lightning_autopipe.lightning.report_once import install_excepthook
 from lightning_autopipe.options import AutoPipeOptions
-from lightning_autopipe.runtime.failure import watch_launcher
+from lightning_autopipe.runtime.failure import (
+    FailureBoard,
+    is_communication_error,
+    pipeline_failure,
+    watch_launcher,
+)
 
 __all__ = ["ProcessWorld"]
 
@@ -131,18 +136,37 @@ class ProcessWorld(ParallelStrategy):
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if _distributed_is_initialized():
-            dist.barrier()
+            self._collective("Lightning's barrier", dist.barrier)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        self._collective("Lightning's broadcast", dist.broadcast_object_list, box, src)
         return box[0]
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return self._collective("Lightning's reduction of a logged value",
+                                    _sync_ddp_if_available, tensor, group, reduce_op=reduce_op)
         return tensor
+
+    def _failure_board(self) -> FailureBoard | None:
+        """Where the job's first failure is posted (the strategy's pipeline has one)."""
+        return None
+
+    def _collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn`` (a collective Lightning asks for); when it fails because a peer is gone (a
+        peer whose own hook raised, e.g. in an epoch-end hook), the error names that peer's
+        failure as posted on the failure board instead of the bare transport error."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if not is_communication_error(exc):
+                raise
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            when = f"global step {trainer.global_step}" if trainer is not None else "the run"
+            raise pipeline_failure(self._failure_board(), exc, where=f"rank {self.global_rank}",
+                                   what=what, when=when, communication=True) from exc

@@ -390,10 +390,13 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         self.lightning_module.to(self.root_device)
 
     # ------------------------------------------------------------------------ failures
+    def _failure_board(self) -> Any:
+        return self._pipe.executor.failures if self._pipe is not None else None
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Post this rank's failure for its peers (the executor already posted its own)."""
-        board = self._pipe.executor.failures if self._pipe is not None else None
+        board = self._failure_board()
         if self._pipe is not None:
             note = epoch_end_note(exception, self.lightning_module, self._pipe.layout)
             if note is not None:

@@ -45,3 +45,32 @@ def test_a_board_whose_host_has_exited_blames_no_peer():
                            what="receive of activations", when="step 1", peer=0,
                            communication=True)
     assert "rank 0 has probably died or hung" in str(err)
+
+
+def test_a_collective_lightning_asks_for_names_the_peer_that_failed(monkeypatch):
+    """A rank whose hook raised (an epoch-end hook on rank 0) leaves its peer in Lightning's
+    reduction of a logged value; the peer's error names rank 0's failure, not the transport's
+    "Connection closed by peer"."""
+    import pytest
+
+    from lightning_autopipe import AutoPipeStrategy
+    from lightning_autopipe.errors import PipelineRuntimeError
+
+    server, client = _stores()
+    FailureBoard(server, "c").post("rank 0 failed: RuntimeError: stack expects a non-empty "
+                                   "TensorList")
+    strategy = AutoPipeStrategy()
+    monkeypatch.setattr(strategy, "_failure_board", lambda: FailureBoard(client, "c"))
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:4242")
+
+    with pytest.raises(PipelineRuntimeError, match=r"stopped in Lightning's barrier of the run "
+                       r"because rank 0 failed: RuntimeError: stack expects a non-empty"):
+        strategy._collective("Lightning's barrier", closed)
+
+    def wrong(*args, **kwargs):  # not a transport failure: the rank's own, untouched
+        raise ValueError("a bad value")
+
+    with pytest.raises(ValueError, match="a bad value"):
+        strategy._collective("Lightning's barrier", wrong)

@@ -206,7 +206,7 @@ class BlockGraph:
         self._check_range(i, j)
         if (i, j) not in self._stages:
             stage = self._build(i, j)
-            if i == 0:
+            if j == len(self):
                 adopt_orphans(stage, self.orphans)
             self._stages[(i, j)] = stage
         return self._stages[(i, j)]
@@ -219,7 +219,7 @@ class BlockGraph:
     @property
     def orphans(self) -> dict[str, Tensor]:
         """The model's ``state_dict`` entries (by their first name) that no block reads: the
-        first stage holds them (:func:`~.stage.adopt_orphans`)."""
+        last stage holds them (:func:`~.stage.adopt_orphans`)."""
         if self._orphans is None:
             held = {id(t) for t in self._build(0, len(self)).state_dict(keep_vars=True).values()}
             self._orphans = {}

@@ -19,7 +19,7 @@ from torch import fx, nn
 from lightning_autopipe.errors import TraceError
 from lightning_autopipe.graph.analysis import GraphInfo, mutates_first_arg
 
-__all__ = ["StageIO", "StageModule", "TieGroup", "ValueInfo", "build_stage"]
+__all__ = ["StageIO", "StageModule", "TieGroup", "ValueInfo", "adopt_orphans", "build_stage"]
 
 
 @dataclass(frozen=True)
@@ -160,13 +160,14 @@ def _fix_buffers(stage: nn.Module, shared: set[int], persistent: set[int]) -> No
 def adopt_orphans(stage: StageModule, orphans: dict[str, torch.Tensor]) -> None:
     """Give ``stage`` the model's tensors no block reads, under their original names.
 
-    A parameter or persistent buffer the forward never touches (a head kept for later, a
-    layer switched off by a flag) is still part of the model: in its ``state_dict``, its
-    optimizer's state (Adagrad makes state for every parameter up front) and so its
-    checkpoint, which must load into the plain model with ``strict=True``. A stage holding
-    nothing but what its graph reads would drop it; the first stage keeps it instead (as one
-    process does: present, never given a gradient). A holder module is made for each missing
-    step of its path, so no module of the user's gains an attribute.
+    A parameter or persistent buffer the forward never touches is still part of the model:
+    one the module's steps read (a loss's class weights, a learnable temperature, a teacher),
+    or one nothing reads (a head kept for later). It is in the ``state_dict``, the optimizer's
+    state (Adagrad makes state for every parameter up front) and so the checkpoint, which
+    must load into the plain model with ``strict=True``. A stage holding nothing but what its
+    graph reads would drop it; the last stage, where the steps run, keeps it instead. A holder
+    module is made for each missing step of its path, so no module of the user's gains an
+    attribute.
     """
     names = stage.meta["autopipe"]["param_names"]
     for name, tensor in orphans.items():

@@ -10,6 +10,11 @@ Every bucket owns one flat buffer and, for the step, each parameter's ``.grad`` 
 it (:meth:`GradientSync.prepare`), so the all-reduce runs on the gradients where backward left
 them: no flatten before and no copy back after (on a CPU those two copies of a 26 MB GPT's
 gradients took as long as the all-reduce itself).
+
+A parameter no replica gave a gradient this step (a branch not taken, a head kept for later)
+ends the step with ``.grad`` None, as in one process and under DDP (its used-map), not with an
+averaged zero that an optimizer would step (weight decay, momentum): one small all-reduce of
+per-parameter flags at :meth:`GradientSync.finish`.
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ class GradientSync:
             self._flats.append(flat)
             self._views.append(_unflatten_dense_tensors(flat, [p.detach() for p in bucket]))
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._params = list(params)
+        self._view_of = {id(p): v for b, vs in zip(self.buckets, self._views)
+                         for p, v in zip(b, vs)}
+        self._used: set[int] = set()  # gradients this step (or held from before it)
         self._armed = False
         self._seen: set[int] = set()
         self._left: list[int] = []
@@ -79,6 +88,8 @@ class GradientSync:
         for bucket, views in zip(self.buckets, self._views):
             for p, view in zip(bucket, views):
                 g = p.grad
+                if g is not None:
+                    self._used.add(id(p))
                 if g is view:
                     continue
                 if g is None:
@@ -107,6 +118,9 @@ class GradientSync:
             self.arm()
         self._left = [0] * len(self.buckets)
         self._launch_ready()
+        device = self._flats[0].device if self._flats else None
+        used = torch.tensor([float(self._was_used(p)) for p in self._params], device=device)
+        unused = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         for work, flat, grads in self._works:
             work.wait()
             flat /= self.size
@@ -115,6 +129,24 @@ class GradientSync:
                     g.copy_(synced)
         self._works = []
         self._armed = False
+        unused.wait()
+        for p, flag in zip(self._params, used.tolist()):
+            if not flag:  # no replica's backward reached it
+                p.grad = None
+        self._used = set()
+
+
+    def _was_used(self, p: nn.Parameter) -> bool:
+        """A backward reached ``p`` this step, or it held a gradient before (accumulation).
+        A gradient that is no bucket view was put there by the caller's own backward; a split
+        backward's ``W`` adds into the view in place, which fires no hook: a view holding
+        anything but zeros was reached too."""
+        if id(p) in self._used:
+            return True
+        g = p.grad
+        if g is None:
+            return False
+        return g is not self._view_of[id(p)] or bool(g.any())
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -122,6 +154,7 @@ class GradientSync:
         self._hooks = []
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        self._used.add(id(p))
         if not self._armed or id(p) in self._seen:
             return
         self._seen.add(id(p))

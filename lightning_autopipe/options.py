@@ -239,6 +239,12 @@ class AutoPipeOptions:
         """The ``plan`` option as a :class:`Plan` (read from its file), or None: plan at start."""
         if self.plan is None or isinstance(self.plan, Plan):
             return self.plan
+        if not Path(self.plan).is_file():
+            raise OptionError(
+                f"plan={str(self.plan)!r}: no such file; give a plan.json a run or the plan "
+                "CLI wrote (python -m lightning_autopipe plan ... --out plan.json), or drop "
+                "`plan` to plan at start"
+            )
         return Plan.load(self.plan)
 
     @property

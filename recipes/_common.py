@@ -305,7 +305,9 @@ def run_recipe(config_name: str, argv: list[str] | None = None) -> int:
 
         if not isinstance(exc, HydraException | OmegaConfBaseException):
             raise
-        print(f"error: {exc}\n(see recipes/{config_name}.py --help and --cfg)", file=sys.stderr)
+        cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+        print(f"error: {exc}{cause}\n(see recipes/{config_name}.py --help and --cfg)",
+              file=sys.stderr)
         return 2
     if flags["cfg"]:
         print(OmegaConf.to_yaml(cfg))
@@ -321,8 +323,34 @@ def run_recipe(config_name: str, argv: list[str] | None = None) -> int:
         )
         return 2
     _set_threads(cfg)  # plan-only too: a measured profile should see a rank's share of cores
-    if flags["plan_only"] or cfg.plan_only:
-        from _plan import plan_only
+    try:
+        if flags["plan_only"] or cfg.plan_only:
+            from _plan import plan_only
 
-        return plan_only(cfg, run_dir_for(cfg.recipe, cfg.run_dir))
-    return train(cfg)
+            return plan_only(cfg, run_dir_for(cfg.recipe, cfg.run_dir))
+        return train(cfg)
+    except Exception as exc:  # a value the run refused: its message names it and the fix
+        message = _refusal(exc)
+        if message is None:
+            raise
+        print(f"error: {message}\n(see recipes/{config_name}.py --help and --cfg)",
+              file=sys.stderr)
+        return 2
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """The message of an error that refuses the run's configuration (an option, a cluster, a
+    plan, a file that is not there), also when Hydra's ``instantiate`` wrapped it; None for
+    anything else (a failure while training keeps its traceback)."""
+    from hydra.errors import InstantiationException
+
+    from lightning_autopipe.errors import AutoPipeError, PipelineRuntimeError
+
+    if isinstance(exc, InstantiationException) and exc.__cause__ is not None:
+        inner = _refusal(exc.__cause__)
+        return inner if inner is not None else str(exc)
+    if isinstance(exc, AutoPipeError) and not isinstance(exc, PipelineRuntimeError):
+        return str(exc)
+    if isinstance(exc, FileNotFoundError):
+        return str(exc)
+    return None

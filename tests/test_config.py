@@ -152,3 +152,19 @@ def test_a_typo_inside_a_yaml_file_is_an_error():
     schema = OmegaConf.structured(GPTModelConfig)
     with pytest.raises(ConfigKeyError, match="n_layr"):
         OmegaConf.merge(schema, OmegaConf.create({"name": "x", "n_layr": 3}))
+
+
+def test_a_cluster_file_is_taken_as_cluster_and_a_missing_one_is_named(tmp_path):
+    """``cluster=<file>``, as the run's own message advises for the cluster it discovered,
+    loads that file (it is no option of the ``cluster`` group)."""
+    text = (CONF_DIR / "cluster" / "mixed_rack.yaml").read_text().replace(
+        "name: mixed", "name: edited-mixed", 1)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    cfg = compose("train_gpt", [f"cluster={path}"])
+    got = build_cluster(cfg.cluster)
+    assert got.name == "edited-mixed-rack"
+    assert got.to_dict() == Cluster.load(path).to_dict()
+    with pytest.raises(ConfigCompositionException, match=r"cluster=.*nope\.yaml: no such file.*"
+                       r"mixed_rack"):
+        compose("train_gpt", [f"cluster={tmp_path / 'nope.yaml'}"])

@@ -5,6 +5,8 @@ starts with ``defaults: [gpt_schema, _self_]``), so a misspelt key in a file or 
 (``trainer.max_stepz=5``, ``strategy.stages=2``) and a wrongly typed value
 (``trainer.max_steps=abc``) are errors at compose time instead of being silently ignored.
 The cluster node stays an untyped mapping here: ``lightning_autopipe.cluster`` validates it.
+The module runs past ~400 lines because the schemas, the composition and its error hints
+(typos, unknown strategy keys, cluster files) all read the same registered schemas.
 """
 
 from __future__ import annotations
@@ -306,7 +308,7 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     from hydra.errors import ConfigCompositionException
 
     register_configs()
-    overrides = list(overrides or [])
+    overrides, cluster_file = _cluster_file(list(overrides or []))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         try:
             cfg = hydra_compose(config_name=config_name, overrides=overrides)
@@ -324,7 +326,35 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
                 raise ConfigCompositionException(_unknown_key_message(
                     "strategy", name, known, override.split("=", 1)[1] if "=" in override
                     else None))
+    if cluster_file is not None:
+        from omegaconf import OmegaConf, open_dict
+
+        with open_dict(cfg):
+            cfg.cluster = OmegaConf.create({"file": cluster_file})
     return cfg
+
+
+def _cluster_file(overrides: list[str]) -> tuple[list[str], str | None]:
+    """``cluster=<a YAML file>`` (the file a run wrote, or one of the user's): Hydra would look
+    it up as an option of the ``cluster`` group (``conf/cluster/<value>.yaml``); the group
+    takes ``local`` instead and the file is read by :func:`build_cluster`."""
+    from hydra.errors import ConfigCompositionException
+
+    out, found = [], None
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key in ("cluster", "+cluster", "++cluster") and (
+                value.endswith((".yaml", ".yml")) or "/" in value):
+            path = Path(value).expanduser()
+            if not path.is_file():
+                names = ", ".join(sorted(f.stem for f in (CONF_DIR / "cluster").glob("*.yaml")))
+                raise ConfigCompositionException(
+                    f"cluster={value}: no such file; give a cluster file that exists or a name "
+                    f"under conf/cluster ({names})")
+            found = str(path.resolve())
+            override = "cluster=local"
+        out.append(override)
+    return out, found
 
 
 def _is_strategy_schema(cfg: Any) -> bool:
@@ -385,7 +415,8 @@ def _unknown_key_message(parent: str, name: str, known: list[str], value: str | 
 def build_cluster(cluster_cfg: Any, world_size: int | None = None) -> Any:
     """The ``cluster/`` node as a validated :class:`~lightning_autopipe.cluster.Cluster`.
 
-    The ``local`` cluster (no servers) means "the launched ranks as one server": it gives
+    A ``cluster=<file>`` override is read from that file. The ``local`` cluster (no servers)
+    means "the launched ranks as one server": it gives
     ``None`` (the strategy sizes it from the world it finds), or ``Cluster.local(world_size)``
     when a world size is given (plan-only mode, where nothing is launched).
     """
@@ -394,6 +425,8 @@ def build_cluster(cluster_cfg: Any, world_size: int | None = None) -> Any:
     from lightning_autopipe.cluster import Cluster
 
     data = OmegaConf.to_container(cluster_cfg, resolve=True)
+    if isinstance(data, dict) and set(data) == {"file"}:  # cluster=<file> (see compose)
+        return Cluster.load(data["file"])
     if isinstance(data, dict) and not data.get("servers"):
         return None if world_size is None else Cluster.local(world_size)
     return Cluster.from_dict(data)

@@ -335,7 +335,8 @@ class PipelineExecutor:
         self.timeline = timeline
         loss_sum = runners[max(runners)].loss_sum  # the last chunk's (zero unless the model's)
         with self._watch("loss broadcast", layout.last_stage_rank, communication=True):
-            return self._global_loss(loss_sum)
+            loss = self._global_loss(loss_sum)  # summed in float64, as the same on every rank
+        return loss if any(p.dtype == torch.float64 for p in self.parameters) else loss.float()
 
     def _arm(self, chunk: int) -> None:
         """Arm the data-parallel sync for the backward of ``chunk`` that makes every gradient

@@ -86,7 +86,7 @@ class StageRunner:
         self.local_prev: StageRunner | None = None
         self.local_next: StageRunner | None = None
         self.output_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.begin(None, (), 0, {}, train=False, outbox=Outbox(False, False))
 
     def begin(
@@ -123,7 +123,7 @@ class StageRunner:
         # anyway; then an earlier stage may be named). One reduce per output costs ~1/50 of
         # ``~isfinite(o).all()``, which re-reads the tensor three times. float64 sums float64.
         self.output_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
     # -------------------------------------------------------------------------- receives
     def receive_activations(self, a: Action) -> None:
@@ -166,7 +166,7 @@ class StageRunner:
         part = slice_batch(self._batch, start, stop, self._size)
         with self._saving():
             loss = self._loss_fn(self._unflatten(outs), part) * ((stop - start) / self._size)
-        self.loss_sum += loss.detach().float()
+        self.loss_sum += loss.detach().double()  # a float64 model's loss stays float64
         if self._train:
             self._saved[unit] = (inputs, loss if self._scale is None else self._scale(loss))
 

@@ -205,8 +205,8 @@ def test_pipeline_gradients_equal_single_process(gloo, cuts, replicas, k, j, sch
 
 
 def _clip_float64(rank: int, world: int) -> list[float]:
-    """2 stages of the float64 toy chain: ``clip_grad_norm_`` over the pipeline against
-    torch's over one process's gradients, to float64 precision (the tied E counted once)."""
+    """2 stages of the float64 toy chain: the step loss and ``clip_grad_norm_`` over the
+    pipeline against one process's, to float64 precision (the tied E counted once)."""
     from lightning_autopipe.planner.generators import SCHEDULES
 
     plan = _plan([0, 2, 4], 1, m=2, k=1, batch=8, j=1)
@@ -215,14 +215,17 @@ def _clip_float64(rank: int, world: int) -> list[float]:
     torch.manual_seed(0)
     ref = ToyChain().double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
-    toy_loss(ref(x), (x, y)).backward()
+    ref_loss = toy_loss(ref(x), (x, y))
+    ref_loss.backward()
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
     torch.manual_seed(0)
     chain = ToyChain().double()
     i, j = plan.stages[lay.stage].blocks
     ex = _toy_executor(ToyStage(chain, i, j), lay, groups, 2, 1, 1, SCHEDULES["1f1b"],
                        [TiedParameter(0, chain.E, counted=lay.is_first)])
-    ex.train_step((x, y))
+    loss = ex.train_step((x, y))  # the step loss of a float64 model stays float64
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
     for p in chain.parameters():  # the other stage's layers: no gradient here
         if p.grad is not None and not p.grad.any():
             p.grad = None
@@ -238,7 +241,7 @@ def _clip_float64(rank: int, world: int) -> list[float]:
     return float(got)
 
 
-def test_clipping_a_float64_model_equals_torch_to_float64_precision(gloo):
+def test_a_float64_models_loss_and_clipping_equal_torch_to_float64_precision(gloo):
     norms = gloo(2).run(_clip_float64)
     assert norms[0] == norms[1]
 

@@ -2,7 +2,8 @@
 
 The strategy takes these fields as keyword arguments (or a ready object), the Hydra schema
 ``config.AutoPipeStrategyConfig`` is generated from them, and the runtime reads them, so adding
-an option is one field here. Plain data: no torch, no Lightning.
+an option is one field here. Plain data: no Lightning, and torch only to check a named
+compile backend or a granularity other than the default.
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ class AutoPipeOptions:
             )
         _check_replan(self)
         _check_optimizer_state(self.optimizer_state)
+        _check_choices(self)
         for name, value in (
             ("replan_threshold", float(self.replan_threshold)),
             ("timeout", seconds),
@@ -298,6 +300,43 @@ class AutoPipeOptions:
     def bucket_bytes(self) -> int:
         """``bucket_mb`` in bytes."""
         return int(self.bucket_mb * 2**20)
+
+
+def _check_choices(options: AutoPipeOptions) -> None:
+    """The planner, the granularity, the compile backend, the repeats and the bucket size,
+    checked when the options are made: a run found them only after profiling on every rank
+    (and a negative bucket size silently all-reduced each parameter on its own)."""
+    from lightning_autopipe.planner.search import PLANNERS
+
+    checks = [("planner", options.planner, PLANNERS)]
+    if options.granularity != "sub-block":  # the default: no torch import to know it
+        from lightning_autopipe.graph.cuts import GRANULARITIES
+
+        checks.append(("granularity", options.granularity, GRANULARITIES))
+    for name, value, known in checks:
+        if value not in known:
+            close = difflib.get_close_matches(str(value), known, n=1)
+            raise OptionError(f"{name} must be one of {list(known)}, not {value!r}"
+                              + (f" (did you mean {close[0]!r}?)" if close else ""))
+    repeats = options.profile_repeats
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise OptionError(f"profile_repeats must be a positive integer, got {repeats!r}")
+    try:
+        bucket = float(options.bucket_mb)
+    except (TypeError, ValueError):
+        bucket = float("nan")
+    if not bucket > 0 or bucket == float("inf"):
+        raise OptionError(f"bucket_mb must be a positive number of MiB, got {options.bucket_mb!r}")
+    if isinstance(options.compile, str):
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if options.compile not in backends:
+            close = difflib.get_close_matches(options.compile, backends, n=1)
+            raise OptionError(
+                f"compile={options.compile!r} names no torch.compile backend"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; the backends are {backends}, or compile=True (inductor)")
 
 
 def _check_optimizer_state(value: Any) -> None:

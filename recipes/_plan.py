@@ -117,8 +117,26 @@ def show_plan(
     return files
 
 
+def _options(strategy: Any) -> Any:
+    """The strategy node's options, checked as ``AutoPipeStrategy`` checks them (the cluster
+    comes from the cluster group; ``strategy=auto`` has none of them: the defaults)."""
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+
+    from lightning_autopipe.options import AutoPipeOptions
+
+    names = {f.name for f in fields(AutoPipeOptions)} - {"cluster"}
+    given = OmegaConf.to_container(strategy, resolve=True)
+    return AutoPipeOptions(**{k: v for k, v in given.items() if k in names})
+
+
 def _world(cfg: Any) -> int:
     devices = cfg.trainer.devices
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1:
+        from lightning_autopipe.errors import InputError
+
+        raise InputError(f"trainer.devices={devices}: give the processes per node, 1 or more")
     per_node = devices if isinstance(devices, int) and devices > 0 else 1
     if isinstance(devices, str) and devices.isdigit():
         per_node = int(devices)
@@ -233,31 +251,26 @@ def _measured_profile(cfg: Any, task: Any, example: Any) -> Any:
 
 def plan_only(cfg: Any, run_dir: Path) -> int:
     """Print the plan ``cfg`` would get on ``cfg.cluster`` and draw it; launch nothing."""
-    from lightning_autopipe.options import AutoPipeOptions
     from lightning_autopipe.planner.search import search_plan
     from lightning_autopipe.zoo.config import build_cluster
 
+    strategy = cfg.strategy
+    options = _options(strategy)  # the checks a training run makes, before any profiling
     world = _world(cfg)
     cluster = build_cluster(cfg.cluster, world_size=world)
     local = not cfg.cluster.get("servers")
     profile, source = choose_profile(cfg, cluster, local)
-    strategy = cfg.strategy
     if not local and strategy.get("num_stages", "auto") != "auto":
         print(
             f"note: the strategy pins num_stages={strategy.num_stages} (the recipes' default "
             "'pipeline' does, for the local CPU demo); add strategy=autopipe to let the planner "
             f"choose the depth for {cluster.name!r}"
         )
-    pins = {
-        key: (None if strategy.get(key, "auto") == "auto" else int(strategy[key]))
-        for key in ("num_stages", "num_microbatches", "startup_slices", "drain_slices")
-    }
+    pins = options.pins
     names = [d.name for d in cluster.devices]
     # the schedules the strategy would consider, and (these processes being the local
     # cluster) the runtime's cost per action measured here, as a training run measures it
-    schedules = AutoPipeOptions(schedule=str(strategy.get("schedule", "auto")),
-                                compile=strategy.get("compile", False),
-                                replan=str(strategy.get("replan", "auto"))).schedules
+    schedules = options.schedules
     if local:
         from lightning_autopipe.runtime.action_overhead import measure_action_overhead
         from lightning_autopipe.runtime.measure import with_overheads

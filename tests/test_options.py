@@ -83,6 +83,13 @@ def test_an_unknown_option_is_named_with_the_close_one():
         ({"replan_min_steps": 2.5}, OptionError, r"replan_min_steps .* not 2.5"),
         ({"optimizer_state": -1}, OptionError, r"optimizer_state must be 'auto' or .* not -1"),
         ({"optimizer_state": "adam"}, OptionError, r"plain SGD 0\), not 'adam'"),
+        ({"planner": "autopip"}, OptionError, r"planner must be one of .* \(did you mean "
+                                              r"'autopipe'\?\)"),
+        ({"granularity": "layers"}, OptionError, r"not 'layers' \(did you mean 'layer'\?\)"),
+        ({"profile_repeats": 0}, OptionError, r"profile_repeats must be a positive integer"),
+        ({"bucket_mb": -1}, OptionError, r"bucket_mb must be a positive number of MiB, got -1"),
+        ({"compile": "inductr"}, OptionError, r"names no torch.compile backend \(did you mean "
+                                              r"'inductor'\?\)"),
     ],
 )
 def test_bad_options_fail_at_construction_with_the_value_and_the_fix(options, error, match):

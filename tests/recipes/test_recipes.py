@@ -201,15 +201,18 @@ def test_a_misspelt_override_is_one_line_with_the_fix(monkeypatch, capsys):
     assert "'abc' of type 'str' could not be converted to Integer" in err
 
 
-@pytest.mark.parametrize(("override", "says"), [
-    ("strategy.schedule=1fb1", "schedule must be 'auto' or one of"),
-    ("strategy.plan=nope.json", "plan='nope.json': no such file"),
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["strategy.schedule=1fb1"], "schedule must be 'auto' or one of"),
+    (["strategy.plan=nope.json"], "plan='nope.json': no such file"),
+    # plan-only makes the run's checks before it profiles anything
+    (["--plan-only", "strategy.num_stages=0"], "num_stages must be 'auto' or a positive int"),
+    (["--plan-only", "trainer.devices=0"], "trainer.devices=0: give the processes per node"),
 ])
-def test_a_refused_value_is_one_line_not_a_traceback(monkeypatch, capsys, tmp_path, override,
+def test_a_refused_value_is_one_line_not_a_traceback(monkeypatch, capsys, tmp_path, overrides,
                                                        says):
     # Lightning's own log handler holds an earlier test's captured stream: not this output
     monkeypatch.setattr(logging, "raiseExceptions", False)
     err = run_in_process(monkeypatch, capsys, "train_gpt",
-                         [override, "trainer.max_steps=1", f"run_dir={tmp_path}"], status=2).err
+                         [*overrides, "trainer.max_steps=1", f"run_dir={tmp_path}"], status=2).err
     assert says in err
     assert "Traceback" not in err

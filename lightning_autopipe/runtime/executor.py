@@ -48,6 +48,7 @@ from lightning_autopipe.runtime.units import fit_units, unit_bounds
 __all__ = ["PipelineExecutor", "TiedParameter"]
 
 _COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
+_FULL = (torch.float32, torch.float64)  # gradients normed as they are (half ones in float32)
 
 
 @dataclass(frozen=True)
@@ -226,15 +227,13 @@ class PipelineExecutor:
         return first, [rank for s, rank in flags if s == first]
 
     def global_grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        """Norm of the whole model's gradient (every stage, tied copies counted once), in
-        float64 (so a float64 model's clipping matches one process's to its precision)."""
+        """The whole model's gradient norm (tied copies counted once)."""
         skip = {id(t.param) for t in self.tied if not t.counted}
-        grads = [p.grad for p in self.parameters if p.grad is not None and id(p) not in skip]
-        inf = math.isinf(norm_type)
-        local = torch.zeros((), device=self.device, dtype=torch.float64)
-        if grads:
-            norms = torch.stack([g.detach().norm(norm_type, dtype=torch.float64) for g in grads])
-            local = (norms.max() if inf else norms.pow(norm_type).sum()).to(self.device)
+        norms = [(g if g.dtype in _FULL else g.float()).detach().norm(norm_type).double()
+                 for p in self.parameters if (g := p.grad) is not None and id(p) not in skip]
+        inf, local = math.isinf(norm_type), torch.zeros((), device=self.device, dtype=torch.float64)
+        if norms:  # each in its own precision (no float64 copy of a gradient), summed in float64
+            local = (torch.stack(norms).max() if inf else torch.stack(norms).pow(norm_type).sum())
         if self.layout.num_stages > 1:
             op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
             dist.all_reduce(local, op=op, group=self.groups.pipeline)

@@ -3,12 +3,13 @@
 After the split the module holds this rank's stage only, so ``configure_optimizers`` sees the
 stage's parameters. Two things that work in one process then go wrong on one rank alone:
 
-* A stage may train nothing: frozen embeddings on the first stage, the usual fine-tuning
-  set-up, with the usual ``Adam(p for p in self.parameters() if p.requires_grad)``. torch
-  refuses to build an optimizer over no parameter at all. Such a rank builds it with one
-  empty placeholder parameter registered on the module, then takes the placeholder out of
-  the module and the optimizer again: an optimizer whose groups are empty, as a live re-plan
-  leaves one on a rank that no longer holds a group's parameters.
+* A stage may train nothing of what an optimizer is given: frozen embeddings on the first
+  stage and the usual ``Adam(p for p in self.parameters() if p.requires_grad)``, or
+  ``AdamW(self.head.parameters())`` on a rank whose stage holds no part of the head. torch
+  refuses to build an optimizer over no parameter at all. While ``configure_optimizers`` runs,
+  an optimizer given none is built over one empty placeholder parameter instead, which is
+  then taken out again: an optimizer whose groups are empty, as a live re-plan leaves one on
+  a rank that no longer holds a group's parameters.
 * Any other error raised by one rank's ``configure_optimizers`` would leave its peers waiting
   in their next collective until the timeout, with a message naming no one: every rank says
   how it went and all stop with the failing rank's error
@@ -17,7 +18,8 @@ stage's parameters. Two things that work in one process then go wrong on one ran
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,22 +30,20 @@ from lightning_autopipe.runtime.optim_state import unwrap
 
 __all__ = ["make_local_optimizers"]
 
-_PLACEHOLDER = "_autopipe_nothing_to_train"
-
 
 def make_local_optimizers(
-    module: nn.Module, make: Callable[[], None], optimizers: Callable[[], Sequence[Any]],
+    make: Callable[[], None], optimizers: Callable[[], Sequence[Any]],
     check: Callable[[], None], *, device: torch.device, distributed: bool,
 ) -> None:
-    """``make()`` (the strategy's ``setup_optimizers``) then ``check()`` on this rank, with a
-    placeholder when its stage trains nothing; with ``distributed``, every rank stops when
-    one failed (a collective)."""
+    """``make()`` (the strategy's ``setup_optimizers``) then ``check()`` on this rank, an
+    optimizer given no parameter built over a placeholder; with ``distributed``, every rank
+    stops when one failed (a collective)."""
     failure: BaseException | None = None
     try:
-        if any(p.requires_grad for p in module.parameters()):
+        placeholder = nn.Parameter(torch.zeros(0, device=device))
+        with _empty_lists_get(placeholder):
             make()
-        else:
-            _with_placeholder(module, make, optimizers, device)
+        _take_out(placeholder, optimizers())
         check()
     except Exception as exc:  # noqa: BLE001 - re-raised here, or named on every other rank
         failure = exc
@@ -53,15 +53,27 @@ def make_local_optimizers(
         raise failure
 
 
-def _with_placeholder(module: nn.Module, make: Callable[[], None],
-                      optimizers: Callable[[], Sequence[Any]], device: torch.device) -> None:
-    placeholder = nn.Parameter(torch.zeros(0, device=device))
-    module.register_parameter(_PLACEHOLDER, placeholder)
+@contextmanager
+def _empty_lists_get(placeholder: nn.Parameter) -> Iterator[None]:
+    """Inside: ``torch.optim.Optimizer(params)`` with no parameter gets ``[placeholder]``."""
+    init = torch.optim.Optimizer.__init__
+
+    def patched(self: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(params, torch.Tensor):
+            params = list(params)
+            if not params:
+                params = [placeholder]
+        init(self, params, *args, **kwargs)
+
+    torch.optim.Optimizer.__init__ = patched  # type: ignore[method-assign]
     try:
-        make()
+        yield
     finally:
-        del module._parameters[_PLACEHOLDER]
-    for optimizer in optimizers():
+        torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
+
+
+def _take_out(placeholder: nn.Parameter, optimizers: Sequence[Any]) -> None:
+    for optimizer in optimizers:
         opt = unwrap(optimizer)
         for group in opt.param_groups:
             keep = [i for i, p in enumerate(group["params"]) if p is not placeholder]

@@ -204,7 +204,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         self.model = module
         self.model_to_device()
         if fn == TrainerFn.FITTING:
-            make_local_optimizers(module, lambda: self.setup_optimizers(trainer),
+            make_local_optimizers(lambda: self.setup_optimizers(trainer),
                                   lambda: self.optimizers, self._check_optimizers,
                                   device=self.root_device, distributed=self.world_size > 1)
             self._replanner.start_fit(self)

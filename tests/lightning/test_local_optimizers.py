@@ -1,0 +1,47 @@
+"""A rank's optimizers when its stage holds none of what an optimizer is given (one process:
+the agreement between ranks is the Lightning worlds' ``optimizer`` case)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_autopipe.lightning.local_optimizers import make_local_optimizers
+
+
+def test_an_optimizer_given_no_parameter_is_built_with_empty_groups_and_steps():
+    """``AdamW(self.head.named_parameters())`` on a rank holding no part of the head, and
+    parameter groups of which one is empty here: built (torch refuses an empty list) with no
+    placeholder left behind, and they step, save and load as empty groups do."""
+    body, head = nn.Linear(3, 3), nn.Module()  # the head's layers live on another rank
+    made = []
+
+    def make():
+        made.append(torch.optim.AdamW(head.named_parameters(), lr=0.1))
+        made.append(torch.optim.SGD([{"params": list(body.parameters()), "lr": 0.5},
+                                     {"params": []}], lr=0.1))
+
+    make_local_optimizers(make, lambda: made, lambda: None, device=torch.device("cpu"),
+                          distributed=False)
+    head_opt, body_opt = made
+    assert [len(g["params"]) for g in head_opt.param_groups] == [0]
+    assert not head_opt.state
+    assert [len(g["params"]) for g in body_opt.param_groups] == [2, 0]
+    body(torch.ones(2, 3)).sum().backward()
+    before = body.weight.detach().clone()
+    for opt in made:
+        opt.step()
+        opt.load_state_dict(opt.state_dict())
+    assert not torch.equal(body.weight, before)
+    with pytest.raises(ValueError, match="empty parameter list"):  # torch's own check is back
+        torch.optim.SGD([], lr=0.1)
+
+
+def test_an_error_in_configure_optimizers_is_raised_as_it_is():
+    def make():
+        raise KeyError("no such group")
+
+    with pytest.raises(KeyError, match="no such group"):
+        make_local_optimizers(make, list, lambda: None, device=torch.device("cpu"),
+                              distributed=False)

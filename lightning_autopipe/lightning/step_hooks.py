@@ -171,7 +171,7 @@ class StepHooks(ParallelStrategy):
         assert self._runner is not None
         outcome = self._runner.finish(self._pipe.layout, self._pipe.groups, self.root_device)
         outcome.log_to(self.lightning_module, self.root_device,
-                       len(set(self._pipe.layout.pipeline_ranks)))
+                       self._pipe.layout.pipeline_ranks[0] == self.global_rank)
         return outcome
 
 

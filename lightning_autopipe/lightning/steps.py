@@ -51,17 +51,17 @@ class StepOutcome:
     returned: float | None = None
     predictions: Any = None
 
-    def log_to(self, module: Any, device: torch.device, copies: int = 1) -> None:
+    def log_to(self, module: Any, device: torch.device, sole: bool = True) -> None:
         """Log every combined key once through the module's own ``self.log`` (this rank).
 
-        Every rank of a replica's pipeline (``copies`` of them) logs its replica's value, so a
-        ``sync_dist`` sum over the world would count each replica ``copies`` times where DDP
-        counts it once: such a sum is logged as ``value / copies`` (a mean, max or min of the
-        copies is the value itself)."""
+        Every rank of a replica's pipeline logs its replica's value, so a ``sync_dist`` sum
+        over the world would count each replica once per rank where DDP counts it once: such
+        a sum is logged by the replica's first rank only (``sole``), zero by the others (a
+        mean, max or min of the copies is the value itself)."""
         for name, options, value, wide in self.logs:
             dtype = torch.float64 if wide else torch.float32
-            if copies > 1 and options.get("sync_dist") and options.get("reduce_fx") == "sum":
-                value = value / copies
+            if not sole and options.get("sync_dist") and options.get("reduce_fx") == "sum":
+                value = 0.0
             module.log(name, torch.tensor(value, dtype=dtype, device=device), **options)
 
 

@@ -170,7 +170,7 @@ def make_plan(
         raise _memory_error(best, cluster, global_batch_size)
     best.search_ms = search_ms
     best.search_notes = notes + choice_note(best, fitting or plans, props, lambda p: optimistic_ms(
-        p, costs, cluster, global_batch_size, optimizer_factor))
+        p, costs, cluster, global_batch_size, optimizer_factor), simulated=plans)
     return best
 
 

@@ -238,12 +238,14 @@ def optimistic_ms(prop: Proposal, costs: BlockCosts, cluster: Cluster, batch: in
 
 
 
-def choice_note(best, plans: Sequence, props: Sequence[Proposal], bound) -> list[str]:
+def choice_note(best, plans: Sequence, props: Sequence[Proposal], bound,
+                simulated: Sequence = ()) -> list[str]:
     """Why the chosen plan has the chunks it has: its predicted step against the best
     simulated plan of the other kind (one chunk per rank, or several). When the search
     simulated none (no such proposal's lower bound could win), the note gives the best lower
     bound of that kind (``bound``: :func:`optimistic_ms` of a proposal) rather than simulating
-    one: at scale a simulation takes seconds, several times the search, for a note. Nothing
+    one: at scale a simulation takes seconds, several times the search, for a note; when
+    that kind was simulated (``simulated``) but does not fit memory, the note says so. Nothing
     when no proposal of the other kind exists."""
     def other(p) -> bool:
         return (p.chunks_per_rank > 1) != (best.chunks_per_rank > 1)
@@ -252,14 +254,17 @@ def choice_note(best, plans: Sequence, props: Sequence[Proposal], bound) -> list
         return (f"{p.schedule} with {p.chunks_per_rank} chunks per rank" if p.chunks_per_rank
                 > 1 else f"{p.schedule} with one stage per rank")
 
+    kind = "one stage per rank" if best.chunks_per_rank > 1 else "several chunks per rank"
     others = [p for p in plans if other(p)]
     if others:
         alt = min(others, key=lambda p: p.iteration_ms)
         return [f"chose {name(best)}: predicted {best.iteration_ms:.1f} ms against "
                 f"{alt.iteration_ms:.1f} ms for the best {name(alt)}"]
+    if any(other(p) for p in simulated):  # simulated, but none fits device memory
+        return [f"chose {name(best)}: predicted {best.iteration_ms:.1f} ms; no plan with {kind} "
+                "that the search simulated fits device memory"]
     rest = [bound(p) for p in props if other(p)]
     if not rest:
         return []
-    kind = "one stage per rank" if best.chunks_per_rank > 1 else "several chunks per rank"
     return [f"chose {name(best)}: predicted {best.iteration_ms:.1f} ms; no plan with {kind} "
             f"can beat {min(rest):.1f} ms (the fast model's lower bound, not simulated)"]

@@ -278,3 +278,38 @@ def test_a_parameter_read_only_by_an_output_belongs_to_the_last_block():
     assert blocks.orphans == {}
     last = blocks.stage(len(blocks) - 1, len(blocks))
     assert "scale" in last.param_names.values()
+
+
+def test_the_last_stage_holds_what_no_block_reads_under_its_names():
+    """A head kept for later (nested), a second name of it, a frozen parameter and a buffer
+    the forward never reads: the last stage holds them under their original names, the
+    same objects as the model's, also when rebuilt after ``keep_stages``; no other stage
+    does, and every stage's names together are the model's ``state_dict``."""
+
+    class Spare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.head = nn.Sequential(nn.Linear(4, 2))
+            self.alias = self.head[0]  # a second name of the same weights
+            self.frozen = nn.Parameter(torch.zeros(2), requires_grad=False)
+            self.register_buffer("version", torch.tensor(3))
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    model = Spare()
+    blocks = split_model(model, (torch.randn(2, 4),))
+    n = len(blocks)
+    assert sorted(blocks.orphans) == ["frozen", "head.0.bias", "head.0.weight", "version"]
+    original = model.state_dict(keep_vars=True)
+    for _ in range(2):
+        last = blocks.stage(n - 1, n)
+        held = last.state_dict(keep_vars=True)
+        for name in blocks.orphans:
+            local = next(k for k, v in last.param_names.items() if v == name)
+            assert held[local] is original[name]
+        assert not set(blocks.orphans) & set(blocks.stage(0, n - 1).param_names.values())
+        names = set(blocks.stage(0, n - 1).param_names.values()) | set(last.param_names.values())
+        assert names | {"alias.weight", "alias.bias"} == set(original)
+        blocks.keep_stages([])  # built again next round

@@ -217,3 +217,18 @@ def test_small_models_get_the_simulators_best_chunk_cuts_and_slices(schedule, v)
             for inner in itertools.combinations(range(1, n), 2 * v - 1)
             for k in (1, 2) for j in (1, 2))
         assert ours <= best * (1 + 1e-9), (seed, n, prop.cuts, ours, best)
+
+
+def test_the_choice_note_says_when_the_other_kind_was_simulated_but_does_not_fit():
+    from types import SimpleNamespace
+
+    from lightning_autopipe.planner.vsearch import choice_note
+
+    best = SimpleNamespace(chunks_per_rank=1, schedule="zb-h1", iteration_ms=120.0)
+    chunked = SimpleNamespace(chunks_per_rank=2, schedule="zbv", iteration_ms=100.0)
+    never = lambda p: pytest.fail("a simulated kind needs no bound")  # noqa: E731
+    note, = choice_note(best, [best], [], never, simulated=[best, chunked])
+    assert note == ("chose zb-h1 with one stage per rank: predicted 120.0 ms; no plan with "
+                    "several chunks per rank that the search simulated fits device memory")
+    note, = choice_note(best, [best, chunked], [], never, simulated=[best, chunked])
+    assert "against 100.0 ms for the best zbv with 2 chunks per rank" in note

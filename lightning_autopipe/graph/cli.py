@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -93,6 +94,27 @@ def _label(name: str, size: str, model: Any) -> str:
     return f"{name} {kind} ({millions:.2f}M params)"
 
 
+def _unusable(args: argparse.Namespace) -> str | None:
+    """What makes ``--device`` or ``--out`` unusable, or None."""
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        return f"--device {args.device}: {exc}; use cpu or cuda[:N]"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return (f"--device {args.device}: this machine has no usable CUDA device; profile "
+                "on the GPU machine the plan is for, or pass --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        return f"--device {args.device}: the profiler times cpu and cuda devices only"
+    if args.out:
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            return (f"--out {args.out}: cannot write in {folder}; pass a path in a writable "
+                    "folder")
+    return None
+
+
 def profile_main(argv: list[str]) -> int:
     """Entry point of ``python -m lightning_autopipe profile``; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -100,6 +122,10 @@ def profile_main(argv: list[str]) -> int:
     from lightning_autopipe.runtime.profiler import profile_blocks
     from lightning_autopipe.zoo.models import build_model
 
+    problem = _unusable(args)
+    if problem is not None:  # before minutes of measuring, not after
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         start = time.perf_counter()
         model, example = build_model(args.model, args.size, batch_size=args.micro_batch_size)

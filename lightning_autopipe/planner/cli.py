@@ -42,16 +42,16 @@ def _cluster(name: str, world_size: int | None) -> Any:
                 f"training run measures the real ones), or name a cluster file{given}"
             )
         return Cluster.local(world_size)
-    if world_size is not None:
-        raise ClusterError("--world-size only applies to --cluster local; a cluster file "
-                           "lists its devices itself")
     path = resolve_cluster_path(name)
-    if not path.exists():
+    if not path.exists():  # the name first: a misspelt one is the likelier mistake
         known = ", ".join(sorted(p.stem for p in _CONF.glob("*.yaml")))
         raise ClusterError(
             f"no cluster file {name!r}; pass a YAML path or one of the names under "
             f"{_CONF}: {known}"
         )
+    if world_size is not None:
+        raise ClusterError("--world-size only applies to --cluster local; a cluster file "
+                           "lists its devices itself")
     return Cluster.load(path)
 
 

@@ -87,3 +87,19 @@ def test_module_entry_point_help_and_unknown_command(capsys):
     assert "profile, plan" in capsys.readouterr().out
     assert main(["plna"]) == 2
     assert "unknown command 'plna'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--device", "tpu"], "--device tpu:"),
+    (["--device", "mps"], "the profiler times cpu and cuda devices only"),
+    (["--out", "/nonexistent/folder/p.json"], "cannot write in /nonexistent/folder"),
+])
+def test_an_unusable_device_or_output_is_refused_before_measuring(args, says, capsys):
+    assert profile_main(["--model", "gpt2", "--size", "tiny", *args]) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA device")
+def test_a_cuda_device_on_a_machine_without_one_is_refused(capsys):
+    assert profile_main(["--model", "gpt2", "--size", "tiny", "--device", "cuda"]) == 2
+    assert "no usable CUDA device" in capsys.readouterr().err

@@ -109,6 +109,11 @@ def test_the_local_cluster_and_unknown_names(profile_path, capsys):
     err = capsys.readouterr().err
     assert "no cluster file 'nosuch'" in err
     assert "mixed_rack" in err
+    # a misspelt name with --world-size: the name is what is wrong
+    assert plan_main([*base, "--cluster", "mixed-rack", "--world-size", "2"]) == 2
+    assert "no cluster file 'mixed-rack'" in capsys.readouterr().err
+    assert plan_main([*base, "--cluster", "mixed_rack", "--world-size", "2"]) == 2
+    assert "--world-size only applies to --cluster local" in capsys.readouterr().err
 
 
 def test_trace_png_and_saved_plan(profile_path, tmp_path, capsys):

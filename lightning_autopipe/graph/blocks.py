@@ -290,6 +290,8 @@ class BlockGraph:
                     f"input {k} has shape {tuple(t.shape)} but the model was traced with "
                     f"{shape}; only the batch dimension (dim 0) may differ"
                     + ("" if self.dynamic_batch else " and this export is static: it may not")
+                    + ("" if same_rest else "; pad every batch to the traced length (e.g. a "
+                       "tokenizer's padding='max_length'), not each to its longest sample")
                 )
         return flat
 

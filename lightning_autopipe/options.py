@@ -2,8 +2,8 @@
 
 The strategy takes these fields as keyword arguments (or a ready object), the Hydra schema
 ``config.AutoPipeStrategyConfig`` is generated from them, and the runtime reads them, so adding
-an option is one field here. Plain data: no Lightning, and torch only to check a named
-compile backend or a granularity other than the default.
+an option is one field here. Plain data: no Lightning, and torch only to check a
+granularity other than the default.
 """
 
 from __future__ import annotations
@@ -303,9 +303,10 @@ class AutoPipeOptions:
 
 
 def _check_choices(options: AutoPipeOptions) -> None:
-    """The planner, the granularity, the compile backend, the repeats and the bucket size,
-    checked when the options are made: a run found them only after profiling on every rank
-    (and a negative bucket size silently all-reduced each parameter on its own)."""
+    """The planner, the granularity, the repeats and the bucket size, checked when the options
+    are made: a run found them only after profiling on every rank (and a negative bucket size
+    silently all-reduced each parameter on its own). The compile backend's name needs torch:
+    :func:`~lightning_autopipe.runtime.compiled_stage.check_backend`."""
     from lightning_autopipe.planner.search import PLANNERS
 
     checks = [("planner", options.planner, PLANNERS)]
@@ -327,16 +328,6 @@ def _check_choices(options: AutoPipeOptions) -> None:
         bucket = float("nan")
     if not bucket > 0 or bucket == float("inf"):
         raise OptionError(f"bucket_mb must be a positive number of MiB, got {options.bucket_mb!r}")
-    if isinstance(options.compile, str):
-        import torch._dynamo
-
-        backends = torch._dynamo.list_backends(exclude_tags=())
-        if options.compile not in backends:
-            close = difflib.get_close_matches(options.compile, backends, n=1)
-            raise OptionError(
-                f"compile={options.compile!r} names no torch.compile backend"
-                + (f" (did you mean {close[0]!r}?)" if close else "")
-                + f"; the backends are {backends}, or compile=True (inductor)")
 
 
 def _check_optimizer_state(value: Any) -> None:

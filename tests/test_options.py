@@ -88,8 +88,6 @@ def test_an_unknown_option_is_named_with_the_close_one():
         ({"granularity": "layers"}, OptionError, r"not 'layers' \(did you mean 'layer'\?\)"),
         ({"profile_repeats": 0}, OptionError, r"profile_repeats must be a positive integer"),
         ({"bucket_mb": -1}, OptionError, r"bucket_mb must be a positive number of MiB, got -1"),
-        ({"compile": "inductr"}, OptionError, r"names no torch.compile backend \(did you mean "
-                                              r"'inductor'\?\)"),
     ],
 )
 def test_bad_options_fail_at_construction_with_the_value_and_the_fix(options, error, match):
@@ -97,3 +95,12 @@ def test_bad_options_fail_at_construction_with_the_value_and_the_fix(options, er
         AutoPipeOptions(**options)
     with pytest.raises(error, match=match):
         AutoPipeStrategy(**options)
+
+
+def test_a_misspelt_compile_backend_is_refused_by_the_strategy():
+    """The options stay free of torch; the strategy checks the backend's name when it is
+    made, not every rank when it compiles its stage after profiling."""
+    with pytest.raises(OptionError, match=r"names no torch.compile backend \(did you mean "
+                                          r"'inductor'\?\)"):
+        AutoPipeStrategy(compile="inductr")
+    AutoPipeStrategy(compile="aot_eager")

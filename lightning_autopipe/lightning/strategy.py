@@ -65,6 +65,7 @@ from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.batchnorm import has_batch_norm
 from lightning_autopipe.runtime.checks import check_microbatches
+from lightning_autopipe.runtime.compiled_stage import check_backend
 from lightning_autopipe.runtime.failure import describe
 from lightning_autopipe.runtime.materialize import deferred_init
 from lightning_autopipe.runtime.pipeline import LocalPipeline, build_local_pipeline
@@ -108,6 +109,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         **option_overrides: Any,
     ) -> None:
         self.options = AutoPipeOptions.build(options, option_overrides)
+        check_backend(self.options.compile)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_autopipe.errors import PlanError
+from lightning_autopipe.errors import OptionError, PlanError
 from lightning_autopipe.options import SPLIT_BACKENDS
 from lightning_autopipe.planner.compiled import splits_backward
 from lightning_autopipe.profile import Profile, fit_affine
@@ -53,7 +53,7 @@ from lightning_autopipe.runtime.backward import splits_backward_at
 from lightning_autopipe.runtime.clock import now
 from lightning_autopipe.runtime.compiled_split import Deferral, split_backend
 
-__all__ = ["CompiledStage", "compiled_profile", "compiled_stage", "profile_for"]
+__all__ = ["CompiledStage", "check_backend", "compiled_profile", "compiled_stage", "profile_for"]
 
 
 class CompiledStage(nn.Module):
@@ -127,6 +127,27 @@ class CompiledStage(nn.Module):
         (every weight half its ``B`` deferred, in the order they ran)."""
         for graph, w_inputs in pending:
             graph.accumulate(w_inputs)
+
+
+def check_backend(compile: bool | str) -> None:
+    """A ``compile`` option naming a backend must name one torch.compile knows (checked when
+    the strategy is made, not when every rank compiles its stage after profiling).
+
+    Raises:
+        OptionError: naming the close backend and the known ones.
+    """
+    if not isinstance(compile, str):
+        return
+    import difflib
+
+    import torch._dynamo
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if compile not in backends:
+        close = difflib.get_close_matches(compile, backends, n=1)
+        raise OptionError(f"compile={compile!r} names no torch.compile backend"
+                          + (f" (did you mean {close[0]!r}?)" if close else "")
+                          + f"; the backends are {backends}, or compile=True (inductor)")
 
 
 def compiled_stage(stage: nn.Module, schedule: str, backend: str, *,

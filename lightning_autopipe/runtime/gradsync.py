@@ -135,7 +135,6 @@ class GradientSync:
                 p.grad = None
         self._used = set()
 
-
     def _was_used(self, p: nn.Parameter) -> bool:
         """A backward reached ``p`` this step, or it held a gradient before (accumulation).
         A gradient that is no bucket view was put there by the caller's own backward; a split

@@ -225,14 +225,15 @@ def migrate(
         )
     assert out is not None
     out.scaler = peers[0]["scaler"]
+    received = [n for (_, dst), names in moves.items() if dst == rank for n in names]
+    held = set(old.ranks[rank]) - set(received)  # a received copy replaces the rank's own
     out.stats = MigrationStats(
         bytes_sent=sent,
         bytes_received=sum(b.numel() for b in recvs.values()),
         messages_sent=len(sends),
         messages_received=len(recvs),
-        names_kept=sum(1 for n in new.ranks[rank] if n in set(old.ranks[rank])) - sum(
-            1 for (_, d), v in moves.items() if d == rank for n in v if n in old.ranks[rank]),
-        names_received=sum(len(v) for (_, d), v in moves.items() if d == rank),
+        names_kept=sum(1 for n in new.ranks[rank] if n in held),
+        names_received=len(received),
         total_bytes=int(totals[1]),
         total_messages=int(totals[2]),
         seconds=time.perf_counter() - start,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,10 +30,40 @@ _RANK_VARIABLES = (
 
 
 def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket() as s:
+    """A TCP port on the loopback interface that nothing uses right now, from below the
+    system's ephemeral range where it can be found.
+
+    A port the system hands out (``bind`` to 0) is one of the ephemeral ports that every
+    outgoing connection on the machine also takes its local port from: in the seconds between
+    finding it and rank 0 binding its store to it (the ranks import torch first), a gloo
+    connection of a test running beside it could take it, and rank 0 died while the others
+    waited out their start timeout. Below that range only an explicit ``bind`` takes a port.
+    """
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    for _ in range(200 if low > _LOWEST + 1000 else 0):
+        port = pick.randrange(_LOWEST, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the range (or all taken): the system's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: The lowest port :func:`free_port` picks (above the well-known and common service ports).
+_LOWEST = 10000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the system's ephemeral range (Linux's default where it is unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def init_gloo(rank: int, world: int, port: int, timeout_s: float = 60) -> None:
@@ -67,33 +98,49 @@ def run_script(
     env: Mapping[str, str] | None = None,
     cwd: str | Path = ROOT,
     check: bool = True,
+    log: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python *args`` in its own process group and return it finished.
 
     On overrunning ``timeout`` the whole group (a Lightning launcher's children included) is
     killed and the test fails with the output so far; with ``check`` a non-zero exit fails the
-    test with the tails of both streams.
+    test with the tails of both streams. With ``log`` the streams are written as they come to
+    ``<log>.out`` and ``<log>.err``, so what a run printed survives when it is interrupted from
+    outside (pytest's own timeout) and can be read while it runs.
     """
     cmd = [sys.executable, *map(str, args)]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=dict(env) if env is not None else launch_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, err = proc.communicate()
-        raise AssertionError(
-            f"{' '.join(cmd[1:])} ran past {timeout:.0f} s and was killed\n--- stdout\n"
-            f"{out[-4000:]}\n--- stderr\n{err[-8000:]}") from None
-    finally:
-        _kill_group(proc)  # a launcher that exited may leave children behind
+    with contextlib.ExitStack() as files:
+        if log is None:
+            streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        else:
+            streams = {name: files.enter_context(open(f"{log}.{name[3:]}", "w"))
+                       for name in ("stdout", "stderr")}
+        proc = subprocess.Popen(cmd, cwd=cwd, env=dict(env) if env is not None else launch_env(),
+                                text=True, start_new_session=True, **streams)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, err = _read_back(proc.communicate(), log)
+            raise AssertionError(
+                f"{' '.join(cmd[1:])} ran past {timeout:.0f} s and was killed\n--- stdout\n"
+                f"{out[-4000:]}\n--- stderr\n{err[-8000:]}") from None
+        finally:
+            _kill_group(proc)  # a launcher that exited may leave children behind
+    out, err = _read_back((out, err), log)
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and done.returncode:
         raise AssertionError(
             f"{' '.join(cmd[1:])} exited with {done.returncode}\n--- stdout\n{out[-4000:]}\n"
             f"--- stderr\n{err[-8000:]}")
     return done
+
+
+def _read_back(piped: tuple[str | None, str | None], log: Path | None) -> tuple[str, str]:
+    """Both streams' text: piped, or read from the ``log`` files."""
+    if log is None:
+        return piped[0] or "", piped[1] or ""
+    return tuple(Path(f"{log}.{name}").read_text(errors="replace") for name in ("out", "err"))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -103,8 +103,13 @@ def main() -> None:
     out, world = Path(sys.argv[1]), int(sys.argv[2])
     # the other ranks start before this one imports anything heavy: the imports overlap
     children = _start_others(world) if "LOCAL_RANK" not in os.environ else []
-    _import_the_stack()
-    _wait_for_every_rank(world)
+    try:
+        _import_the_stack()
+        _wait_for_every_rank(world)
+    except BaseException:  # rank 0 failed to start: its children must not wait out _START_S
+        for child in children:
+            child.kill()
+        raise
     for spec in sys.argv[3:]:
         module_name, _, case = spec.partition(":")
         folder = out / module_name

@@ -30,6 +30,9 @@ __all__ = ["Worlds", "collect_cases"]
 #: Seconds a launch may take: start-up plus a budget per case (a case that hangs is bounded
 #: by its own strategy timeout well inside this).
 _BASE_S, _PER_CASE_S = 120.0, 60.0
+#: ... and at most this, inside pytest's own per-test timeout (pyproject.toml, 600 s): the
+#: launch is killed here, with the cases' progress in the failure, not interrupted from outside.
+_MOST_S = 540.0
 
 
 def collect_cases(modules: Iterable[Any]) -> dict[int, list[str]]:
@@ -93,15 +96,17 @@ class Worlds:
                 prepare = getattr(importlib.import_module(module), "prepare", None)
                 if prepare is not None:
                     prepare(size, folder)
+            log = out / "launch"  # launch.out, launch.err: each case's start and end per rank
             try:
                 proc = run_script([ROOT / "tests" / "_world.py", out, size, *specs],
-                                  timeout=_BASE_S + _PER_CASE_S * len(specs), env=launch_env(),
-                                  cwd=out, check=False)
+                                  timeout=min(_BASE_S + _PER_CASE_S * len(specs), _MOST_S),
+                                  env=launch_env(), cwd=out, check=False, log=log)
             except AssertionError as exc:  # overran: killed, with its output in the message
                 self._logs[size] = str(exc)
                 continue
+            except BaseException:  # interrupted (pytest's timeout): no second launch either
+                self._logs[size] = ("the launch was interrupted\n--- stderr\n"
+                                    + Path(f"{log}.err").read_text(errors="replace")[-12000:])
+                raise
             self._logs[size] = (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                                 f"--- stderr\n{proc.stderr[-12000:]}")
-            # the whole output (each case's start and duration per rank) for a look afterwards
-            (out / "launch.log").write_text(
-                f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")

@@ -64,3 +64,28 @@ def test_world_cases_merge_per_size_without_repeats_and_late_modules_last():
     none = SimpleNamespace()
     assert collect_cases([late, a, none, b]) == {2: ["m.a:x", "m.a:y", "m.b:x", "m.c:w"],
                                                  4: ["m.a:z"]}
+
+
+@pytest.mark.ranks
+def test_a_lightning_world_whose_rank_0_cannot_start_ends_at_once(tmp_path):
+    """Rank 0 of a shared Lightning world (:mod:`tests._world`) fails before the start barrier
+    (here its start store's port is taken): its other ranks are ended with it, instead of
+    holding the launch open for their whole start timeout (600 s) while pytest waits."""
+    import socket
+
+    from tests._launch import ROOT, launch_env, run_script
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    start = ("import runpy, sys; import tests._launch as L; "
+             f"L.free_port = lambda: {port}; sys.argv = sys.argv[1:]; "
+             "runpy.run_path(sys.argv[0], run_name='__main__')")
+    try:
+        done = run_script(["-c", start, ROOT / "tests" / "_world.py", tmp_path, 2, "none:case"],
+                          timeout=120, env=launch_env(), check=False)  # pipes: open in every rank
+    finally:
+        taken.close()
+    assert done.returncode != 0
+    assert "Address already in use" in done.stderr or "EADDRINUSE" in done.stderr, done.stderr

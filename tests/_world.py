@@ -71,16 +71,22 @@ def _start_others(world: int) -> list[subprocess.Popen]:
             for r in range(1, world)]
 
 
-def _wait_for_every_rank(world: int) -> None:
-    """A start barrier on its own store (the default process group is the cases' own)."""
+def _wait_for_every_rank(world: int, children: list[subprocess.Popen]) -> None:
+    """A start barrier on its own store (the default process group is the cases' own); rank
+    0 stops waiting as soon as one of the ranks it started has died (an import that failed)."""
     local = int(os.environ["LOCAL_RANK"])
     store = torch.distributed.TCPStore(
         "127.0.0.1", int(os.environ["AUTOPIPE_WORLD_READY_PORT"]), world, local == 0,
-        timeout=timedelta(seconds=_START_S), wait_for_workers=True)
+        timeout=timedelta(seconds=_START_S), wait_for_workers=False)
     store.add("ready", 1)
-    store.wait(["go"] if local else [])
-    if local == 0:
+    if local:
+        store.wait(["go"])
+    else:
+        end = time.monotonic() + _START_S
         while store.add("ready", 0) < world:
+            dead = [c.args for c in children if c.poll() is not None]
+            if dead or time.monotonic() > end:
+                raise RuntimeError(f"a rank never started (exited: {dead})")
             time.sleep(0.05)
         store.set("go", "1")
     del store
@@ -105,7 +111,7 @@ def main() -> None:
     children = _start_others(world) if "LOCAL_RANK" not in os.environ else []
     try:
         _import_the_stack()
-        _wait_for_every_rank(world)
+        _wait_for_every_rank(world, children)
     except BaseException:  # rank 0 failed to start: its children must not wait out _START_S
         for child in children:
             child.kill()

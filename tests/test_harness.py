@@ -3,6 +3,7 @@ Lightning worlds collect the selected modules' cases in order."""
 
 from __future__ import annotations
 
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -66,26 +67,38 @@ def test_world_cases_merge_per_size_without_repeats_and_late_modules_last():
                                                  4: ["m.a:z"]}
 
 
-@pytest.mark.ranks
-def test_a_lightning_world_whose_rank_0_cannot_start_ends_at_once(tmp_path):
-    """Rank 0 of a shared Lightning world (:mod:`tests._world`) fails before the start barrier
-    (here its start store's port is taken): its other ranks are ended with it, instead of
-    holding the launch open for their whole start timeout (600 s) while pytest waits."""
-    import socket
-
+def _start_world(tmp_path, patch: str) -> subprocess.CompletedProcess:
+    """:mod:`tests._world` launched on 2 ranks through ``patch`` (Python run in the launching
+    process first), with pipes that every rank holds open, as the shared worlds once ran."""
     from tests._launch import ROOT, launch_env, run_script
+
+    start = (f"import runpy, sys; import tests._launch as L; {patch}; "
+             "runpy.run_path(str(L.ROOT / 'tests' / '_world.py'), run_name='__main__')")
+    return run_script(["-c", start, tmp_path, 2, "none:case"], timeout=120, env=launch_env(),
+                      cwd=ROOT, check=False)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("failure", ["rank 0's port taken", "rank 1 never starts"])
+def test_a_lightning_world_whose_ranks_cannot_start_ends_at_once(tmp_path, failure):
+    """A rank of a shared Lightning world (:mod:`tests._world`) fails before the start barrier:
+    rank 0's start store finds its port taken, or the rank it started dies at once. The
+    launch ends at once, instead of the surviving ranks waiting out their start timeout
+    (600 s) while pytest waits on their pipes."""
+    import socket
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    port = taken.getsockname()[1]
-    start = ("import runpy, sys; import tests._launch as L; "
-             f"L.free_port = lambda: {port}; sys.argv = sys.argv[1:]; "
-             "runpy.run_path(sys.argv[0], run_name='__main__')")
+    if failure == "rank 0's port taken":
+        patch = f"L.free_port = lambda: {taken.getsockname()[1]}"
+        says = "EADDRINUSE"
+    else:  # the other rank is started as ``sys.executable <script> ...``
+        patch = "sys.executable = '/bin/false'"
+        says = "a rank never started"
     try:
-        done = run_script(["-c", start, ROOT / "tests" / "_world.py", tmp_path, 2, "none:case"],
-                          timeout=120, env=launch_env(), check=False)  # pipes: open in every rank
+        done = _start_world(tmp_path, patch)
     finally:
         taken.close()
     assert done.returncode != 0
-    assert "Address already in use" in done.stderr or "EADDRINUSE" in done.stderr, done.stderr
+    assert says in done.stderr, done.stderr[-3000:]

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from lightning_autopipe.checkpoint import safe_load
 from lightning_autopipe.errors import InputError, PlanError
 from lightning_autopipe.lightning import elastic
 from lightning_autopipe.lightning.sampler import ElasticDataLoader, check_width
-from tests._launch import launch_env
+from tests._launch import free_port, launch_env
 from tests.reliability import _elastic_run as W
 from tests.reliability import _task as T
 
@@ -58,18 +57,12 @@ _BOOT = (
 )
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Scenario:
     """Starts and kills the two agents; every wait is bounded, every process ends."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
-        self.port = _port()
+        self.port = free_port()
         self.deadline = time.monotonic() + DEADLINE_S
         self.agents: list[tuple[str, subprocess.Popen]] = []
         self.killed: set[int] = set()

@@ -11,7 +11,6 @@ switch; one that copied a kept tensor or moved a name twice shows in the transfe
 from __future__ import annotations
 
 import copy
-import socket
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from lightning_autopipe.runtime.migrate import StateLayout, plan_transfers, tran
 from lightning_autopipe.runtime.optim_state import named_optimizer_state
 from lightning_autopipe.runtime.rebind import load_stage_tensors, rebind_optimizer, stage_tensors
 from tests._gloo import forked_context
+from tests._launch import free_port
 from tests.runtime import _migrate_world as W
 from tests.runtime._migrate_world import Case, Layout
 
@@ -188,15 +188,9 @@ def test_stage_tensors_are_the_objects_and_loading_keeps_them():
 
 
 # ---------------------------------------------------------------------------- the worlds
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(size: int, cases: list[Case], out: Path, died: dict[int, int]) -> dict:
     ctx = forked_context()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=W.world, args=(r, size, port, str(out), cases))
              for r in range(size)]
     for p in procs:

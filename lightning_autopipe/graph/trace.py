@@ -10,6 +10,7 @@ Both front ends, their fallbacks and the quiet-while-trying log handling stay in
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import logging
@@ -195,6 +196,29 @@ def _positional_names(sig: inspect.Signature) -> list[str]:
     return [n for n, p in sig.parameters.items() if p.kind not in kinds]
 
 
+#: what a forward's output may hold besides tensors (passed through as constants)
+_CONSTANT_OUTPUTS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device)
+
+
+def _check_output_leaves(leaves: list[Any]) -> None:
+    """Refuse an output the stages could not carry: a ``@dataclass`` the forward builds
+    (torch.fx records its construction as one node, so the tensors inside it would be no
+    block's outputs and profiling found none) or an object torch's pytree cannot look into."""
+    for leaf in leaves:
+        made = leaf.target if isinstance(leaf, fx.Node) and leaf.op == "call_function" else None
+        if isinstance(made, type) and dataclasses.is_dataclass(made):
+            kind = made
+        elif isinstance(leaf, (fx.Node, *_CONSTANT_OUTPUTS)):
+            continue
+        else:
+            kind = type(leaf)
+        raise TraceError(
+            f"forward returns a {kind.__module__}.{kind.__qualname__}, whose tensors cannot be "
+            "followed through the stages: return a dict or a tuple from forward (build the "
+            "object in training_step from them if the steps want it)"
+        )
+
+
 def _from_graph_module(
     gm: fx.GraphModule, model: nn.Module, inputs: Inputs, sig: inspect.Signature, tracer: str
 ) -> Traced:
@@ -215,6 +239,7 @@ def _from_graph_module(
             constants[node] = None if default is inspect.Parameter.empty else default
     output = next(n for n in gm.graph.nodes if n.op == "output")
     leaves, spec = pytree.tree_flatten(plain(output.args[0]))
+    _check_output_leaves(leaves)
     order = list(provided)
 
     def flatten(values: Inputs) -> tuple[torch.Tensor, ...]:

@@ -105,3 +105,31 @@ def test_block_ranges_out_of_bounds() -> None:
         blocks.tie_groups([0, n - 1])
     with pytest.raises(BlockRangeError):
         blocks.stage_io(0, n + 2)
+
+
+def test_a_dataclass_output_is_refused_with_the_fix() -> None:
+    """torch.fx records a ``@dataclass`` the forward returns as one node: its tensors were no
+    block's outputs, and profiling the split failed with "stack expects a non-empty
+    TensorList". A dict output (the fix the message names) splits and runs."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Out:
+        logits: torch.Tensor
+
+    class Net(nn.Module):
+        def __init__(self, as_dict: bool) -> None:
+            super().__init__()
+            self.as_dict = as_dict
+            self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            y = self.l2(torch.relu(self.l1(x)))
+            return {"logits": y} if self.as_dict else Out(y)
+
+    x = torch.randn(3, 4)
+    with pytest.raises(TraceError, match=r"forward returns a .*Out, .*return a dict or a tuple"):
+        split_model(Net(as_dict=False), (x,))
+    net = Net(as_dict=True)
+    blocks = split_model(net, (x,))
+    assert torch.equal(blocks.run((x,))["logits"], net(x)["logits"])

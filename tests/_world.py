@@ -28,6 +28,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # the script's own folder (tests/) would shadow packages by its subfolders' names (tests/lightning)
@@ -73,23 +74,31 @@ def _start_others(world: int) -> list[subprocess.Popen]:
 
 def _wait_for_every_rank(world: int, children: list[subprocess.Popen]) -> None:
     """A start barrier on its own store (the default process group is the cases' own); rank
-    0 stops waiting as soon as one of the ranks it started has died (an import that failed)."""
+    0 stops waiting as soon as one of the ranks it started has died (an import that failed),
+    and keeps the store (its server) until every other rank has read the go."""
     local = int(os.environ["LOCAL_RANK"])
     store = torch.distributed.TCPStore(
         "127.0.0.1", int(os.environ["AUTOPIPE_WORLD_READY_PORT"]), world, local == 0,
         timeout=timedelta(seconds=_START_S), wait_for_workers=False)
-    store.add("ready", 1)
     if local:
+        store.add("ready", 1)
         store.wait(["go"])
+        store.add("gone", 1)
     else:
-        end = time.monotonic() + _START_S
-        while store.add("ready", 0) < world:
-            dead = [c.args for c in children if c.poll() is not None]
-            if dead or time.monotonic() > end:
-                raise RuntimeError(f"a rank never started (exited: {dead})")
-            time.sleep(0.05)
+        _await_count(store, "ready", world - 1, children)
         store.set("go", "1")
+        _await_count(store, "gone", world - 1, children)
     del store
+
+
+def _await_count(store: Any, key: str, count: int, children: list[subprocess.Popen]) -> None:
+    """Rank 0: until ``count`` ranks have added to ``key``; raised when one it started died."""
+    end = time.monotonic() + _START_S
+    while store.add(key, 0) < count:
+        dead = [c.args for c in children if c.poll() is not None]
+        if dead or time.monotonic() > end:
+            raise RuntimeError(f"a rank never started (exited: {dead})")
+        time.sleep(0.02)
 
 
 def _finish(children: list[subprocess.Popen]) -> int:

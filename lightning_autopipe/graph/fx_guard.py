@@ -5,8 +5,10 @@ touches no proxy runs then, for real, and is not in the graph: a switch of autog
 autocast mode (``torch.no_grad()``, ``torch.autocast``) and an update of a buffer by a value
 that reads no input. A split made from that graph would compute something else than the model
 with no error, so :func:`watch_unrecorded` turns either into :class:`Unrecorded` and the
-tracer moves on to ``torch.export``, which records both (:mod:`~.trace`). Also here: fx's
-immutable output containers made plain again (:func:`plain`).
+tracer moves on to ``torch.export``, which records both (:mod:`~.trace`). A branch on
+``self.training`` (``if self.training:``, ``F.dropout(x, p, training=self.training)``) is
+decided at trace time too: :func:`mode_difference` finds it (neither tracer records it).
+Also here: fx's immutable output containers made plain again (:func:`plain`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["Unrecorded", "plain", "watch_unrecorded"]
+__all__ = ["Unrecorded", "mode_difference", "plain", "watch_unrecorded"]
 
 
 class Unrecorded(Exception):
@@ -101,3 +103,31 @@ def plain(value: Any) -> Any:
     if isinstance(value, dict):
         return type(value)((k, plain(v)) for k, v in value.items())
     return value
+
+
+def mode_difference(model: nn.Module, traced: fx.GraphModule,
+                    trace_again: Callable[[], fx.GraphModule]) -> str | None:
+    """Where the forward computes differently in the other mode (``eval()`` when ``traced``
+    was captured in training mode, and the reverse), or None.
+
+    The graph holds the mode it was traced in as constants: a stage's ``train()`` / ``eval()``
+    switches its ``nn.Dropout`` and ``nn.BatchNorm`` modules, but not a Python branch on
+    ``self.training`` nor ``F.dropout(..., training=self.training)``. The forward is traced
+    once more with every module in the other mode and the two graphs' code compared; the
+    first line that differs (in the traced mode's graph) is returned.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(not model.training)
+    try:
+        other = trace_again()
+    except Exception:  # noqa: BLE001 - the other mode cannot be traced: nothing to compare
+        return None
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    mine, theirs = traced.code.strip().splitlines(), other.code.strip().splitlines()
+    if mine == theirs:
+        return None
+    differing = [a for a, b in zip(mine, theirs) if a != b]
+    shorter = min(len(mine), len(theirs))
+    return (differing[0] if differing else (mine + theirs[shorter:])[shorter]).strip()

@@ -28,7 +28,12 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_autopipe.errors import InputError, OptionError, TraceError
-from lightning_autopipe.graph.fx_guard import Unrecorded, plain, watch_unrecorded
+from lightning_autopipe.graph.fx_guard import (
+    Unrecorded,
+    mode_difference,
+    plain,
+    watch_unrecorded,
+)
 
 __all__ = ["TRACE_LOGS_ENV", "Inputs", "Traced", "has_meta", "normalize_inputs", "on_meta",
            "trace"]
@@ -94,6 +99,8 @@ class Traced:
         flatten: user inputs (tuple or dict) -> tuple of tensors, in ``input_nodes`` order.
         example_shapes: shapes of the flattened example inputs (batch dim 0 included).
         dynamic_batch: whether dim 0 of the inputs may differ from the example's.
+        mode_line: (fx) where the forward computes differently in the other train/eval mode
+            (the graph keeps the traced mode's code), or None.
     """
 
     gm: fx.GraphModule
@@ -107,6 +114,8 @@ class Traced:
     example_shapes: list[tuple[int, ...]]
     dynamic_batch: bool = True
     notes: list[str] = field(default_factory=list)
+    #: (fx) the first graph line that differs in the other train/eval mode, or None
+    mode_line: str | None = None
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -282,7 +291,14 @@ def _trace_fx(model: nn.Module, inputs: Inputs, sig: inspect.Signature) -> Trace
     }
     with watch_unrecorded(model):
         gm = fx.symbolic_trace(model, concrete_args=concrete or None)
-    return _from_graph_module(gm, model, inputs, sig, "fx")
+    traced = _from_graph_module(gm, model, inputs, sig, "fx")
+    try:  # the guard restores what the second trace changed (buffers)
+        with watch_unrecorded(model):
+            traced.mode_line = mode_difference(
+                model, gm, lambda: fx.symbolic_trace(model, concrete_args=concrete or None))
+    except Unrecorded:  # only the other mode's forward switches modes: its values are alike
+        traced.mode_line = None
+    return traced
 
 
 # ------------------------------------------------------------------------------- export path
@@ -404,6 +420,23 @@ def _trace_export(model: nn.Module, inputs: Inputs) -> Traced:
     )
 
 
+def _warn_mode(traced: Traced, model: nn.Module) -> None:
+    """Warn that the graph computes as in the mode it was traced in, whatever the mode later
+    (:func:`~.fx_guard.mode_difference`): validation, test and prediction would run the
+    training-mode code (dropout on, the training branch taken)."""
+    if traced.mode_line is None:
+        return
+    mode = "training" if model.training else "evaluation"
+    warnings.warn(
+        f"{type(model).__name__}.forward computes differently in training and evaluation "
+        f"mode through a Python value (self.training), at `{traced.mode_line}`; the traced "
+        f"graph keeps the {mode}-mode code, so the split model runs it in every mode "
+        "(validation, test and prediction included). Use modules whose behaviour follows "
+        "train()/eval() (nn.Dropout rather than F.dropout(..., training=self.training)) or move "
+        "the branch into training_step",
+        UserWarning, stacklevel=3)
+
+
 def _eager_check(model: nn.Module, inputs: Inputs) -> None:
     """Tell bad inputs apart from an untraceable model: run the model itself once."""
     try:
@@ -442,7 +475,9 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
     if tracer in ("auto", "fx"):
         try:
             with _quiet_tracers():
-                return _trace_fx(model, inputs, sig)
+                traced = _trace_fx(model, inputs, sig)
+            _warn_mode(traced, model)
+            return traced
         except InputError:
             raise
         except Exception as exc:  # noqa: BLE001 - fx failing is the common case for HF models

@@ -120,3 +120,50 @@ def test_list_and_dict_outputs_keep_their_type_under_fx(container):
         check_split(blocks, model, x, [0, 1, len(blocks)])
     else:
         out["extra"] = None
+
+
+class _ModeBranch(Three):
+    """``if self.training`` decides a scale, as ``how`` says: ``"branch"``, a Python branch;
+    ``"functional"``, ``F.dropout(training=self.training)``; ``"module"``, an ``nn.Dropout``
+    (whose mode the stages' ``train()`` / ``eval()`` switch: nothing to warn about)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.drop = how, nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        if self.how == "branch" and self.training:
+            h = h * 1.5
+        elif self.how == "functional":
+            h = torch.nn.functional.dropout(h, 0.5, training=self.training)
+        elif self.how == "module":
+            h = self.drop(h)
+        return self.l3(self.l2(h))
+
+
+@pytest.mark.parametrize(("how", "mode", "line"), [
+    ("branch", "training", "* 1.5"), ("functional", "training", "training = True"),
+    ("branch", "evaluation", "self.l2(relu)"), ("module", None, None)])
+def test_a_forward_branching_on_self_training_is_warned_with_the_line(how, mode, line):
+    """The graph keeps the mode it was traced in as constants: without the warning the split
+    model's validation ran the training branch (predictions 1.5x the model's in eval mode)."""
+    import warnings
+
+    model = _ModeBranch(how).train(mode != "evaluation")
+    x = torch.randn(3, Three.WIDTH)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        blocks = split_model(model, (x,))
+    said = [str(w.message) for w in seen if "computes differently" in str(w.message)]
+    if mode is None:
+        assert said == []
+        return
+    assert len(said) == 1
+    assert line in said[0]
+    assert f"keeps the {mode}-mode code" in said[0]
+    model.train(mode == "evaluation")  # the other mode: the split model still runs the traced
+    torch.manual_seed(0)
+    split = blocks.run((x,))
+    torch.manual_seed(0)
+    assert not torch.allclose(split, call(model, (x,)))

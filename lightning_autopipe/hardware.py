@@ -168,6 +168,18 @@ def finite_positive(value: Any, key: str, where: str) -> float:
     return v
 
 
+#: GiB of device memory above any real device's (an exabyte), inside what bytes can count
+_MOST_MEMORY_GB = 1e9
+
+
+def _memory_gb(value: Any, where: str) -> float:
+    v = finite_positive(value, "memory_gb", where)
+    if v > _MOST_MEMORY_GB:
+        raise ClusterError(f"{where}: memory_gb is GiB of one device's memory, at most "
+                           f"{_MOST_MEMORY_GB:.0e}; got {value!r}")
+    return v
+
+
 def non_negative(value: Any, key: str, where: str) -> float:
     v = _number(value, key, where)
     if not v >= 0:
@@ -279,7 +291,7 @@ def parse_device(dev: Any, where: str, base: Path | None = None) -> DeviceSpec:
     return DeviceSpec(
         name=str(require(dev, "name", where)),
         speed=finite_positive(require(dev, "speed", where), "speed", where),
-        memory_gb=finite_positive(require(dev, "memory_gb", where), "memory_gb", where),
+        memory_gb=_memory_gb(require(dev, "memory_gb", where), where),
         overhead_ms=non_negative(dev.get("overhead_ms", 0.0), "overhead_ms", where),
         reduce_gbps=positive(dev.get("reduce_gbps", math.inf), "reduce_gbps", where),
         profile=profile,

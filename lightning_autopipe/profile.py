@@ -29,7 +29,6 @@ importing torch; measuring one is :func:`lightning_autopipe.runtime.profiler.pro
 from __future__ import annotations
 
 import json
-import math
 import numbers
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -78,6 +77,11 @@ def fit_affine(n_small: int, t_small: float, n_big: int, t_big: float) -> float:
     return min(max(fixed, 0.0), 0.9 * t_big)
 
 
+#: Above any real block's milliseconds or bytes (31,000 years; a petabyte), and far enough
+#: below float overflow that sums over blocks, micro-batches and steps stay finite.
+_MOST = 1e15
+
+
 @dataclass(frozen=True)
 class BlockProfile:
     """Costs of one block for one micro-batch of ``Profile.micro_batch_size`` samples.
@@ -117,9 +121,9 @@ class BlockProfile:
                     "backward_input_ms", "backward_weight_ms", "param_bytes",
                     "activation_bytes", "memory_bytes", "shared_input_bytes"):
             value = getattr(self, key)
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise InputError(f"block {self.name!r}: {key} must be a finite number >= 0, "
-                                 f"got {value!r}; measure the profile again")
+            if value is not None and not (0 <= value < _MOST):
+                raise InputError(f"block {self.name!r}: {key} must be a number >= 0 and below "
+                                 f"{_MOST:.0e}, got {value!r}; measure the profile again")
         for part, whole in (("forward_fixed_ms", "forward_ms"),
                             ("backward_fixed_ms", "backward_ms")):
             if getattr(self, part) > getattr(self, whole) * (1 + 1e-9) + 1e-12:

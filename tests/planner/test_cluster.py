@@ -108,6 +108,7 @@ _DELETE = object()
         (["servers", 1, "device", "speed"], float("inf"), "speed must be a finite number"),
         (["servers", 1, "device", "memory_gb"], float("inf"), "memory_gb must be a finite"),
         (["servers", 1, "device", "memory_gb"], "lots", "memory_gb must be a number, got 'lots'"),
+        (["servers", 1, "device", "memory_gb"], 1e308, "memory, at most 1e+09; got 1e+308"),
         (["servers", 0, "gpus"], 0, "gpus must be a positive integer, got 0"),
         (["servers", 1, "count"], 1.5, "count must be a positive integer, got 1.5"),
         (["network_gbps"], 0, "network_gbps must be > 0, got 0"),

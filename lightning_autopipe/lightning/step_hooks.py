@@ -137,14 +137,16 @@ class StepHooks(ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """``predict_step`` per slice on the last stage; every rank returns its replica's."""
+        """``predict_step`` per slice on the last stage; every rank returns its replica's.
+        Nothing is shared between replicas: Lightning's predict sampler does not pad, so one
+        replica may run a batch more than another."""
         assert self._pipe is not None
         assert self._runner is not None
         batch, rest, extra = _step_args(args, kwargs)
         self._runner.begin("predict_step", rest, extra)
         with self.precision_plugin.predict_step_context():
-            self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra))
-        return self._finish().predictions
+            self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra), replicas=False)
+        return self._finish(replicas=False).predictions
 
     def _eval_step(
         self, hook: str, args: Any, kwargs: Any, name: str, context: Callable
@@ -165,11 +167,13 @@ class StepHooks(ParallelStrategy):
         self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 
-    def _finish(self) -> StepOutcome:
-        """Share the step's slice results over the pipeline and log them on this rank."""
+    def _finish(self, replicas: bool = True) -> StepOutcome:
+        """Share the step's slice results over the pipeline (and a failure over the replicas)
+        and log them on this rank."""
         assert self._pipe is not None
         assert self._runner is not None
-        outcome = self._runner.finish(self._pipe.layout, self._pipe.groups, self.root_device)
+        outcome = self._runner.finish(self._pipe.layout, self._pipe.groups, self.root_device,
+                                      replicas=replicas)
         outcome.log_to(self.lightning_module, self.root_device,
                        self._pipe.layout.pipeline_ranks[0] == self.global_rank)
         return outcome

@@ -187,11 +187,13 @@ class PipelineExecutor:
         return loss
 
     @torch.no_grad()
-    def eval_step(self, batch: Any, step: int | None = None) -> Tensor:
-        """Forward-only pipeline; returns the global mean loss."""
+    def eval_step(self, batch: Any, step: int | None = None, *, replicas: bool = True
+                  ) -> Tensor:
+        """Forward-only pipeline; returns the global mean loss (with ``replicas=False`` the
+        replica's own: prediction, where replicas may run different numbers of batches)."""
         self.step, self._training = step, False
         self.stage.eval()
-        return self._run(batch, train=False)
+        return self._run(batch, train=False, replicas=replicas)
 
     def close(self) -> None:
         """Remove the gradient hooks this executor put on the stage's parameters.
@@ -287,7 +289,7 @@ class PipelineExecutor:
                 timeout_s=self.timeout_s,
             ) from exc
 
-    def _run(self, batch: Any, train: bool) -> Tensor:
+    def _run(self, batch: Any, train: bool, replicas: bool = True) -> Tensor:
         if self._closed:  # its replicas would no longer average gradients
             raise PipelineRuntimeError("this PipelineExecutor was closed; build a new one")
         layout = self.layout
@@ -334,7 +336,7 @@ class PipelineExecutor:
         self.timeline = timeline
         loss_sum = runners[max(runners)].loss_sum  # the last chunk's (zero unless the model's)
         with self._watch("loss broadcast", layout.last_stage_rank, communication=True):
-            loss = self._global_loss(loss_sum)  # summed in float64, as the same on every rank
+            loss = self._global_loss(loss_sum, replicas)  # float64, the same on every rank
         return loss if any(p.dtype == torch.float64 for p in self.parameters) else loss.float()
 
     def _arm(self, chunk: int) -> None:
@@ -362,12 +364,13 @@ class PipelineExecutor:
             return -1
         return last
 
-    def _global_loss(self, loss_sum: Tensor) -> Tensor:
-        """Replica mean from the last stage to the whole replica, then averaged over replicas."""
+    def _global_loss(self, loss_sum: Tensor, replicas: bool = True) -> Tensor:
+        """Replica mean from the last stage to the whole replica, then averaged over replicas
+        (``replicas``)."""
         layout = self.layout
         if layout.num_stages > 1:
             dist.broadcast(loss_sum, src=layout.last_stage_rank, group=self.groups.pipeline)
-        if layout.num_replicas > 1:
+        if replicas and layout.num_replicas > 1:
             dist.all_reduce(loss_sum, group=self.groups.dp)
             loss_sum /= layout.num_replicas
         return loss_sum

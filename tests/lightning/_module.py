@@ -130,7 +130,10 @@ def loaders(replicas: int, explicit_sampler: bool) -> dict[str, DataLoader]:
         "train": DataLoader(train, batch_size=batch, sampler=sampler),
         "val": DataLoader(dataset(evaluation, seed=2), batch_size=batch),
         "test": DataLoader(dataset(evaluation, seed=3), batch_size=batch),
-        "predict": DataLoader(dataset(evaluation, seed=4), batch_size=batch),
+        # one sample over whole batches: Lightning's predict sampler does not pad, so replica
+        # 0 runs a batch (of one sample) more than the others, which must not wait for it
+        "predict": DataLoader(dataset(3 * REPLICA_BATCH * replicas + 1, seed=4),
+                              batch_size=batch),
     }
 
 

@@ -143,7 +143,8 @@ class StepRunner:
                 self._failure = exc
         return _stand_in(outputs, training=hook == "training_step")
 
-    def finish(self, layout: Any, groups: Any, device: torch.device) -> StepOutcome:
+    def finish(self, layout: Any, groups: Any, device: torch.device, *, replicas: bool = True
+               ) -> StepOutcome:
         """Combine the slices' records on the last stage and share them (collective).
 
         Every rank of the pipeline calls this after the executor's step, in the same order.
@@ -151,7 +152,9 @@ class StepRunner:
         other stages; a failure of any replica is then raised on every rank: the rank where it
         happened re-raises its own exception, the others raise it as a
         :class:`~lightning_autopipe.errors.StepContractError` (a contract error, same message)
-        or a :class:`~lightning_autopipe.errors.PipelineRuntimeError` naming that rank.
+        or a :class:`~lightning_autopipe.errors.PipelineRuntimeError` naming that rank. With
+        ``replicas=False`` (prediction: Lightning's predict sampler does not pad, so replicas
+        may run different numbers of batches) a failure is shared within the replica only.
         """
         hook = self._hook or "step"
         payload = self._payload(layout) if layout.is_last else None
@@ -159,7 +162,8 @@ class StepRunner:
             box = [payload]
             dist.broadcast_object_list(box, src=layout.last_stage_rank, group=groups.pipeline)
             payload = box[0]
-        failure = _agree(payload["failure"], layout, groups, device)
+        failure = (_agree(payload["failure"], layout, groups, device) if replicas
+                   else payload["failure"])
         if failure is not None:
             if self._failure is not None:
                 raise self._failure
@@ -244,6 +248,13 @@ class StepRunner:
             self._predictions.append(out)
             return _stand_in(outputs, training=False)
         loss = _loss_of(out)
+        if isinstance(loss, torch.fx.Proxy):
+            raise StepContractError(
+                f"{hook} returned a value computed from a torch.fx Proxy: a tensor the forward "
+                "stored on the module (such as self.aux_loss = ...) holds the trace's "
+                "placeholder, not this slice's value, under AutoPipeStrategy; return it from "
+                "forward instead (in a tuple or dict with the outputs) and read it there"
+            )
         if hook == "training_step":
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)

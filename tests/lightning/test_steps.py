@@ -55,6 +55,8 @@ class Module(pl.LightningModule):
             raise KeyError("a bug of the step itself")
         if self.mistake == "skip":  # skipping a batch, as one may under strategy="auto"
             return None
+        if self.mistake == "stored":  # an auxiliary loss the forward kept on the module
+            return {"loss": loss + self.stored}
         return {"loss": loss}
 
 
@@ -136,6 +138,18 @@ def test_mistakes_are_raised_after_the_step_naming_pipeline_loss(mistake, phrase
     assert "pipeline_loss" in str(info.value)
     assert "forward" not in module.__dict__  # self(...) and self.log are the module's again
     assert "log" not in module.__dict__
+
+
+def test_a_value_the_forward_stored_while_traced_is_named_as_that():
+    """The forward stored an auxiliary loss on the module (``self.aux_loss = ...``) while
+    torch.fx traced it: the attribute holds the trace's Proxy, and the step's loss computed
+    from it was reported as "training_step returned a Proxy", pointing at the return."""
+    module = Module("stored")
+    module.stored = torch.fx.Proxy(torch.fx.Graph().placeholder("aux_loss"))
+    runner, _ = _run(module)
+    with pytest.raises(StepContractError, match=r"stored on the module .*self\.aux_loss.*"
+                                                r"return it from forward"):
+        runner.finish(LAYOUT, None, CPU)
 
 
 @pytest.mark.parametrize("hook", ["training_step", "validation_step"])

@@ -21,6 +21,7 @@ losses of zero, and :meth:`StepRunner.finish` raises it on every rank of every r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,9 @@ class StepRunner:
 
     def __init__(self, module: Any) -> None:
         self.module = module
+        #: this rank holds one stage of several (the others' parameters are released here)
+        self.partial = False
+        self._warned_parameters = False
         loss = getattr(module, _PIPELINE_LOSS, None)
         self._pipeline_loss: Callable[[Any, Any], Tensor] | None = loss if callable(loss) else None
         self._hook: str | None = _PIPELINE_LOSS if self.uses_pipeline_loss else None
@@ -189,6 +193,21 @@ class StepRunner:
         self._joined: Any = None
         self._failure: BaseException | None = None
 
+    def _warning(self, hook: str, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` (the module's ``parameters`` or ``named_parameters``), warning once that
+        a step reading it sees the last stage's parameters only."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self._warned_parameters:
+                self._warned_parameters = True
+                warnings.warn(
+                    f"{hook} calls self.{name}(): under AutoPipeStrategy the steps run on the "
+                    "last stage, whose rank holds only that stage's parameters (the others' "
+                    "are released there), so a loss term over them (an L2 penalty) covers "
+                    "that stage only; use the optimizer's weight_decay, or compute the term "
+                    "in forward and return it with the outputs", UserWarning, stacklevel=2)
+            return method(*args, **kwargs)
+        return call
+
     def _slice(self, hook: str, outputs: Any, part: Any) -> Tensor:
         module = self.module
         expected = _tensors(as_call_args(model_inputs(module, part)))
@@ -218,6 +237,9 @@ class StepRunner:
             logged[name] = (value, options, given)  # a key logged twice keeps its last value
 
         module.__dict__["forward"], module.__dict__["log"] = forward, log
+        if self.partial and hook == "training_step" and not self._warned_parameters:
+            for name in ("parameters", "named_parameters"):
+                module.__dict__[name] = self._warning(hook, name, getattr(module, name))
         try:
             out = getattr(module, hook)(part, *self._args, **self._kwargs)
         except StepContractError:
@@ -233,8 +255,8 @@ class StepRunner:
                 f"{WAY_OUT}"
             ) from exc
         finally:
-            module.__dict__.pop("forward", None)
-            module.__dict__.pop("log", None)
+            for name in ("forward", "log", "parameters", "named_parameters"):
+                module.__dict__.pop(name, None)
         if not calls:
             raise StepContractError(
                 f"{hook} returned without calling self(...); under AutoPipeStrategy the model "

@@ -274,6 +274,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
     def _adopt(self, pipe: LocalPipeline, module: Any, runner: StepRunner) -> None:
         """Hold ``pipe`` (releasing the earlier one) and point checkpoints at its layout."""
         self._held.hold(self, pipe, module, runner)
+        runner.partial = pipe.layout.num_stages > 1  # other stages' parameters are released
         self._checkpoint = ckpt.PipelineCheckpoint(
             pipe.layout, *self._orders, self.options.checkpoint_format
         )

@@ -57,6 +57,8 @@ class Module(pl.LightningModule):
             return None
         if self.mistake == "stored":  # an auxiliary loss the forward kept on the module
             return {"loss": loss + self.stored}
+        if self.mistake == "penalty":  # a hand-written L2 penalty over the parameters
+            return loss + 0.1 * sum(p.pow(2).sum() for p in self.parameters())
         return {"loss": loss}
 
 
@@ -150,6 +152,30 @@ def test_a_value_the_forward_stored_while_traced_is_named_as_that():
     with pytest.raises(StepContractError, match=r"stored on the module .*self\.aux_loss.*"
                                                 r"return it from forward"):
         runner.finish(LAYOUT, None, CPU)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_step_reading_the_parameters_of_a_split_model_is_warned_once(partial):
+    """An L2 penalty over ``self.parameters()`` in training_step silently covered the last
+    stage only (its rank holds no other stage's parameters); one stage of one (data parallel
+    alone) holds them all: nothing to say."""
+    import warnings
+
+    module = Module("penalty")
+    runner = StepRunner(module)
+    runner.partial = partial
+    x, y = _batch()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(2):
+            runner.begin("training_step", (step,))
+            for lo, hi in SLICES:
+                runner(module.lin(x[lo:hi]), (x[lo:hi], y[lo:hi]))
+            runner.finish(LAYOUT, None, CPU)
+    said = [str(w.message) for w in seen if "self.parameters()" in str(w.message)]
+    assert len(said) == (1 if partial else 0)
+    assert all("weight_decay" in m for m in said)
+    assert "parameters" not in module.__dict__
 
 
 @pytest.mark.parametrize("hook", ["training_step", "validation_step"])

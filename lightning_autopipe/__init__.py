@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_autopipe.errors import (
     AutoPipeError,
     BlockRangeError,
+    CheckpointReadError,
     ClusterError,
     InputError,
     MemoryPlanError,
@@ -72,6 +73,7 @@ __all__ = [
     "BlockGraph",
     "BlockProfile",
     "BlockRangeError",
+    "CheckpointReadError",
     "ClusterError",
     "InputError",
     "MemoryPlanError",

@@ -17,6 +17,7 @@ __all__ = [
     "PipelineRuntimeError",
     "StepContractError",
     "UnsafeCheckpointError",
+    "CheckpointReadError",
     "MissingExtraError",
 ]
 
@@ -71,6 +72,11 @@ class StepContractError(AutoPipeError, RuntimeError):
 class UnsafeCheckpointError(AutoPipeError, pickle.UnpicklingError):
     """A checkpoint holds a pickled object other than tensors and plain containers: loading it
     would run code from the file, so it is refused."""
+
+
+class CheckpointReadError(AutoPipeError, ValueError):
+    """A checkpoint cannot be read: the file is empty, truncated, not a checkpoint, or a
+    shard of a sharded checkpoint is missing or damaged."""
 
 
 class MissingExtraError(AutoPipeError, ImportError):

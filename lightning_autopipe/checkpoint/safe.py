@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_autopipe.errors import UnsafeCheckpointError
+from lightning_autopipe.errors import CheckpointReadError, UnsafeCheckpointError
 
 __all__ = ["SafeFileSystemReader", "refusing_unsafe", "safe_load", "unsafe_message"]
 
@@ -37,16 +38,20 @@ _ALLOWED = {
 }
 
 
-def unsafe_message(path: Any, exc: BaseException) -> str:
-    """The refusal: the file, what in it is not plain data, and what to do."""
+def _reason(exc: BaseException, kind: bool = False) -> str:
+    """What an unpickling (or reading) error says, without torch's paragraph around it."""
     text = " ".join(str(exc).split())
-    reason = text
+    reason = f"{type(exc).__name__}: {text}" if kind else text
     for marker in ("WeightsUnpickler error:", "Unsupported global:"):
         if marker in text:
-            reason = text[text.index(marker) :].split(". ")[0]
+            reason = text[text.index(marker) :].split(". ")[0].split(" Check the doc")[0]
             break
-    if len(reason) > 300:
-        reason = reason[:297] + "..."
+    return reason if len(reason) <= 300 else reason[:297] + "..."
+
+
+def unsafe_message(path: Any, exc: BaseException) -> str:
+    """The refusal: the file, what in it is not plain data, and what to do."""
+    reason = _reason(exc)
     return (
         f"refusing to load the checkpoint {str(path)!r}: it holds a pickled object that is not "
         f"a tensor or a plain container ({reason}); unpickling it would run code from the file. "
@@ -55,15 +60,55 @@ def unsafe_message(path: Any, exc: BaseException) -> str:
     )
 
 
+#: what the weights-only unpicklers say of an object they refuse (anything else they raise is
+#: a damaged file: "pickle data was truncated", "Unsupported operand 101", ...)
+_UNSAFE_MARKERS = ("Unsupported global", "Unsupported class", "unrecognized function",
+                   "Can only build", "Could not find reduce", "allowlist")
+
+
+def damaged_message(path: Any, exc: BaseException) -> str:
+    """The error for a file that cannot be read as a checkpoint, naming the file and why."""
+    if isinstance(exc, CheckpointException):  # torch.distributed.checkpoint: per-rank failures
+        exc = next((e for e, _ in exc.failures.values()), exc)
+    reason = _reason(exc, kind=True)
+    return (f"cannot read the checkpoint {str(path)!r}: it is empty, truncated, not a checkpoint "
+            f"or missing a shard ({reason}); save it again, or resume from an earlier one")
+
+
 @contextmanager
 def refusing_unsafe(path: Any) -> Iterator[None]:
-    """Turn a weights-only unpickling failure inside the block into an UnsafeCheckpointError."""
+    """Turn a weights-only unpickling refusal inside the block into an
+    :class:`UnsafeCheckpointError`, and a damaged file (truncated, not a pickle, a shard
+    missing) into a :class:`CheckpointReadError`: "unsafe, pass weights_only=False" would
+    advise switching the check off for a file nothing can read."""
     try:
         yield
-    except UnsafeCheckpointError:
+    except (UnsafeCheckpointError, CheckpointReadError):
         raise
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(unsafe_message(path, exc)) from None
+        if any(marker in str(exc) for marker in _UNSAFE_MARKERS):
+            raise UnsafeCheckpointError(unsafe_message(path, exc)) from None
+        raise CheckpointReadError(damaged_message(path, exc)) from None
+    except (EOFError, CheckpointException) as exc:
+        raise CheckpointReadError(damaged_message(path, exc)) from None
+    except (KeyError, OSError, RuntimeError) as exc:
+        # what torch.load's readers raise on a file that is no checkpoint (a text file:
+        # KeyError of an unknown opcode; a cut zip archive: OSError or RuntimeError), told
+        # apart from a missing file and from errors of the code around the load
+        if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)) or not \
+                _raised_in(exc, ("torch/serialization.py", "torch/_weights_only_unpickler.py")):
+            raise
+        raise CheckpointReadError(damaged_message(path, exc)) from None
+
+
+def _raised_in(exc: BaseException, files: tuple[str, ...]) -> bool:
+    """Whether ``exc`` was raised inside one of ``files`` (a frame of its traceback is)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(files):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def safe_load(source: Any, path: Any = None, **kwargs: Any) -> Any:

@@ -99,3 +99,38 @@ def test_the_projects_own_sharded_checkpoint_loads_weights_only(tmp_path):
                              partial=True)  # one stage of a split module: its keys only
     assert list(part["state_dict"]) == [first]
     torch.testing.assert_close(part["state_dict"][first], net.state_dict()[first])
+
+
+@pytest.mark.parametrize("damage", ["empty", "text", "bytes", "zip", "metadata", "shard-missing",
+                                    "shard-truncated"])
+def test_a_damaged_checkpoint_is_a_read_error_naming_the_file_not_an_unsafe_one(tmp_path,
+                                                                                damage):
+    """A file nothing can read (empty, text, random bytes, a cut zip; a sharded directory with a
+    cut ``.metadata``, a lost or cut shard) was refused as unsafe with the advice to pass
+    weights_only=False, or raised a bare EOFError / KeyError / DCP's CheckpointException (a
+    BaseException that ``except Exception`` misses). It is a CheckpointReadError naming it."""
+    from lightning_autopipe import AutoPipeStrategy, CheckpointReadError
+
+    if damage.startswith("shard") or damage == "metadata":
+        path = tmp_path / "d"
+        net = _sharded_dir(path)
+        shard = sorted(path.glob("*.distcp"))[0]
+        if damage == "metadata":
+            meta = path / ".metadata"
+            meta.write_bytes(meta.read_bytes()[:100])
+        elif damage == "shard-missing":
+            shard.unlink()
+        else:
+            shard.write_bytes(shard.read_bytes()[:200])
+        read = [lambda: ckpt.load_sharded(path, net.state_dict(), no_dist=True)]
+    else:
+        path = tmp_path / "bad.ckpt"
+        torch.save({"state_dict": T.build_net().state_dict()}, tmp_path / "good.ckpt")
+        good = (tmp_path / "good.ckpt").read_bytes()
+        path.write_bytes({"empty": b"", "text": b"hello\n", "bytes": bytes(range(256)) * 20,
+                          "zip": good[: len(good) // 2]}[damage])
+        read = [lambda: ckpt.read_model_state(path),
+                lambda: AutoPipeStrategy().load_checkpoint(path)]
+    for attempt in read:
+        with pytest.raises(CheckpointReadError, match=rf"cannot read the checkpoint '{path}"):
+            attempt()

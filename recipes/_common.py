@@ -67,11 +67,30 @@ def run_dir_for(recipe: str, configured: str | None) -> Path:
     elif os.environ.get(_RUN_DIR_ENV):
         path = Path(os.environ[_RUN_DIR_ENV])
     elif os.environ.get("TORCHELASTIC_RUN_ID"):
-        path = Path("outputs") / recipe / f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
+        path = Path("outputs") / recipe / f"torchrun-{_torchrun_job()}"
     else:
         path = Path("outputs") / recipe / time.strftime("%Y-%m-%d_%H-%M-%S")
     os.environ[_RUN_DIR_ENV] = str(path)
     return path
+
+
+def _torchrun_job() -> str:
+    """What tells this torchrun job from another: its rendezvous id, which every worker of
+    every node and elastic attempt shares. Without ``--rdzv-id`` torchrun names every job
+    ``none``: one job on one node is then told apart by its agent (the workers' parent, the
+    same over the job's restarts), or two jobs one after the other shared one folder, the
+    second deleting the first's logs and resuming its checkpoint as its own. Jobs of several
+    nodes without ``--rdzv-id`` still share ``torchrun-none`` (their agents differ): say so."""
+    job = os.environ["TORCHELASTIC_RUN_ID"]
+    if job != "none":
+        return job
+    if os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
+        return f"none-{os.getppid()}"
+    if os.environ.get("RANK", "0") == "0":
+        print("note: torchrun without --rdzv-id names every job 'none', so jobs of several "
+              "nodes share outputs/<recipe>/torchrun-none (a later job resumes an earlier "
+              "one's checkpoint); pass --rdzv-id=<job name> or run_dir=<folder>", flush=True)
+    return job
 
 
 def _local_ranks(trainer_cfg: Any) -> int:

@@ -290,6 +290,12 @@ def test_the_elastic_recipe_preset_resumes_last_and_checkpoints_every_n_steps(
     monkeypatch.setenv("AUTOPIPE_RUN_DIR", "")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
     assert run_dir_for("train_gpt", None) == Path("outputs/train_gpt/torchrun-job7")
+    # without --rdzv-id every torchrun job is "none": one job on one node is its agent's (two
+    # jobs one after the other shared a folder, the second resuming the first's checkpoint)
+    monkeypatch.setenv("AUTOPIPE_RUN_DIR", "")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    assert run_dir_for("train_gpt", None) == Path(f"outputs/train_gpt/torchrun-none-{os.getppid()}")
 
 
 # ----------------------------------------------------------------- the torchrun scenario

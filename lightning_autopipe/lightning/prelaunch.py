@@ -9,6 +9,7 @@ launcher before it starts a process. The same checks then run again in every ran
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning.pytorch.strategies.launchers import (
@@ -21,6 +22,7 @@ from lightning_autopipe.lightning.precision import check_precision
 from lightning_autopipe.lightning.reproducible import check_reproducible
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.runtime.checks import check_stages_divide
+from lightning_autopipe.runtime.failure import LAUNCHER_PID_ENV
 
 __all__ = ["CheckedMultiProcessingLauncher", "CheckedScriptLauncher", "check_before_launch",
            "check_trainer"]
@@ -104,13 +106,25 @@ class _Checked:
         self._check = check
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        # the launcher's own check first: devices x num_nodes against what torchrun or SLURM
+        # started names the setting to fix, where the plan's check would blame the stages
+        environment = getattr(self, "cluster_environment", None)
+        if hasattr(environment, "validate_settings"):
+            environment.validate_settings(num_devices=self.num_processes,  # type: ignore
+                                          num_nodes=self.num_nodes)  # type: ignore[attr-defined]
         if trainer is not None:
             self._check(trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
 class CheckedScriptLauncher(_Checked, _SubprocessScriptLauncher):
-    """Lightning's popen launcher, checking the configuration first."""
+    """Lightning's popen launcher, checking the configuration first; the ranks it starts
+    know its pid (:func:`~lightning_autopipe.runtime.failure.ending_with_launcher`)."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if not self.cluster_environment.creates_processes_externally:  # this one starts them
+            os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class CheckedMultiProcessingLauncher(_Checked, _MultiProcessingLauncher):

@@ -11,6 +11,7 @@ base class of it: nothing here reads the pipeline.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.lightning import elastic
 from lightning_autopipe.lightning.prelaunch import (
     CheckedMultiProcessingLauncher,
@@ -38,6 +40,8 @@ from lightning_autopipe.lightning.report_once import install_excepthook
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.runtime.failure import (
     FailureBoard,
+    describe,
+    ending_with_launcher,
     is_communication_error,
     pipeline_failure,
     watch_launcher,
@@ -122,16 +126,30 @@ class ProcessWorld(ParallelStrategy):
         self._backend = self._backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
-        _init_dist_connection(
-            self.cluster_environment, self._backend, timeout=self.options.timeout_delta
-        )
-        if self.global_rank > 0:
-            install_excepthook()  # an error every rank raises alike: rank 0's traceback only
-        # Launched by rank 0 of this node, or by torchrun's agent: do not outlive its failure.
-        if self.local_rank > 0 or elastic.ElasticAttempt.from_env() is not None:
+        # Launched by rank 0 of this node, or by torchrun's agent: do not outlive its failure,
+        # from before the process group forms (a rank 0 that fails to bind its store left its
+        # children waiting on the port for as long as anything listened there).
+        launched = self.local_rank > 0 or elastic.ElasticAttempt.from_env() is not None
+        if launched:
             self._watch = watch_launcher(self.global_rank)
             if self._watch is not None:
                 self._watch.arm()
+        try:
+            with ending_with_launcher() if launched else nullcontext():
+                _init_dist_connection(
+                    self.cluster_environment, self._backend, timeout=self.options.timeout_delta
+                )
+        except (RuntimeError, TimeoutError) as exc:  # DistStoreError / DistNetworkError
+            env, seconds = self.cluster_environment, self.options.timeout_delta.total_seconds()
+            raise PipelineRuntimeError(
+                f"rank {self.global_rank}: the {env.world_size()} ranks did not all join the "
+                f"process group at {env.main_address}:{env.main_port} within {seconds:g} s "
+                f"({describe(exc, 300)}); start every rank (num_nodes x devices processes, "
+                "every node's launch with the same address and port) or give a slow start more "
+                "time with AutoPipeStrategy(timeout=...)"
+            ) from exc
+        if self.global_rank > 0:
+            install_excepthook()  # an error every rank raises alike: rank 0's traceback only
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

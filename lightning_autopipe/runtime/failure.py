@@ -12,11 +12,15 @@ that went silent.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
+import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
@@ -222,6 +226,39 @@ def watch_launcher(rank: int) -> LauncherWatch | None:
     if _WATCH is None and os.getppid() > 1:
         _WATCH = LauncherWatch(rank)
     return _WATCH
+
+
+@contextmanager
+def ending_with_launcher() -> Iterator[None]:
+    """Inside the block this process is killed as soon as the process that launched it ends.
+
+    While the process group forms, torch's store connects holding the interpreter lock, so the
+    :class:`LauncherWatch` thread cannot run: a rank 0 that failed to bind its port left its
+    children waiting on that port for as long as anything listened there. The kernel's
+    parent-death signal needs no thread. It is cleared after the block (a rank merely
+    finishing after its launcher is never cut short). Linux only; elsewhere a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher:  # the launcher ended before the signal was set
+        sys.stderr.write("the launching process has exited before this rank joined the process "
+                         "group; ending this rank (see the launching process's error)\n")
+        sys.stderr.flush()
+        os._exit(1)
+    try:
+        yield
+    finally:
+        libc.prctl(_PR_SET_PDEATHSIG, 0)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+#: The pid of the rank that started this one (set by the strategy's launcher for the ranks it
+#: starts): a launcher that has ended is told apart from one that is process 1 itself.
+LAUNCHER_PID_ENV = "AUTOPIPE_LAUNCHER_PID"
 
 
 def stop_everywhere(exc: BaseException | None, doing: str) -> None:

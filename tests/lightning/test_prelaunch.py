@@ -107,3 +107,18 @@ def test_stochastic_weight_averaging_is_refused_before_launch(no_launch):
     with pytest.raises(PlanError, match="StochasticWeightAveraging does not run under"):
         _fit(AutoPipeStrategy(), callbacks=[StochasticWeightAveraging(swa_lrs=0.01)])
     assert no_launch.starts == []
+
+
+def test_devices_unlike_what_torchrun_started_names_the_devices_not_the_stages(no_launch,
+                                                                               monkeypatch):
+    """torchrun started 2 processes, the Trainer says devices=1: Lightning's own check names
+    the setting to fix; the plan's check ran first and blamed num_stages=2 ("does not divide
+    the 1 launched processes"), although 2 were launched."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"devices=1.*does not match the world size \(2\)"):
+        _fit(AutoPipeStrategy(num_stages=2), devices=1)
+    assert no_launch.starts == []

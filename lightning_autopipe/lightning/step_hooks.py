@@ -31,7 +31,7 @@ from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.runtime.pipeline import LocalPipeline
 
-__all__ = ["StepHooks"]
+__all__ = ["StepHooks", "epoch_end_note"]
 
 
 class StepHooks(ParallelStrategy):
@@ -204,3 +204,29 @@ def _window(module: Any) -> int:
     """The Trainer's ``accumulate_grad_batches`` (1 without a Trainer)."""
     trainer = getattr(module, "_trainer", None)
     return int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+
+
+_EPOCH_ENDS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end",
+               "on_predict_epoch_end")
+
+
+def epoch_end_note(exc: BaseException, module: Any, layout: Any) -> str | None:
+    """What to add to ``exc`` when it came from one of the module's epoch-end hooks on a rank
+    whose stage (``layout``'s) runs no step, not holding the model's last chunk: outputs its
+    steps collected on ``self`` (the Lightning 2 way to aggregate at epoch end) are empty
+    here. None otherwise."""
+    if layout.is_last:
+        return None
+    stage, last = layout.stage, layout.num_stages - 1
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name in _EPOCH_ENDS and frame.f_locals.get("self") is module:
+            return (f"{frame.f_code.co_name} raised on a rank holding stage {stage} of "
+                    f"0..{last}: the module's steps run on the last stage only, so what they "
+                    "collect on `self` (e.g. a list of outputs) is empty on this rank. Log "
+                    "values with self.log in the step (on_epoch=True aggregates them), or "
+                    "update a torchmetrics metric in the step and log metric.compute() in "
+                    f"{frame.f_code.co_name} (docs/usage.md)")
+        tb = tb.tb_next
+    return None

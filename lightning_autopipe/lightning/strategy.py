@@ -59,8 +59,8 @@ from lightning_autopipe.lightning.report_once import shown_by_rank_zero
 from lightning_autopipe.lightning.reproducible import BatchNormSteps, reproducible_options
 from lightning_autopipe.lightning.reproducible import note as reproducible_note
 from lightning_autopipe.lightning.sampler import elastic_replica_batch, stripe_for_layout
-from lightning_autopipe.lightning.step_hooks import StepHooks
-from lightning_autopipe.lightning.steps import StepRunner, epoch_end_note
+from lightning_autopipe.lightning.step_hooks import StepHooks, epoch_end_note
+from lightning_autopipe.lightning.steps import StepRunner
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.runtime.batchnorm import has_batch_norm

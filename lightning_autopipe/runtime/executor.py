@@ -187,10 +187,9 @@ class PipelineExecutor:
         return loss
 
     @torch.no_grad()
-    def eval_step(self, batch: Any, step: int | None = None, *, replicas: bool = True
-                  ) -> Tensor:
-        """Forward-only pipeline; returns the global mean loss (with ``replicas=False`` the
-        replica's own: prediction, where replicas may run different numbers of batches)."""
+    def eval_step(self, batch: Any, step: int | None = None, *, replicas: bool = True) -> Tensor:
+        """Forward-only pipeline; the global mean loss (``replicas=False``: the replica's own,
+        for prediction, where replicas may run different numbers of batches)."""
         self.step, self._training = step, False
         self.stage.eval()
         return self._run(batch, train=False, replicas=replicas)
@@ -365,8 +364,7 @@ class PipelineExecutor:
         return last
 
     def _global_loss(self, loss_sum: Tensor, replicas: bool = True) -> Tensor:
-        """Replica mean from the last stage to the whole replica, then averaged over replicas
-        (``replicas``)."""
+        """Replica mean from the last stage to the replica, then (``replicas``) over replicas."""
         layout = self.layout
         if layout.num_stages > 1:
             dist.broadcast(loss_sum, src=layout.last_stage_rank, group=self.groups.pipeline)

@@ -268,7 +268,7 @@ def test_an_epoch_end_hook_failing_where_no_step_runs_is_told_why():
     runs no step: the error gets a note saying so and what to do instead."""
     from types import SimpleNamespace
 
-    from lightning_autopipe.lightning.steps import epoch_end_note
+    from lightning_autopipe.lightning.step_hooks import epoch_end_note
 
     class Collects(pl.LightningModule):
         def __init__(self):

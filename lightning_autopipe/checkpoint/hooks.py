@@ -11,7 +11,8 @@ with everything it needs passed in: the rank's layout, the whole model's paramet
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 
 from lightning_autopipe.checkpoint import optimizer as optstate
 from lightning_autopipe.checkpoint import sharded
-from lightning_autopipe.errors import PlanError
+from lightning_autopipe.errors import PipelineRuntimeError, PlanError
 from lightning_autopipe.runtime.groups import RankLayout
 
 __all__ = ["PipelineCheckpoint", "stage_model_state"]
@@ -147,14 +148,16 @@ class PipelineCheckpoint:
         if not self.pipelined:
             return [obj]
         out: list[Any] | None = [None] * self.layout.world_size if self.layout.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
+        with _every_rank_saves(self.layout.rank):
+            dist.gather_object(obj, out, dst=0)
         return out or []
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not self.pipelined:
             return [obj]
         out: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(out, obj)
+        with _every_rank_saves(self.layout.rank):
+            dist.all_gather_object(out, obj)
         return out
 
     def _whole_model_groups(
@@ -199,3 +202,19 @@ def stage_model_state(
 def _to_cpu(obj: Any) -> Any:
     """Tensors moved to the CPU (gathered objects are unpickled on rank 0)."""
     return apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())
+
+
+@contextmanager
+def _every_rank_saves(rank: int) -> Iterator[None]:
+    """Name the likely cause when gathering a checkpoint's parts fails: every rank holds one
+    stage's part, so saving is collective, and a save called on rank 0 alone (DDP's habit,
+    ``if trainer.is_global_zero: trainer.save_checkpoint(...)``) waits out the timeout."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise PipelineRuntimeError(
+            f"rank {rank}: gathering the checkpoint's parts from every rank failed ({exc}); "
+            "under AutoPipeStrategy each rank holds one stage's part, so "
+            "trainer.save_checkpoint must be called on every rank (not under "
+            "`if trainer.is_global_zero:`; ModelCheckpoint does so)"
+        ) from exc

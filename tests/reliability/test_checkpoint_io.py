@@ -216,3 +216,15 @@ def test_the_strategy_io_writes_atomically_unless_the_user_chose_an_io():
     assert isinstance(wrapped.checkpoint_io, ckpt.AtomicCheckpointIO)
     mine = TorchCheckpointIO()
     assert AutoPipeStrategy(checkpoint_io=mine).checkpoint_io is mine
+
+
+def test_a_gather_of_the_checkpoint_that_fails_says_saving_is_collective():
+    """``if trainer.is_global_zero: trainer.save_checkpoint(...)`` (DDP's habit) left rank 0
+    in the gather of every stage's part until gloo's raw timeout, naming nothing."""
+    from lightning_autopipe.checkpoint.hooks import _every_rank_saves
+    from lightning_autopipe.errors import PipelineRuntimeError
+
+    timed_out = RuntimeError("Timed out waiting 30000ms for send operation to complete")
+    with pytest.raises(PipelineRuntimeError, match=r"rank 0: gathering .*Timed out.*"
+                       r"save_checkpoint must be called on every rank"), _every_rank_saves(0):
+        raise timed_out

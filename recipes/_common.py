@@ -372,4 +372,8 @@ def _refusal(exc: BaseException) -> str | None:
         return str(exc)
     if isinstance(exc, FileNotFoundError):
         return str(exc)
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    if isinstance(exc, MisconfigurationException):  # Lightning refusing the trainer's settings
+        return str(exc)
     return None

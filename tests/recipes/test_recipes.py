@@ -198,6 +198,7 @@ def test_a_misspelt_override_is_one_line_with_the_fix(monkeypatch, capsys):
     # plan-only makes the run's checks before it profiles anything
     (["--plan-only", "strategy.num_stages=0"], "num_stages must be 'auto' or a positive int"),
     (["--plan-only", "trainer.devices=0"], "trainer.devices=0: give the processes per node"),
+    (["trainer.devices=0"], "`Trainer(devices=0)` value is not a valid input"),  # Lightning's
 ])
 def test_a_refused_value_is_one_line_not_a_traceback(monkeypatch, capsys, tmp_path, overrides,
                                                        says):

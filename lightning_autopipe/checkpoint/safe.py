@@ -98,6 +98,8 @@ def refusing_unsafe(path: Any) -> Iterator[None]:
         if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)) or not \
                 _raised_in(exc, ("torch/serialization.py", "torch/_weights_only_unpickler.py")):
             raise
+        if isinstance(exc, RuntimeError) and "PytorchStreamReader" not in str(exc):
+            raise  # e.g. a CUDA tensor on a machine without one: not a damaged file
         raise CheckpointReadError(damaged_message(path, exc)) from None
 
 

@@ -92,7 +92,8 @@ class PipelineCheckpoint:
         if not self._writes_shard:
             named = {"state": {}, "param_groups": named["param_groups"]}
         if self.format == "sharded":
-            groups = self._all_gather(named["param_groups"])
+            with _every_rank_saves(self.layout.rank):
+                groups = self._all_gather(named["param_groups"])
             return {
                 "state": named["state"],
                 "param_groups": optstate.merge_param_groups(groups, self.param_order),
@@ -156,8 +157,7 @@ class PipelineCheckpoint:
         if not self.pipelined:
             return [obj]
         out: list[Any] = [None] * self.layout.world_size
-        with _every_rank_saves(self.layout.rank):
-            dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj)
         return out
 
     def _whole_model_groups(

@@ -289,13 +289,15 @@ def _trace_fx(model: nn.Module, inputs: Inputs, sig: inspect.Signature) -> Trace
         for n in names
         if n not in provided and sig.parameters[n].default is not inspect.Parameter.empty
     }
+    def capture() -> fx.GraphModule:
+        return fx.symbolic_trace(model, concrete_args=concrete or None)
+
     with watch_unrecorded(model):
-        gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+        gm = capture()
     traced = _from_graph_module(gm, model, inputs, sig, "fx")
     try:  # the guard restores what the second trace changed (buffers)
         with watch_unrecorded(model):
-            traced.mode_line = mode_difference(
-                model, gm, lambda: fx.symbolic_trace(model, concrete_args=concrete or None))
+            traced.mode_line = mode_difference(model, gm, capture)
     except Unrecorded:  # only the other mode's forward switches modes: its values are alike
         traced.mode_line = None
     return traced

@@ -139,7 +139,7 @@ class ProcessWorld(ParallelStrategy):
                 _init_dist_connection(
                     self.cluster_environment, self._backend, timeout=self.options.timeout_delta
                 )
-        except (RuntimeError, TimeoutError) as exc:  # DistStoreError / DistNetworkError
+        except dist.DistError as exc:  # DistStoreError / DistNetworkError: not all joined
             env, seconds = self.cluster_environment, self.options.timeout_delta.total_seconds()
             raise PipelineRuntimeError(
                 f"rank {self.global_rank}: the {env.world_size()} ranks did not all join the "

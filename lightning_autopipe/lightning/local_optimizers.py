@@ -14,6 +14,10 @@ stage's parameters. Two things that work in one process then go wrong on one ran
   in their next collective until the timeout, with a message naming no one: every rank says
   how it went and all stop with the failing rank's error
   (:func:`~lightning_autopipe.runtime.failure.stop_everywhere`).
+
+Lightning refuses several optimizers under automatic optimization and suggests manual
+optimization, which the strategy cannot offer (its schedule runs the backward): that refusal is
+told with the fix that works here, one optimizer with a parameter group per part.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_autopipe.errors import PlanError
 from lightning_autopipe.runtime.failure import stop_everywhere
 from lightning_autopipe.runtime.optim_state import unwrap
 
@@ -41,7 +46,7 @@ def make_local_optimizers(
     failure: BaseException | None = None
     try:
         placeholder = nn.Parameter(torch.zeros(0, device=device))
-        with _empty_lists_get(placeholder):
+        with _empty_lists_get(placeholder), _one_optimizer_told():
             make()
         _take_out(placeholder, optimizers())
         check()
@@ -51,6 +56,24 @@ def make_local_optimizers(
         stop_everywhere(failure, "while making its optimizers (configure_optimizers)")
     elif failure is not None:
         raise failure
+
+
+@contextmanager
+def _one_optimizer_told() -> Iterator[None]:
+    """Inside: Lightning's refusal of several optimizers becomes a :class:`PlanError` whose fix
+    works under the pipeline (Lightning's own, manual optimization, does not)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if "multiple optimizers" not in text or "manual optimization" not in text:
+            raise
+        raise PlanError(
+            "configure_optimizers returned several optimizers; AutoPipeStrategy steps one "
+            "optimizer per step and cannot take manual optimization (its schedule runs the "
+            "backward). Return one optimizer with a parameter group per part instead, e.g. "
+            "torch.optim.AdamW([{'params': self.encoder.parameters(), 'lr': 1e-4}, "
+            "{'params': self.head.parameters(), 'lr': 1e-3}])") from None
 
 
 @contextmanager

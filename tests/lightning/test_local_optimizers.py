@@ -3,10 +3,13 @@ the agreement between ranks is the Lightning worlds' ``optimizer`` case)."""
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from torch import nn
 
+from lightning_autopipe.errors import PlanError
 from lightning_autopipe.lightning.local_optimizers import make_local_optimizers
 
 
@@ -45,3 +48,26 @@ def test_an_error_in_configure_optimizers_is_raised_as_it_is():
     with pytest.raises(KeyError, match="no such group"):
         make_local_optimizers(make, list, lambda: None, device=torch.device("cpu"),
                               distributed=False)
+
+
+def test_two_optimizers_are_refused_with_the_parameter_group_fix_not_manual_optimization():
+    """Lightning's own check (its ``_init_optimizers_and_lr_schedulers``, what the strategy's
+    ``setup_optimizers`` runs) suggests manual optimization, which the strategy refuses too: the
+    refusal names one optimizer with parameter groups instead."""
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 1)
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.a.parameters(), lr=0.1),
+                    torch.optim.SGD(self.b.parameters(), lr=0.1)]
+
+    module = TwoOptimizers()
+    module.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False,
+                                enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(PlanError, match="several optimizers") as info:
+        make_local_optimizers(lambda: _init_optimizers_and_lr_schedulers(module), list,
+                              lambda: None, device=torch.device("cpu"), distributed=False)
+    assert "parameter group" in str(info.value)
+    assert "automatic_optimization = False" not in str(info.value)

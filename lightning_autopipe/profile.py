@@ -204,6 +204,8 @@ class Profile:
         missing = {"model", "micro_batch_size", "device", "blocks"} - set(data)
         if missing:
             raise InputError(f"profile JSON lacks keys {sorted(missing)}")
+        _known(data, {"model", "micro_batch_size", "device", "blocks", "fingerprint"},
+               "profile JSON")
         if not isinstance(data["blocks"], list) or not all(
                 isinstance(b, dict) for b in data["blocks"]):
             raise InputError("profile JSON: 'blocks' must be a list of objects, one per block")
@@ -216,6 +218,7 @@ class Profile:
             lacking = keys - set(b)
             if lacking:
                 raise InputError(f"profile block {i} lacks keys {sorted(lacking)}")
+            _known(b, keys | set(_OPTIONAL), f"profile block {i} ({b.get('name')!r})")
             try:
                 blocks.append(
                     BlockProfile(
@@ -262,6 +265,15 @@ class Profile:
 _OPTIONAL = ("forward_fixed_ms", "backward_fixed_ms", "backward_input_ms", "backward_weight_ms",
              "shared_input_bytes")
 _INTS = ("shared_input_bytes",)
+
+
+def _known(data: dict[str, Any], allowed: set[str], where: str) -> None:
+    """A key the reader does not know is refused, not ignored: a misspelt optional time (say
+    ``backward_weigth_ms``) would otherwise plan silently without it."""
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {unknown}; the keys a profile holds are "
+                         f"{sorted(allowed)} (fix the spelling, or measure the profile again)")
 
 
 def _block_dict(b: BlockProfile) -> dict[str, Any]:

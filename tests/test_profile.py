@@ -265,6 +265,11 @@ def test_a_block_of_impossible_costs_is_refused_naming_the_field(field, value, p
     ({"micro_batch_size": 2.5}, "micro_batch_size must be an integer"),
     ({"blocks": [{"name": "b", "forward_ms": "fast", "backward_ms": 1, "param_bytes": 1,
                   "activation_bytes": 1, "memory_bytes": 1}]}, "a field is not a number"),
+    # a misspelt optional time would plan silently without the backward's split
+    ({"blocks": [{"name": "b", "forward_ms": 1, "backward_ms": 2, "param_bytes": 1,
+                  "activation_bytes": 1, "memory_bytes": 1, "backward_weigth_ms": 1}]},
+     r"profile block 0 \('b'\): unknown key\(s\) \['backward_weigth_ms'\]"),
+    ({"micro_batchsize": 4}, r"unknown key\(s\) \['micro_batchsize'\]"),
 ])
 def test_a_malformed_profile_file_is_an_input_error(data, phrase):
     good = Profile("m", 4, "cpu", [BlockProfile("b", 1.0, 2.0, 1, 1, 1)]).to_dict()

@@ -161,9 +161,8 @@ class StepHooks(ParallelStrategy):
         runner.begin(hook if own else "pipeline_loss", rest, extra)
         with context():
             loss = self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra))
-        if own:
-            returned = self._finish().returned
-            return None if returned is None else torch.tensor(returned, device=self.root_device)
+        if own:  # what the step returned, joined over the slices (``on_*_batch_end`` gets it)
+            return self._finish().returned
         self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 

@@ -49,7 +49,8 @@ class StepOutcome:
     """What one step's slices produced, the same on every rank of the pipeline."""
 
     logs: list[LoggedValue] = field(default_factory=list)
-    returned: float | None = None
+    #: an evaluation step's return value joined over the slices (as one call returns it)
+    returned: Any = None
     predictions: Any = None
 
     def log_to(self, module: Any, device: torch.device, sole: bool = True) -> None:
@@ -78,6 +79,7 @@ class StepRunner:
         #: this rank holds one stage of several (the others' parameters are released here)
         self.partial = False
         self._warned_parameters = False
+        self._warned_outputs = False
         loss = getattr(module, _PIPELINE_LOSS, None)
         self._pipeline_loss: Callable[[Any, Any], Tensor] | None = loss if callable(loss) else None
         self._hook: str | None = _PIPELINE_LOSS if self.uses_pipeline_loss else None
@@ -149,20 +151,18 @@ class StepRunner:
             if contract:
                 raise StepContractError(message)
             raise PipelineRuntimeError(f"{where} failed in {hook}: {message}")
-        predictions = payload["predictions"]
-        if predictions is not None and not layout.is_last:
-            predictions = move_data_to_device(predictions, device)
-        elif layout.is_last:
-            predictions = self._joined
-        return StepOutcome(payload["logs"], payload["returned"], predictions)
+        joined = self._joined if layout.is_last else payload["joined"]
+        if joined is not None and not layout.is_last:
+            joined = move_data_to_device(joined, device)
+        if hook == "predict_step":
+            return StepOutcome(payload["logs"], predictions=joined)
+        return StepOutcome(payload["logs"], returned=joined)
 
     # ---------------------------------------------------------------------------- internals
     def _reset(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         self._args, self._kwargs = tuple(args), dict(kwargs)
         self._logs = SliceLogs()
-        self._returned: list[tuple[int, Tensor]] = []
-        self._returned_none = False
-        self._predictions: list[Any] = []
+        self._predictions: list[Any] = []  # what each slice's step returned (not training's)
         self._sizes: list[int] = []
         self._joined: Any = None
         self._failure: BaseException | None = None
@@ -239,7 +239,7 @@ class StepRunner:
             )
         for name, (value, options, given) in logged.items():
             self._logs.merge(name, value, options, n, given)
-        if hook == "predict_step":
+        if hook != "training_step":
             self._sizes.append(n)
             self._predictions.append(out)
             return _stand_in(outputs, training=False)
@@ -251,22 +251,16 @@ class StepRunner:
                 "placeholder, not this slice's value, under AutoPipeStrategy; return it from "
                 "forward instead (in a tuple or dict with the outputs) and read it there"
             )
-        if hook == "training_step":
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
-                       else "None" if out is None else f"a {type(out).__name__}")
-                raise StepContractError(
-                    f"training_step returned {got}; under "
-                    "AutoPipeStrategy every micro-batch slice must return its mean loss as a "
-                    "one-element tensor (or a dict with 'loss'): a step cannot be skipped by "
-                    f"returning None in one slice, {WAY_OUT}"
-                )
-            return loss.reshape(())
-        if isinstance(loss, Tensor) and loss.numel() == 1:
-            self._returned.append((n, loss.detach().reshape(()).double()))
-        else:
-            self._returned_none = True
-        return _stand_in(outputs, training=False)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
+                   else "None" if out is None else f"a {type(out).__name__}")
+            raise StepContractError(
+                f"training_step returned {got}; under "
+                "AutoPipeStrategy every micro-batch slice must return its mean loss as a "
+                "one-element tensor (or a dict with 'loss'): a step cannot be skipped by "
+                f"returning None in one slice, {WAY_OUT}"
+            )
+        return loss.reshape(())
 
     def _payload(self, layout: Any) -> dict[str, Any]:
         """What the last stage sends: plain Python values and CPU tensors only."""
@@ -275,25 +269,35 @@ class StepRunner:
             where = f"rank {layout.rank} (stage {layout.stage}, replica {layout.replica})"
             contract = isinstance(self._failure, StepContractError)
             failure = (contract, str(self._failure) if contract else describe(self._failure), where)
-            return {"failure": failure, "logs": [], "returned": None, "predictions": None}
+            return {"failure": failure, "logs": [], "joined": None}
         logs = self._logs.combined()
-        returned = None
-        if self._returned and not self._returned_none:
-            total = sum(n for n, _ in self._returned)
-            returned = float(sum(n * v for n, v in self._returned) / total)
-        predictions = None
+        joined = None
         if self._predictions:
+            predicting = self._hook == "predict_step"
             try:
-                self._joined = join_slices(self._predictions, self._sizes)
+                self._joined = join_slices(self._predictions, self._sizes,
+                                           evaluating=not predicting)
             except StepContractError as exc:
-                where = f"rank {layout.rank} (stage {layout.stage}, replica {layout.replica})"
-                self._failure = exc
-                failure = (True, str(exc), where)
+                if predicting:
+                    where = f"rank {layout.rank} (stage {layout.stage}, replica {layout.replica})"
+                    self._failure = exc
+                    failure = (True, str(exc), where)
+                else:  # nothing but a callback's `outputs` needs it: not worth a failed run
+                    self._unjoinable(exc)
             else:
                 if layout.num_stages > 1:
-                    predictions = apply_to_collection(self._joined, Tensor, lambda t: t.cpu())
-        return {"failure": failure, "logs": logs, "returned": returned,
-                "predictions": predictions}
+                    joined = apply_to_collection(self._joined, Tensor, lambda t: t.cpu())
+        return {"failure": failure, "logs": logs, "joined": joined}
+
+    def _unjoinable(self, exc: StepContractError) -> None:
+        """An evaluation step's return value that cannot be joined: warned once, ``None``."""
+        if not self._warned_outputs:
+            self._warned_outputs = True
+            hook = self._hook
+            batch_end = "on_validation_batch_end" if hook == "validation_step" else (
+                "on_test_batch_end")
+            warnings.warn(f"{exc}; {batch_end} receives outputs=None for it", UserWarning,
+                          stacklevel=2)
 
 
 def _agree(failure: Any, layout: Any, groups: Any, device: torch.device) -> Any:
@@ -351,30 +355,46 @@ def _loss_of(out: Any) -> Any:
     return out
 
 
-def join_slices(parts: Sequence[Any], sizes: Sequence[int]) -> Any:
-    """The outputs of a batch's slices, joined in batch order, as one call would return them.
+def join_slices(parts: Sequence[Any], sizes: Sequence[int], *, evaluating: bool = False
+                ) -> Any:
+    """The return values of a batch's slices, joined as one call on the batch returns them.
 
-    Tensors are concatenated along dim 0; dicts and tuples are joined entry by entry; a list
-    with one entry per sample in every slice is concatenated; ``None`` stays ``None``.
+    Tensors with the batch first are concatenated along dim 0; dicts and tuples are joined
+    entry by entry; a list with one entry per sample in every slice is concatenated; a value
+    alike in every slice (``None``, ``batch_idx``, a name) is kept. ``evaluating``
+    (``validation_step`` / ``test_step``): a one-element tensor or a number that differs
+    between slices is a batch value, a mean over its samples (a loss, an accuracy), so the
+    slices' values are averaged weighted by their samples; prediction refuses it.
 
     Raises:
-        StepContractError: a value that cannot be joined (a 0-dim tensor, mismatched keys...).
+        StepContractError: a value that cannot be joined (a 0-dim tensor when predicting,
+            mismatched keys, a per-batch statistic of another shape...).
     """
+    hook = "a validation/test step" if evaluating else "predict_step"
     first = parts[0]
-    if all(p is None for p in parts):
-        return None
-    if isinstance(first, Tensor) and all(isinstance(p, Tensor) for p in parts):
-        if first.dim() == 0:
-            raise StepContractError(
-                "predict_step returned a 0-dim tensor for a micro-batch slice; return per-sample "
-                "values (the batch first) so the slices can be joined in batch order"
-            )
-        return torch.cat(list(parts), dim=0)
+    if all(isinstance(p, Tensor) for p in parts):
+        if all(p.dim() and p.shape[0] == n for p, n in zip(parts, sizes)) or (
+                not evaluating and first.dim() and all(p.dim() for p in parts)):
+            return torch.cat(list(parts), dim=0)
+        if evaluating and all(p.numel() == 1 for p in parts):
+            mean = _weighted_mean([p.detach().double().reshape(()) for p in parts], sizes)
+            return mean.to(first.dtype).reshape(first.shape)
+        shapes = sorted({tuple(p.shape) for p in parts})
+        raise StepContractError(
+            f"{hook} returned tensors of shapes {shapes} for micro-batch slices of "
+            f"{list(sizes)} samples; return per-sample values (the batch first) so the slices "
+            "can be joined in batch order" + (", or a one-element mean" if evaluating else ""))
+    if not isinstance(first, Mapping | list | tuple) and all(_alike(p, first) for p in parts):
+        return first  # a plain value alike in every slice (None, batch_idx, a name)
+    if evaluating and all(isinstance(p, int | float) and not isinstance(p, bool) for p in parts):
+        return float(_weighted_mean([torch.tensor(float(p), dtype=torch.float64)
+                                     for p in parts], sizes))
     if isinstance(first, Mapping) and all(isinstance(p, Mapping) for p in parts):
         keys = list(first)
         if any(list(p) != keys for p in parts):
-            raise StepContractError("predict_step returned dicts with different keys per slice")
-        return type(first)({k: join_slices([p[k] for p in parts], sizes) for k in keys})
+            raise StepContractError(f"{hook} returned dicts with different keys per slice")
+        return type(first)({k: join_slices([p[k] for p in parts], sizes, evaluating=evaluating)
+                            for k in keys})
     if isinstance(first, list) and all(isinstance(p, list) for p in parts) and all(
         len(p) == n for p, n in zip(parts, sizes)
     ):
@@ -382,10 +402,30 @@ def join_slices(parts: Sequence[Any], sizes: Sequence[int]) -> Any:
     if isinstance(first, tuple | list) and all(
         isinstance(p, tuple | list) and len(p) == len(first) for p in parts
     ):
-        joined = [join_slices([p[i] for p in parts], sizes) for i in range(len(first))]
+        joined = [join_slices([p[i] for p in parts], sizes, evaluating=evaluating)
+                  for i in range(len(first))]
         return type(first)(joined) if not hasattr(first, "_fields") else type(first)(*joined)
     raise StepContractError(
-        f"predict_step returned {type(first).__name__} values that cannot be joined over "
-        "micro-batch slices; return tensors (the batch first), dicts or tuples of them, or a "
-        "list with one entry per sample"
+        f"{hook} returned {type(first).__name__} values that differ between micro-batch "
+        "slices and cannot be joined; return tensors (the batch first), dicts or tuples of "
+        "them, or a list with one entry per sample"
     )
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same plain value (no tensor: those are joined, not compared)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False
+    if isinstance(a, Mapping | list | tuple):
+        return False
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - an object whose == is not a truth value
+        return False
+
+
+def _weighted_mean(values: Sequence[Tensor], sizes: Sequence[int]) -> Tensor:
+    """The slices' batch values, weighted by their samples: the whole batch's mean."""
+    total = sum(sizes)
+    return sum((v * n for v, n in zip(values, sizes)), torch.zeros((), dtype=torch.float64)
+               ) / total

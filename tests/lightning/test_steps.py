@@ -118,7 +118,51 @@ def test_evaluation_returns_the_sample_weighted_loss():
     with torch.no_grad():
         whole = F.cross_entropy(module.lin(x), y)
     outcome = runner.finish(LAYOUT, None, CPU)
-    assert outcome.returned == pytest.approx(float(whole), rel=1e-6)
+    assert list(outcome.returned) == ["loss"]  # the step's own dict, as one call returns it
+    torch.testing.assert_close(outcome.returned["loss"], whole, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("hook", ["validation_step", "test_step"])
+def test_an_evaluation_step_returns_to_its_batch_end_hook_what_one_whole_batch_call_returns(
+        hook):
+    """``on_validation_batch_end`` / ``on_test_batch_end`` receive the step's return value:
+    per-sample tensors concatenated in batch order, a one-element mean weighted by the slices'
+    samples, values alike in every slice kept (not only a scalar loss, the rest dropped)."""
+    module = Module()
+
+    def step(batch, batch_idx):
+        x, y = batch
+        logits = module(x)
+        loss = F.cross_entropy(logits, y)
+        return {"loss": loss, "preds": logits.argmax(-1), "logits": logits,
+                "acc": float((logits.argmax(-1) == y).float().mean()), "batch_idx": batch_idx,
+                "pair": (loss.reshape(1), y)}
+
+    setattr(module, hook, step)
+    runner, _ = _run(module, hook)
+    got = runner.finish(LAYOUT, None, CPU).returned
+    x, y = _batch()
+    module.__dict__.pop(hook)
+    with torch.no_grad():
+        want = step((x, y), 0)
+    assert list(got) == list(want)
+    for key in ("loss", "preds", "logits"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7)
+    assert got["acc"] == pytest.approx(want["acc"], rel=1e-6)  # float32 means
+    assert got["batch_idx"] == 0 and isinstance(got["batch_idx"], int)
+    torch.testing.assert_close(got["pair"][0], want["pair"][0], rtol=1e-6, atol=0)
+    assert torch.equal(got["pair"][1], y)
+
+
+def test_an_evaluation_return_that_cannot_be_joined_is_warned_once_and_given_as_none():
+    """A per-batch statistic of another shape (a confusion matrix) cannot be joined from
+    slices without knowing whether it sums or averages: ``None`` with a warning, and the
+    validation itself goes on (its logs are unaffected)."""
+    module = Module()
+    module.validation_step = lambda batch, batch_idx: torch.zeros(3, 3) + module(batch[0]).sum()
+    runner, _ = _run(module, "validation_step")
+    with pytest.warns(UserWarning, match=r"on_validation_batch_end receives outputs=None"):
+        assert runner.finish(LAYOUT, None, CPU).returned is None
 
 
 @pytest.mark.parametrize(
@@ -246,7 +290,9 @@ def test_join_slices_restores_batch_order():
     assert isinstance(out, pair)
     assert out.q.shape == (2, 2)
     assert join_slices([None, None], [1, 1]) is None
-    with pytest.raises(StepContractError, match="0-dim"):
+    # a value alike in every slice (Lightning's own DDP predict returns it once per batch)
+    assert join_slices([{"i": 7, "p": torch.ones(1)}] * 2, [1, 1])["i"] == 7
+    with pytest.raises(StepContractError, match=r"shapes \[\(\)\].*per-sample values"):
         join_slices([torch.tensor(1.0), torch.tensor(2.0)], [1, 1])
     with pytest.raises(StepContractError, match="cannot be joined"):
         join_slices(["a", "b"], [1, 1])

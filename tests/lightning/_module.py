@@ -85,7 +85,8 @@ class Classifier(pl.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        self._scores(batch, "val")
+        logits, loss = self._scores(batch, "val")
+        return {"loss": loss, "logits": logits}  # for on_validation_batch_end (BatchOutputs)
 
     def test_step(self, batch, batch_idx):
         return self._scores(batch, "test")[1]
@@ -149,6 +150,23 @@ class KeepPredictions(BasePredictionWriter):
         self.written.append(prediction)
 
 
+class BatchOutputs(pl.Callback):
+    """What ``on_validation_batch_end`` / ``on_test_batch_end`` are handed, per batch, during
+    ``trainer.validate`` / ``trainer.test`` (the steps' return values)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list] = {"validate": [], "test": []}
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx,
+                                dataloader_idx=0) -> None:
+        if trainer.state.fn == "validate":
+            self.seen["validate"].append(outputs)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx,
+                          dataloader_idx=0) -> None:
+        self.seen["test"].append(outputs)
+
+
 class SummaryProbe(pl.Callback):
     """What the Trainer's model summary callback reports (at the first fit's start)."""
 
@@ -180,8 +198,8 @@ def run_sequence(trainer_factory, replicas: int, explicit_sampler: bool, ckpt_di
     logger = RecordingLogger()
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", monitor="val_loss",
                                  mode="min", save_top_k=1, save_last=True)
-    writer, probe = KeepPredictions(), SummaryProbe()
-    trainer = trainer_factory(logger=logger, callbacks=[checkpoint, writer, probe],
+    writer, probe, batch_outputs = KeepPredictions(), SummaryProbe(), BatchOutputs()
+    trainer = trainer_factory(logger=logger, callbacks=[checkpoint, writer, probe, batch_outputs],
                               max_epochs=EPOCHS)
     dl = loaders(replicas, explicit_sampler)
     out: dict = {}
@@ -194,6 +212,7 @@ def run_sequence(trainer_factory, replicas: int, explicit_sampler: bool, ckpt_di
     out["test"] = trainer.test(task, dl["test"], verbose=False)
     out["predict"] = trainer.predict(task, dl["predict"])
     out["written"] = writer.written
+    out["batch_outputs"] = {k: list(v) for k, v in batch_outputs.seen.items()}
     rows = len(logger.rows)
     trainer.fit_loop.max_epochs = EPOCHS + 1
     trainer.fit(task, dl["train"], dl["val"])

@@ -184,6 +184,19 @@ def test_validate_test_and_predict_after_fit_return_what_auto_returns(runs):
             _close(got, want, f"rank {rec['rank']} predictions {key}")
             written = torch.cat([p[key] for p in rec["written"]])
             _close(written, got, f"rank {rec['rank']} prediction writer {key}")
+        # on_validation_batch_end gets validation_step's dict joined over the slices (its
+        # logits in batch order), on_test_batch_end test_step's loss: the batch's mean
+        seen, want = rec["batch_outputs"], auto["batch_outputs"]
+        assert [sorted(o) for o in seen["validate"]] == [["logits", "loss"]] * len(
+            seen["validate"])
+        got = torch.cat([o["logits"] for o in seen["validate"]])
+        _close(got, torch.cat([o["logits"] for o in want["validate"]])[replica :: runs.replicas],
+               f"rank {rec['rank']} on_validation_batch_end logits")
+        assert all(o.dim() == 0 for o in seen["test"])
+        if runs.replicas == 1:  # the same batches as the reference: the same batch means
+            for call, pick in (("validate", lambda o: o["loss"]), ("test", lambda o: o)):
+                _close([pick(o) for o in seen[call]], [pick(o) for o in want[call]],
+                       f"rank {rec['rank']} {call} batch outputs")
 
 
 def test_fit_again_continues_like_auto_and_best_and_last_checkpoints_load(runs):

@@ -149,7 +149,8 @@ def test_an_evaluation_step_returns_to_its_batch_end_hook_what_one_whole_batch_c
     for key in ("loss", "preds", "logits"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7)
     assert got["acc"] == pytest.approx(want["acc"], rel=1e-6)  # float32 means
-    assert got["batch_idx"] == 0 and isinstance(got["batch_idx"], int)
+    assert got["batch_idx"] == 0
+    assert isinstance(got["batch_idx"], int)
     torch.testing.assert_close(got["pair"][0], want["pair"][0], rtol=1e-6, atol=0)
     assert torch.equal(got["pair"][1], y)
 

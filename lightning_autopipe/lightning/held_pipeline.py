@@ -24,7 +24,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import os
+import sys
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -33,7 +36,8 @@ import torch.distributed as dist
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.runtime.groups import destroy_groups
 
-__all__ = ["HeldPipeline", "destroy_pipeline_groups", "destroy_released_groups", "leave"]
+__all__ = ["HeldPipeline", "destroy_pipeline_groups", "destroy_released_groups", "leave",
+           "mark_in_run"]
 
 # Modules whose parameters a pipeline has bound to one stage (the others released).
 _SPLIT: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -46,6 +50,7 @@ _FAILED: list[bool] = []
 #: after ``fit`` delays its peers' exit by at most this; then they leave anyway).
 EXIT_WAIT_S = 60.0
 _EXIT_KEY = "autopipe/exit"
+_IN_RUN_KEY = "autopipe/in_run/"
 
 
 class HeldPipeline:
@@ -155,7 +160,19 @@ def _destroy_released() -> None:
             destroy_groups(groups)
 
 
-def leave(wait_s: float = EXIT_WAIT_S) -> None:
+def mark_in_run(inside: bool) -> None:
+    """Say in the default group's store whether this rank is inside a Trainer call (the
+    strategy's setup to its teardown): at exit rank 0 tells a peer that never left its run
+    from one doing its own work after it (:func:`leave`). Best effort, as the store allows."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    with contextlib.suppress(Exception):
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_IN_RUN_KEY}{dist.get_rank()}", "1" if inside else "0")
+
+
+def leave(wait_s: float = EXIT_WAIT_S,
+          on_stuck: Callable[[str], None] | None = None) -> None:
     """At exit: wait until every rank reached its exit (unless a run failed here), then destroy
     the released pipelines' groups and the default group.
 
@@ -163,21 +180,59 @@ def leave(wait_s: float = EXIT_WAIT_S) -> None:
     a collective may still have a peer reading its last message, while a rank that reached
     this point has finished every collective of its own. Best effort: a peer that never comes
     (or a store whose host already left) ends the wait, and the groups are destroyed anyway.
+    A peer that rank 0 waited for in vain while it was still inside its run (:func:`mark_in_run`:
+    hung, or failing after the run's last collective, in an epoch-end hook or a callback at
+    the end of training) fails the job: ``on_stuck`` gets the message (default: printed, and
+    this process exits with status 1), where the job would otherwise end with status 0 and
+    that rank's error, if any, would never be shown.
     """
     if not (dist.is_available() and dist.is_initialized()):
         _RELEASED.clear()
         return
+    stuck: list[int] = []
     if not _FAILED:
-        with contextlib.suppress(Exception):
+        try:
             _wait_for_every_rank(wait_s)
+        except Exception:  # noqa: BLE001 - a wait that ran out, or a store already gone
+            with contextlib.suppress(Exception):
+                stuck = _stuck_in_run()
     _destroy_released()
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+    if stuck:
+        (on_stuck or _fail_the_job)(
+            f"rank(s) {stuck} never finished their run: {wait_s:g} s after rank 0 reached its "
+            "exit they were still inside the Trainer call (hung, or failing after its last "
+            "collective, e.g. in an epoch-end hook or a callback at the end of training); "
+            "check their log")
 
 
 def _wait_for_every_rank(wait_s: float) -> None:
     store = dist.distributed_c10d._get_default_store()
+    store.set(f"{_EXIT_KEY}/{dist.get_rank()}", "1")
     arrived = store.add(_EXIT_KEY, 1)
     if arrived >= dist.get_world_size():
         store.set(_EXIT_KEY + "/all", "1")
     store.wait([_EXIT_KEY + "/all"], timedelta(seconds=wait_s))
+
+
+def _stuck_in_run() -> list[int]:
+    """On rank 0 (the store's host, and the job's status under Lightning's launcher): the
+    ranks that have not reached their exit and are still inside their run."""
+    if dist.get_rank() != 0:
+        return []
+    store = dist.distributed_c10d._get_default_store()
+    out = []
+    for r in range(1, dist.get_world_size()):
+        if store.check([f"{_EXIT_KEY}/{r}"]):
+            continue
+        key = f"{_IN_RUN_KEY}{r}"
+        if store.check([key]) and store.get(key) == b"1":
+            out.append(r)
+    return out
+
+
+def _fail_the_job(message: str) -> None:
+    print(f"[rank 0] {message}; the job fails", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)  # at exit: an exception raised here would be printed and the status kept 0

@@ -46,6 +46,7 @@ from lightning_autopipe.lightning.held_pipeline import (
     HeldPipeline,
     destroy_pipeline_groups,
     destroy_released_groups,
+    mark_in_run,
 )
 from lightning_autopipe.lightning.local_optimizers import make_local_optimizers
 from lightning_autopipe.lightning.optimizer_state import with_measured_optimizer_state
@@ -180,6 +181,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        mark_in_run(True)
         fn = trainer.state.fn
         check_trainer(trainer, self.precision_plugin)
         module = self.lightning_module
@@ -430,6 +432,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
             self._failed = False
         if self._watch is not None:
             self._watch.disarm()
+        mark_in_run(False)
         if self._deferred():  # a meta-device module that never got its stage: not movable
             self._lightning_module, held = None, self._lightning_module
             super().teardown()

@@ -291,7 +291,6 @@ class PipelineExecutor:
     def _run(self, batch: Any, train: bool, replicas: bool = True) -> Tensor:
         if self._closed:  # its replicas would no longer average gradients
             raise PipelineRuntimeError("this PipelineExecutor was closed; build a new one")
-        layout = self.layout
         flat = tuple(self._flatten(self._inputs_fn(batch)))
         if not flat:
             raise PipelineRuntimeError("the model's flattened inputs hold no tensor")
@@ -334,8 +333,7 @@ class PipelineExecutor:
         self.trace = trace
         self.timeline = timeline
         loss_sum = runners[max(runners)].loss_sum  # the last chunk's (zero unless the model's)
-        with self._watch("loss broadcast", layout.last_stage_rank, communication=True):
-            loss = self._global_loss(loss_sum, replicas)  # float64, the same on every rank
+        loss = self._global_loss(loss_sum, replicas)  # float64, the same on every rank
         return loss if any(p.dtype == torch.float64 for p in self.parameters) else loss.float()
 
     def _arm(self, chunk: int) -> None:
@@ -367,9 +365,13 @@ class PipelineExecutor:
         """Replica mean from the last stage to the replica, then (``replicas``) over replicas."""
         layout = self.layout
         if layout.num_stages > 1:
-            dist.broadcast(loss_sum, src=layout.last_stage_rank, group=self.groups.pipeline)
-        if replicas and layout.num_replicas > 1:
-            dist.all_reduce(loss_sum, group=self.groups.dp)
+            last = layout.last_stage_rank
+            with self._watch("loss broadcast", None if last == layout.rank else last, True):
+                dist.broadcast(loss_sum, src=last, group=self.groups.pipeline)
+        if replicas and layout.num_replicas > 1:  # the silent peer is known if there is one
+            others = [r for r in layout.dp_ranks if r != layout.rank]
+            with self._watch("loss all-reduce", others[0] if len(others) == 1 else None, True):
+                dist.all_reduce(loss_sum, group=self.groups.dp)
             loss_sum /= layout.num_replicas
         return loss_sum
 
@@ -388,13 +390,7 @@ class PipelineExecutor:
 
 def _action_name(a: Action) -> str:
     """``forward 1F0.1`` style label of an action for failure messages."""
-    words = {
-        Kind.FORWARD: "forward",
-        Kind.BACKWARD: "backward",
-        Kind.WEIGHT: "weight backward",
-        Kind.SEND_F: "send of activations",
-        Kind.RECV_F: "receive of activations",
-        Kind.SEND_B: "send of gradients",
-        Kind.RECV_B: "receive of gradients",
-    }
+    words = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.WEIGHT: "weight backward",
+             Kind.SEND_F: "send of activations", Kind.RECV_F: "receive of activations",
+             Kind.SEND_B: "send of gradients", Kind.RECV_B: "receive of gradients"}
     return f"{words.get(a.kind, 'action')} {a}"

@@ -101,7 +101,7 @@ class PoisonParameter(Callback):
                 next(pl_module.parameters()).fill_(float("nan"))
 
 
-def _fixed_plan(stages: int) -> Plan:
+def _fixed_plan(stages: int, replicas: int = 1) -> Plan:
     """Even contiguous block ranges on ``local:0..``: the same cuts in every run.
 
     An automatic plan depends on profiled timings, and the cuts decide which rank draws which
@@ -111,7 +111,9 @@ def _fixed_plan(stages: int) -> Plan:
     n = len(split_model(net, (torch.zeros(2, T.SEQ, dtype=torch.long),)))
     bounds = [round(i * n / stages) for i in range(stages + 1)]
     return Plan("fixed", T.GLOBAL_BATCH, 2, 2, [
-        StagePlan((bounds[i], bounds[i + 1]), [f"local:{i}"]) for i in range(stages)
+        StagePlan((bounds[i], bounds[i + 1]), [f"local:{i * replicas + r}"
+                                               for r in range(replicas)])
+        for i in range(stages)
     ])
 
 
@@ -205,12 +207,15 @@ def run_case(case: str, world: int, out: Path) -> dict:
                     task_kw={"dropout": 0.1, "optimizer": "sgd", "steps_per_epoch": 3,
                              "init_seed": None},
                     strategy_kw={"plan": _fixed_plan(4)})
-    if case.startswith("fail_"):  # fail_<how>_rank<r>: 2 stages, fails at global step 2
+    if case.startswith("fail_"):  # fail_<how>_rank<r>[_dp]: fails at global step 2
         # A given plan keeps rank r on stage r (a planned mapping may swap the two ranks when
-        # the machine is busy), so the messages the tests expect name a known stage.
-        how, rank = case.split("_")[1], int(case.split("rank")[1])
-        return _fit(out, case, stages=2, epochs=1, task_kw={"steps_per_epoch": 4},
-                    strategy_kw={"timeout": FAIL_TIMEOUT[how], "plan": _fixed_plan(2)},
+        # the machine is busy), so the messages the tests expect name a known stage; _dp: one
+        # stage on two replicas instead of two stages.
+        how, rank = case.split("_")[1], int(case.split("rank")[1][0])
+        stages, replicas = (1, WORLD) if case.endswith("_dp") else (2, 1)
+        return _fit(out, case, stages=stages, epochs=1, task_kw={"steps_per_epoch": 4},
+                    strategy_kw={"timeout": FAIL_TIMEOUT[how],
+                                 "plan": _fixed_plan(stages, replicas)},
                     callbacks=[Inject(rank, 2, how, out)], catch=False)
     raise ValueError(f"unknown case {case!r}")
 

@@ -1,10 +1,10 @@
 """A failing rank ends the whole Lightning job, and the user is told which rank and why.
 
-Each case is one 2-rank launch (2 stages) of ``tests/reliability/_run.py`` in which rank ``r``
-fails at global step 2: an exception in its stage's forward, SIGKILL, or a hang (the three
-launches run side by side). The job must end (every rank's process gone) with a non-zero
-status, within the strategy timeout of the failure (a hang can only be noticed when the timeout
-expires, so there: shortly after it).
+Each case is one 2-rank launch (2 stages, or one stage on two replicas) of
+``tests/reliability/_run.py`` in which rank ``r`` fails at global step 2: an exception in its
+stage's forward, SIGKILL, or a hang (the launches run side by side). The job must end (every
+rank's process gone) with a non-zero status, within the strategy timeout of the failure (a hang
+can only be noticed when the timeout expires, so there: shortly after it).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _alive(pid: int) -> bool:
 
 #: Each test's launch, ``fail_<how>_rank<r>``: the hang, then the two started beside it.
 HANG = "fail_hang_rank1"
-BESIDE_THE_HANG = ("fail_raise_rank1", "fail_kill_rank0")
+BESIDE_THE_HANG = ("fail_raise_rank1", "fail_kill_rank0", "fail_hang_rank1_dp")
 
 
 class _Launch:
@@ -89,7 +89,7 @@ class _Launch:
 
 @pytest.fixture(scope="module")
 def failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Launch]:
-    """The three failure launches side by side: most of a hang's launch is its timeout, in
+    """The failure launches side by side: most of a hang's launch is its timeout, in
     which its ranks sleep, so the other two start when the hang is injected and start up in
     that idle time. Each launch's time to end is taken from its own failure and each is
     watched on its own (polled together), so one that ends first is timed when it ends."""
@@ -134,3 +134,15 @@ def test_a_hung_rank_is_timed_out_and_the_job_ends(failures):
     assert f"Timed out waiting {timeout * 1000}ms for recv operation" in out
     assert f"rank 1 has probably died or hung (timeout {timeout} s)" in out
     assert "[rank 1] the launching process" in out  # the orphan watchdog ended the hung rank
+
+
+def test_a_hung_replica_is_named_by_the_replica_that_waits_for_it(failures):
+    """One stage on two replicas: rank 0 waits for rank 1 in a collective over the replicas
+    (not a receive from a neighbour stage), and names rank 1, not itself."""
+    rc, out, took = failures["fail_hang_rank1_dp"].result()
+    timeout = FAIL_TIMEOUT["hang"]
+    assert rc != 0
+    assert timeout <= took < timeout + AFTER_TIMEOUT_S, f"the job ended {took:.1f} s after"
+    assert "rank 0 (stage 0, replica 0): " in out
+    assert f"rank 1 has probably died or hung (timeout {timeout} s)" in out
+    assert "rank 0 has probably died" not in out

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from lightning_autopipe.checkpoint import optimizer as optstate
 from lightning_autopipe.checkpoint import sharded
 from lightning_autopipe.errors import PipelineRuntimeError, PlanError
+from lightning_autopipe.runtime.failure import GONE
 from lightning_autopipe.runtime.groups import RankLayout
 
 __all__ = ["PipelineCheckpoint", "stage_model_state"]
@@ -40,12 +41,15 @@ class PipelineCheckpoint:
         param_order: the whole model's parameter names, in ``named_parameters()`` order.
         state_order: the whole model's ``state_dict`` keys, in order.
         format: ``"consolidated"`` or ``"sharded"``.
+        failures: the run's failure board (:class:`~lightning_autopipe.runtime.failure.
+            FailureBoard`): a gather that fails because a peer failed names that failure.
     """
 
     layout: RankLayout
     param_order: Sequence[str]
     state_order: Sequence[str]
     format: str = "consolidated"
+    failures: Any = None
 
     @property
     def pipelined(self) -> bool:
@@ -92,7 +96,7 @@ class PipelineCheckpoint:
         if not self._writes_shard:
             named = {"state": {}, "param_groups": named["param_groups"]}
         if self.format == "sharded":
-            with _every_rank_saves(self.layout.rank):
+            with _every_rank_saves(self.layout.rank, self.failures):
                 groups = self._all_gather(named["param_groups"])
             return {
                 "state": named["state"],
@@ -149,7 +153,7 @@ class PipelineCheckpoint:
         if not self.pipelined:
             return [obj]
         out: list[Any] | None = [None] * self.layout.world_size if self.layout.rank == 0 else None
-        with _every_rank_saves(self.layout.rank):
+        with _every_rank_saves(self.layout.rank, self.failures):
             dist.gather_object(obj, out, dst=0)
         return out or []
 
@@ -205,16 +209,24 @@ def _to_cpu(obj: Any) -> Any:
 
 
 @contextmanager
-def _every_rank_saves(rank: int) -> Iterator[None]:
-    """Name the likely cause when gathering a checkpoint's parts fails: every rank holds one
-    stage's part, so saving is collective, and a save called on rank 0 alone (DDP's habit,
-    ``if trainer.is_global_zero: trainer.save_checkpoint(...)``) waits out the timeout."""
+def _every_rank_saves(rank: int, failures: Any = None) -> Iterator[None]:
+    """Name the likely cause when gathering a checkpoint's parts fails: a peer's failure when
+    one was posted (a rank that raised or died while saving), else the usual mistake. Every
+    rank holds one stage's part, so saving is collective, and a save called on rank 0 alone
+    (DDP's habit, ``if trainer.is_global_zero: trainer.save_checkpoint(...)``) waits out the
+    timeout."""
     try:
         yield
     except RuntimeError as exc:
+        first = failures.first(wait_s=2.0) if failures is not None else None
+        if first not in (None, GONE) and first != failures.posted:
+            raise PipelineRuntimeError(
+                f"rank {rank} stopped while gathering the checkpoint's parts because {first}"
+            ) from exc
         raise PipelineRuntimeError(
             f"rank {rank}: gathering the checkpoint's parts from every rank failed ({exc}); "
-            "under AutoPipeStrategy each rank holds one stage's part, so "
+            "a peer rank died or hung while saving (check its log), or the save ran on some "
+            "ranks only: under AutoPipeStrategy each rank holds one stage's part, so "
             "trainer.save_checkpoint must be called on every rank (not under "
             "`if trainer.is_global_zero:`; ModelCheckpoint does so)"
         ) from exc

@@ -278,7 +278,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         self._held.hold(self, pipe, module, runner)
         runner.partial = pipe.layout.num_stages > 1  # other stages' parameters are released
         self._checkpoint = ckpt.PipelineCheckpoint(
-            pipe.layout, *self._orders, self.options.checkpoint_format
+            pipe.layout, *self._orders, self.options.checkpoint_format, pipe.executor.failures
         )
         self.plan, self.profile, self.cluster = pipe.plan, pipe.profile, pipe.cluster
 

@@ -14,7 +14,8 @@ import torch
 from torch.nn import functional as F
 
 from lightning_autopipe.errors import StepContractError
-from lightning_autopipe.lightning.steps import StepRunner, join_slices
+from lightning_autopipe.lightning.step_outputs import join_slices
+from lightning_autopipe.lightning.steps import StepRunner
 from lightning_autopipe.runtime.groups import RankLayout
 
 LAYOUT = RankLayout(rank=0, stage=0, replica=0, grid=((0,),))

@@ -228,3 +228,23 @@ def test_a_gather_of_the_checkpoint_that_fails_says_saving_is_collective():
     with pytest.raises(PipelineRuntimeError, match=r"rank 0: gathering .*Timed out.*"
                        r"save_checkpoint must be called on every rank"), _every_rank_saves(0):
         raise timed_out
+
+
+def test_a_gather_failing_because_a_peer_failed_names_that_failure_not_the_usual_mistake():
+    """A rank that raised (or died) while a checkpoint was saved left its peer with the
+    'call save_checkpoint on every rank' advice, which was wrong, and the cause unnamed: the
+    failure its peer posted on the run's board is named instead (one store, two boards as
+    two ranks hold them)."""
+    from torch.distributed import HashStore
+
+    from lightning_autopipe.checkpoint.hooks import _every_rank_saves
+    from lightning_autopipe.errors import PipelineRuntimeError
+    from lightning_autopipe.runtime.failure import FailureBoard
+
+    store = HashStore()
+    theirs, mine = FailureBoard(store, "run"), FailureBoard(store, "run")
+    theirs.post("rank 1 failed: OSError: [Errno 28] No space left on device")
+    with pytest.raises(PipelineRuntimeError) as info, _every_rank_saves(0, mine):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:4321")
+    assert str(info.value) == ("rank 0 stopped while gathering the checkpoint's parts because "
+                               "rank 1 failed: OSError: [Errno 28] No space left on device")

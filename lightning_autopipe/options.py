@@ -114,8 +114,9 @@ class AutoPipeOptions:
     """The cluster file must describe exactly the launched devices (not more)."""
 
     check_batch: bool = True
-    """Every tensor of a batch must hold as many samples as the inputs; False hands a
-    non-per-sample tensor (e.g. class weights) to ``pipeline_loss`` whole."""
+    """Every tensor of a batch must hold as many samples as the inputs, and every stage of a
+    replica the same labels / ids (a digest compared each step); False hands a non-per-sample
+    tensor (e.g. class weights) to ``pipeline_loss`` whole and skips both checks."""
 
     compile: bool | str = False
     """``torch.compile`` each local stage once, its batch dimension dynamic, so slices and

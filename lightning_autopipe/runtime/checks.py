@@ -6,19 +6,22 @@ call them at the earliest point the needed facts are known (construction, trace,
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_autopipe.errors import InputError, MemoryPlanError, PlanError
 
 __all__ = [
+    "batch_digest",
     "check_batch_sizes",
     "check_loss_contract",
     "check_microbatches",
     "check_num_stages",
     "check_plan_for_run",
+    "check_same_batch",
     "check_stages_divide",
 ]
 
@@ -163,6 +166,57 @@ def check_batch_sizes(batch: Any, flat_inputs: Sequence[Tensor], size: int) -> N
                 "samples (check the dataset / collate_fn). If this tensor is not per-sample, "
                 "pass check_batch=False to AutoPipeStrategy: it then reaches pipeline_loss whole"
             )
+
+
+#: A prime below 2**31: digests are exact in float64 and in the sums below.
+_PRIME = 2_147_483_647
+
+
+def batch_digest(batch: Any) -> Tensor:
+    """An exact digest (float64 below 2**31) of a batch's integer and boolean tensors: labels,
+    token ids, masks. Every stage of a replica must load the same batch (the first stage's
+    inputs go with the last stage's labels); an integer digest is the same on any device.
+    Floating tensors are left out: a random augmentation of the inputs may differ between a
+    replica's ranks without harm where only the first stage reads them. At most 65536
+    elements of a tensor are read, each weighted by its position (a reordering changes it).
+    """
+    total: Tensor | None = None
+    for i, (_, t) in enumerate(_tensors(batch, "batch")):  # None: no check, a digest of 0
+        if t.is_floating_point() or t.is_complex():
+            continue
+        flat = t.detach().reshape(-1)
+        x = flat[:: max(1, flat.numel() // 65536)][:65536].to(torch.int64) % _PRIME
+        w = (torch.arange(x.numel(), device=x.device, dtype=torch.int64) + i) % 65521 + 1
+        part = (x * w).sum() % _PRIME + t.numel()
+        total = part if total is None else (total + part) % _PRIME
+    if total is None:
+        return torch.zeros((), dtype=torch.float64)
+    return total.to(torch.float64)
+
+
+def check_same_batch(digests: Mapping[int, Tensor], layout: Any) -> None:
+    """Every rank's batch digest (:func:`batch_digest`) of one replica's pipeline against its
+    last stage's; the same verdict on every rank (``layout``: this rank's
+    :class:`~lightning_autopipe.runtime.groups.RankLayout`).
+
+    Raises:
+        InputError: ranks of the replica loaded different samples (a dataset sharded by the
+            global rank, a sampler or collate that differs per rank, random masking seeded
+            by rank).
+    """
+    last = layout.last_stage_rank
+    other = sorted(r for r, d in digests.items() if float(d) != float(digests[last]))
+    if other:
+        raise InputError(
+            f"rank(s) {other} of replica {layout.replica} loaded another batch than its last "
+            f"stage (rank {last}): their labels / token ids differ. Every stage of a "
+            "data-parallel replica must load the same samples in the same order (the first "
+            "stage's inputs meet the last stage's labels), so the data must not depend on the "
+            "rank beyond the replica: shard by trainer.strategy.distributed_sampler_kwargs "
+            "('rank' is the replica, 'num_replicas' their count), not by the global rank, and "
+            "seed random masking or collation alike on a replica's ranks. check_batch=False "
+            "skips this check"
+        )
 
 
 def _tensors(obj: Any, where: str) -> Iterator[tuple[str, Tensor]]:

@@ -36,11 +36,11 @@ from torch import Tensor, nn
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.schedule import Action, Kind
 from lightning_autopipe.runtime.backward import splits_backward_at
-from lightning_autopipe.runtime.checks import check_batch_sizes
+from lightning_autopipe.runtime.checks import batch_digest, check_batch_sizes, check_same_batch
 from lightning_autopipe.runtime.chunks import chunk_modules
 from lightning_autopipe.runtime.failure import FailureBoard, pipeline_failure
 from lightning_autopipe.runtime.gradsync import GradientSync, step_gradients_only
-from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout
+from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout, gather_by_rank
 from lightning_autopipe.runtime.outbox import Outbox
 from lightning_autopipe.runtime.stage_runner import StageRunner, action_table, check_action
 from lightning_autopipe.runtime.units import fit_units, unit_bounds
@@ -297,6 +297,7 @@ class PipelineExecutor:
         size = int(flat[0].shape[0]) if flat[0].dim() else 0
         if self.check_batch:
             check_batch_sizes(batch, flat, size)
+        self._digest = batch_digest(batch if self.check_batch else None)
         if train:
             m, k, j = fit_units(size, self.num_microbatches, self.startup_slices, self.drain_slices)
         else:
@@ -365,9 +366,12 @@ class PipelineExecutor:
         """Replica mean from the last stage to the replica, then (``replicas``) over replicas."""
         layout = self.layout
         if layout.num_stages > 1:
-            last = layout.last_stage_rank
-            with self._watch("loss broadcast", None if last == layout.rank else last, True):
-                dist.broadcast(loss_sum, src=last, group=self.groups.pipeline)
+            last = layout.last_stage_rank  # its loss, and every rank's batch digest
+            mine = torch.stack([loss_sum, self._digest.to(loss_sum.device)])
+            with self._watch("loss gather", None if last == layout.rank else last, True):
+                got = gather_by_rank(mine, self.groups.pipeline)
+            check_same_batch({r: t[1] for r, t in got.items()}, layout)  # every rank, at once
+            loss_sum = got[last][0]
         if replicas and layout.num_replicas > 1:  # the silent peer is known if there is one
             others = [r for r in layout.dp_ranks if r != layout.rank]
             with self._watch("loss all-reduce", others[0] if len(others) == 1 else None, True):

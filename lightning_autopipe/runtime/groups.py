@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_autopipe.errors import ClusterError, PlanError
 from lightning_autopipe.planner.plan import Plan
@@ -20,6 +22,7 @@ __all__ = [
     "layout_for_rank",
     "build_groups",
     "destroy_groups",
+    "gather_by_rank",
 ]
 
 
@@ -300,3 +303,10 @@ def destroy_groups(groups: ProcessGroups) -> None:
         if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
             dist.destroy_process_group(g)
     groups.created.clear()
+
+
+def gather_by_rank(tensor: Tensor, group: Any) -> dict[int, Tensor]:
+    """Every rank's ``tensor`` (one shape) over ``group``, keyed by global rank (collective)."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return {dist.get_global_rank(group, i): t for i, t in enumerate(parts)}

@@ -12,6 +12,7 @@ Every rank runs every case in order and writes ``OUT_DIR/<case>.rank<r>.pt``. Ca
   ``twice-replica1``: the mistake on replica 1's last stage only. Each records its error.
 * ``crafted``: ``fit(ckpt_path=OUT_DIR/crafted.ckpt)`` (a file whose unpickling would run code).
 * ``readme``: the README's contract example, run as written (``net`` and ``loader`` given).
+* ``rankdata``: ``fit`` on a dataset each rank builds from its own rank (mismatched stages).
 * ``telemetry``: a planned 2-stage ``fit`` with a ``CSVLogger``, rank 1's forwards each made
   ``SLOW_FORWARD_S`` slower on purpose; records rank 0's ``metrics.csv`` and every rank's
   step-telemetry summary (:mod:`lightning_autopipe.lightning.telemetry`).
@@ -148,6 +149,14 @@ def run_case(case: str, world: int, out: Path) -> dict:
                                            replicas=world // 2, explicit_sampler=False))
         elif case == "telemetry":
             record.update(telemetry_run(world, root))
+        elif case == "rankdata":  # each rank's own samples: a dataset built from its rank
+            from torch.utils.data import DataLoader
+
+            data = M.dataset(M.REPLICA_BATCH * M.TRAIN_STEPS,
+                             seed=1 + torch.distributed.get_rank())
+            trainer = _trainer(world, root, max_epochs=1, logger=False,
+                               enable_checkpointing=False, callbacks=[clock])
+            trainer.fit(M.Classifier(), DataLoader(data, batch_size=M.REPLICA_BATCH))
         elif case == "readme":
             ns = readme_inputs()
             exec(compile(readme_example(), "README.md", "exec"), ns)

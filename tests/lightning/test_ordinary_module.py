@@ -28,7 +28,7 @@ from tests.lightning._run import (
 )
 
 CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "optimizer", "crafted", "readme",
-             "telemetry", "accumulate"],
+             "telemetry", "accumulate", "rankdata"],
          4: ["ordinary", "twice-replica1", "accumulate"]}
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -229,6 +229,20 @@ def test_sharded_checkpoints_load_as_best_and_last_after_fit(runs2):
 
 
 # --------------------------------------------------------------------------------- errors
+def test_stages_of_a_replica_loading_different_samples_stop_every_rank_at_once(runs2):
+    """A dataset built from the global rank (a stream sharded by rank) gave the first stage's
+    inputs the last stage's labels of other samples: trained silently. Every rank now raises
+    the same error at the end of the first step, naming the fix."""
+    for rec in runs2.ranks["rankdata"]:
+        assert "error" in rec, f"rank {rec['rank']} trained on mismatched batches"
+        kind, message = rec["error"]
+        assert kind == "InputError", rec["error"]
+        assert "rank(s) [0] of replica 0 loaded another batch than its last stage (rank 1)" in (
+            message)
+        assert "distributed_sampler_kwargs" in message
+        assert rec["elapsed"] < NO_HANG_S, (rec["rank"], rec["elapsed"])
+
+
 MISTAKES = {"twice": "called self(...) twice", "never": "returned without calling self(...)",
             "metric": "logs a torchmetrics Metric", "twice-replica1": "called self(...) twice"}
 

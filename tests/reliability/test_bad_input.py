@@ -155,3 +155,32 @@ def test_inputs_and_targets_with_different_first_dimension():
     assert torch.isfinite(good)
     with pytest.raises(InputError, match=r"batch\[1\] has shape \(6, 8\) .* inputs hold 8 samples"):
         pipe.executor.train_step((x, torch.randint(0, T.VOCAB, (6, T.SEQ))))
+
+
+def test_the_batch_digest_tells_samples_and_their_order_apart_and_ignores_floating_inputs():
+    """What each stage of a replica compares every step (:func:`batch_digest`): equal for the
+    same batch (also when its floating inputs differ, as a random augmentation makes them on
+    the first stage's rank), different for other labels or another order."""
+    from lightning_autopipe.runtime.checks import batch_digest, check_same_batch
+    from lightning_autopipe.runtime.groups import RankLayout
+
+    g = torch.Generator().manual_seed(0)
+    ids, mask = torch.randint(0, 50_000, (8, 300), generator=g), torch.rand(8, 300) > 0.5
+    labels = torch.randint(0, 10, (8,), generator=g)
+    batch = {"ids": ids, "mask": mask, "x": torch.randn(8, 4), "y": labels}
+    same = batch_digest({**batch, "x": torch.randn(8, 4)})
+    assert same == batch_digest(batch)
+    assert same.dtype == torch.float64
+    assert 0 < float(same) < 2**31
+    changed = {"labels": {**batch, "y": (labels + 1) % 10}, "order": {**batch, "y": labels.flip(0)},
+               "one id": {**batch, "ids": ids.index_put(((torch.tensor(7), torch.tensor(299))),
+                                                        torch.tensor(-1))},
+               "mask": {**batch, "mask": ~mask}}
+    for what, other in changed.items():
+        assert batch_digest(other) != same, what
+    assert float(batch_digest(None)) == 0.0 == float(batch_digest((torch.randn(2),)))
+    layout = RankLayout(rank=2, stage=0, replica=1, grid=((0, 2), (1, 3)))
+    check_same_batch({2: same, 3: same.clone()}, layout)
+    with pytest.raises(InputError, match=r"rank\(s\) \[2\] of replica 1 loaded another batch "
+                       r"than its last stage \(rank 3\).*distributed_sampler_kwargs"):
+        check_same_batch({2: batch_digest(changed["labels"]), 3: same}, layout)

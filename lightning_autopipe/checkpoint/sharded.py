@@ -25,7 +25,7 @@ from lightning_autopipe.checkpoint.optimizer import (
     unwrap,
 )
 from lightning_autopipe.checkpoint.safe import SafeFileSystemReader, refusing_unsafe, safe_load
-from lightning_autopipe.errors import PlanError
+from lightning_autopipe.errors import CheckpointReadError, PlanError
 
 __all__ = [
     "ShardedModelState",
@@ -122,6 +122,11 @@ def save_sharded(
 
 
 def _metadata(path: str | Path) -> Any:
+    if not (Path(path) / ".metadata").is_file():  # torch's own error names only the file
+        raise CheckpointReadError(
+            f"cannot read the checkpoint {str(path)!r}: the folder holds no .metadata, so it is "
+            "no complete sharded checkpoint (an empty folder, or a save that never finished); "
+            "save it again, or resume from an earlier one")
     return SafeFileSystemReader(path).read_metadata().state_dict_metadata
 
 

@@ -36,6 +36,8 @@ class Module(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.mistake == "early bug":
+            raise KeyError("a bug of the step itself")
         if self.mistake == "submodule":  # as self.net(x) does with another stage's weights
             raise TypeError("linear(): argument 'weight' must be Tensor, not NoneType")
         logits = self(x)
@@ -248,8 +250,11 @@ def test_a_logged_metric_object_is_refused_with_a_way_out_that_works_for_the_hoo
     assert way_out in str(info.value)
 
 
-def test_an_error_of_the_step_itself_is_raised_as_it_is():
-    runner, _ = _run(Module("bug"))
+@pytest.mark.parametrize("mistake", ["bug", "early bug"])
+def test_an_error_of_the_step_itself_is_raised_as_it_is(mistake):
+    """Also before the step calls self(...): only an error on a released (None) weight is
+    told as running a submodule, the rest kept (it was told so, with the wrong advice)."""
+    runner, _ = _run(Module(mistake))
     with pytest.raises(KeyError, match="a bug of the step itself"):
         runner.finish(LAYOUT, None, CPU)
 

@@ -102,7 +102,7 @@ def test_the_projects_own_sharded_checkpoint_loads_weights_only(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["empty", "text", "bytes", "zip", "metadata", "shard-missing",
-                                    "shard-truncated"])
+                                    "shard-truncated", "no-metadata"])
 def test_a_damaged_checkpoint_is_a_read_error_naming_the_file_not_an_unsafe_one(tmp_path,
                                                                                 damage):
     """A file nothing can read (empty, text, random bytes, a cut zip; a sharded directory with a
@@ -111,7 +111,12 @@ def test_a_damaged_checkpoint_is_a_read_error_naming_the_file_not_an_unsafe_one(
     BaseException that ``except Exception`` misses). It is a CheckpointReadError naming it."""
     from lightning_autopipe import AutoPipeStrategy, CheckpointReadError
 
-    if damage.startswith("shard") or damage == "metadata":
+    if damage == "no-metadata":  # an empty folder, or a save that never finished
+        path = tmp_path / "d"
+        path.mkdir()
+        read = [lambda: ckpt.read_model_state(path),
+                lambda: ckpt.load_sharded(path, T.build_net().state_dict(), no_dist=True)]
+    elif damage.startswith("shard") or damage == "metadata":
         path = tmp_path / "d"
         net = _sharded_dir(path)
         shard = sorted(path.glob("*.distcp"))[0]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import logging
 import os
 import sys
 import weakref
@@ -34,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_autopipe.errors import PlanError
+from lightning_autopipe.runtime.failure import LAUNCHER_PID_ENV
 from lightning_autopipe.runtime.groups import destroy_groups
 
 __all__ = ["HeldPipeline", "destroy_pipeline_groups", "destroy_released_groups", "leave",
@@ -182,9 +184,9 @@ def leave(wait_s: float = EXIT_WAIT_S,
     (or a store whose host already left) ends the wait, and the groups are destroyed anyway.
     A peer that rank 0 waited for in vain while it was still inside its run (:func:`mark_in_run`:
     hung, or failing after the run's last collective, in an epoch-end hook or a callback at
-    the end of training) fails the job: ``on_stuck`` gets the message (default: printed, and
-    this process exits with status 1), where the job would otherwise end with status 0 and
-    that rank's error, if any, would never be shown.
+    the end of training) is told: ``on_stuck`` gets the message (default: under Lightning's
+    launcher, whose exit ends that rank, printed with exit status 1, where the job ended with
+    status 0 and that rank's error unseen; under torchrun or SLURM a warning).
     """
     if not (dist.is_available() and dist.is_initialized()):
         _RELEASED.clear()
@@ -205,6 +207,19 @@ def leave(wait_s: float = EXIT_WAIT_S,
             "exit they were still inside the Trainer call (hung, or failing after its last "
             "collective, e.g. in an epoch-end hook or a callback at the end of training); "
             "check their log")
+
+
+def _fail_the_job(message: str) -> None:
+    """Where this process started the other ranks (Lightning's launcher), its exit ends them
+    and its status is the job's: status 1. Under torchrun or SLURM each rank's own status
+    counts (a late rank may still finish its work): a warning."""
+    if os.environ.get(LAUNCHER_PID_ENV) != str(os.getpid()):
+        print(f"[rank 0] warning: {message}", file=sys.stderr, flush=True)
+        return
+    print(f"[rank 0] {message}; the job fails", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    logging.shutdown()
+    os._exit(1)  # at exit: an exception raised here would be printed and the status kept 0
 
 
 def _wait_for_every_rank(wait_s: float) -> None:
@@ -231,8 +246,3 @@ def _stuck_in_run() -> list[int]:
             out.append(r)
     return out
 
-
-def _fail_the_job(message: str) -> None:
-    print(f"[rank 0] {message}; the job fails", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)  # at exit: an exception raised here would be printed and the status kept 0

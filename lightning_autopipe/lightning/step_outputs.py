@@ -26,9 +26,10 @@ def join_slices(parts: Sequence[Any], sizes: Sequence[int], *, evaluating: bool 
     Tensors with the batch first are concatenated along dim 0; dicts and tuples are joined
     entry by entry; a list with one entry per sample in every slice is concatenated; a value
     alike in every slice (``None``, ``batch_idx``, a name) is kept. ``evaluating``
-    (``validation_step`` / ``test_step``): a one-element tensor or a number that differs
-    between slices is a batch value, a mean over its samples (a loss, an accuracy), so the
-    slices' values are averaged weighted by their samples; prediction refuses it.
+    (``validation_step`` / ``test_step``): a one-element floating tensor or a float that
+    differs between slices is a batch value, a mean over its samples (a loss, an accuracy), so
+    the slices' values are averaged weighted by their samples; prediction refuses it, and an
+    integer that differs (a count: summed or averaged?) cannot be joined.
 
     Raises:
         StepContractError: a value that cannot be joined (a 0-dim tensor when predicting,
@@ -40,7 +41,7 @@ def join_slices(parts: Sequence[Any], sizes: Sequence[int], *, evaluating: bool 
         if all(p.dim() and p.shape[0] == n for p, n in zip(parts, sizes)) or (
                 not evaluating and first.dim() and all(p.dim() for p in parts)):
             return torch.cat(list(parts), dim=0)
-        if evaluating and all(p.numel() == 1 for p in parts):
+        if evaluating and all(p.numel() == 1 and p.is_floating_point() for p in parts):
             mean = _weighted_mean([p.detach().double().reshape(()) for p in parts], sizes)
             return mean.to(first.dtype).reshape(first.shape)
         shapes = sorted({tuple(p.shape) for p in parts})
@@ -50,7 +51,7 @@ def join_slices(parts: Sequence[Any], sizes: Sequence[int], *, evaluating: bool 
             "can be joined in batch order" + (", or a one-element mean" if evaluating else ""))
     if not isinstance(first, Mapping | list | tuple) and all(_alike(p, first) for p in parts):
         return first  # a plain value alike in every slice (None, batch_idx, a name)
-    if evaluating and all(isinstance(p, int | float) and not isinstance(p, bool) for p in parts):
+    if evaluating and all(isinstance(p, float) for p in parts):  # a count (int) is no mean
         return float(_weighted_mean([torch.tensor(float(p), dtype=torch.float64)
                                      for p in parts], sizes))
     if isinstance(first, Mapping) and all(isinstance(p, Mapping) for p in parts):

@@ -42,6 +42,8 @@ from lightning_autopipe.runtime.local_stage import as_call_args, model_inputs
 __all__ = ["STEP_HOOKS", "StepOutcome", "StepRunner", "join_slices"]
 
 STEP_HOOKS = ("training_step", "validation_step", "test_step", "predict_step")
+#: Most bytes of an evaluation step's outputs the last stage sends to the other stages.
+SHIP_MAX_BYTES = 64 * 2**20
 _PIPELINE_LOSS = "pipeline_loss"
 
 
@@ -277,29 +279,44 @@ class StepRunner:
         joined = None
         if self._predictions:
             predicting = self._hook == "predict_step"
-            try:
+            try:  # any error here is the last stage's alone: shared below, never raised here
                 self._joined = join_slices(self._predictions, self._sizes,
                                            evaluating=not predicting)
-            except StepContractError as exc:
+            except Exception as exc:  # noqa: BLE001 - e.g. torch.cat of unequal trailing sizes
                 if predicting:
                     where = f"rank {layout.rank} (stage {layout.stage}, replica {layout.replica})"
                     self._failure = exc
-                    failure = (True, str(exc), where)
+                    contract = isinstance(exc, StepContractError)
+                    failure = (contract, str(exc) if contract else describe(exc), where)
                 else:  # nothing but a callback's `outputs` needs it: not worth a failed run
-                    self._unjoinable(exc)
+                    self._unjoinable(str(exc))
             else:
                 if layout.num_stages > 1:
-                    joined = apply_to_collection(self._joined, Tensor, lambda t: t.cpu())
+                    joined = self._for_other_stages(predicting)
         return {"failure": failure, "logs": logs, "joined": joined}
 
-    def _unjoinable(self, exc: StepContractError) -> None:
-        """An evaluation step's return value that cannot be joined: warned once, ``None``."""
+    def _for_other_stages(self, predicting: bool) -> Any:
+        """The joined outputs as the other stages get them (CPU tensors). An evaluation step's
+        outputs over :data:`SHIP_MAX_BYTES` (a language model's logits) stay on the last stage:
+        the other stages get ``None`` rather than gigabytes every step."""
+        if not predicting:
+            size = sum(t.numel() * t.element_size() for t in _tensors(self._joined))
+            if size > SHIP_MAX_BYTES:
+                self._unjoinable(f"{self._hook} returned {size / 2**20:.0f} MiB of tensors per "
+                                 "batch, too much to send to the other stages every step; only "
+                                 "the last stage's", everywhere=False)
+                return None
+        return apply_to_collection(self._joined, Tensor, lambda t: t.cpu())
+
+    def _unjoinable(self, why: str, everywhere: bool = True) -> None:
+        """An evaluation step's return value that cannot be joined (``everywhere``) or sent:
+        warned once, ``None``."""
         if not self._warned_outputs:
             self._warned_outputs = True
-            hook = self._hook
-            batch_end = "on_validation_batch_end" if hook == "validation_step" else (
+            hook = "on_validation_batch_end" if self._hook == "validation_step" else (
                 "on_test_batch_end")
-            warnings.warn(f"{exc}; {batch_end} receives outputs=None for it", UserWarning,
+            where = "" if everywhere else " on the other stages' ranks"
+            warnings.warn(f"{why}; {hook} receives outputs=None for it{where}", UserWarning,
                           stacklevel=2)
 
 

@@ -214,15 +214,16 @@ def check_same_batch(digests: Mapping[int, Tensor], layout: Any) -> None:
             "stage's inputs meet the last stage's labels), so the data must not depend on the "
             "rank beyond the replica: shard by trainer.strategy.distributed_sampler_kwargs "
             "('rank' is the replica, 'num_replicas' their count), not by the global rank, and "
-            "seed random masking or collation alike on a replica's ranks. check_batch=False "
-            "skips this check"
+            "seed random masking or collation alike on a replica's ranks (seed_everything("
+            "workers=True) seeds DataLoader workers by the global rank). check_batch=False "
+            "skips this check (and the batch-size check)"
         )
 
 
 def _tensors(obj: Any, where: str) -> Iterator[tuple[str, Tensor]]:
     if isinstance(obj, Tensor):
         yield where, obj
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):  # a Hugging Face BatchEncoding is a UserDict
         for key, value in obj.items():
             yield from _tensors(value, f"{where}[{key!r}]")
     elif isinstance(obj, list | tuple):

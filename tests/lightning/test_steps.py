@@ -158,15 +158,47 @@ def test_an_evaluation_step_returns_to_its_batch_end_hook_what_one_whole_batch_c
     assert torch.equal(got["pair"][1], y)
 
 
-def test_an_evaluation_return_that_cannot_be_joined_is_warned_once_and_given_as_none():
-    """A per-batch statistic of another shape (a confusion matrix) cannot be joined from
-    slices without knowing whether it sums or averages: ``None`` with a warning, and the
-    validation itself goes on (its logs are unaffected)."""
+@pytest.mark.parametrize("value", ["matrix", "count", "ragged"])
+def test_an_evaluation_return_that_cannot_be_joined_is_warned_once_and_given_as_none(value):
+    """A per-batch statistic of another shape (a confusion matrix) or a count (an integer:
+    summed or averaged?) cannot be joined from slices, nor per-sample tensors whose trailing
+    sizes differ between slices (torch.cat raised on the last stage alone): ``None`` with a
+    warning, and the validation itself goes on (its logs are unaffected)."""
     module = Module()
-    module.validation_step = lambda batch, batch_idx: torch.zeros(3, 3) + module(batch[0]).sum()
+
+    def step(batch, batch_idx):
+        logits = module(batch[0])
+        if value == "count":
+            return (logits.argmax(-1) == batch[1]).sum()
+        if value == "ragged":
+            return logits[:, : len(logits) % 3 + 1]
+        return torch.zeros(3, 3) + logits.sum()
+
+    module.validation_step = step
     runner, _ = _run(module, "validation_step")
     with pytest.warns(UserWarning, match=r"on_validation_batch_end receives outputs=None"):
         assert runner.finish(LAYOUT, None, CPU).returned is None
+
+
+def test_evaluation_outputs_too_large_to_send_each_step_stay_on_the_last_stage(monkeypatch):
+    """A language model's logits returned from validation_step would be pickled and sent to
+    every other stage every step (gigabytes): over ``SHIP_MAX_BYTES`` they stay on the last
+    stage, which keeps them, and the others are told they get None."""
+    from lightning_autopipe.lightning import steps
+
+    last = RankLayout(rank=1, stage=1, replica=0, grid=((0,), (1,)))
+    module = Module()
+    module.validation_step = lambda batch, batch_idx: {"logits": module(batch[0])}
+    for cap, shipped in ((10**6, True), (64, False)):
+        monkeypatch.setattr(steps, "SHIP_MAX_BYTES", cap)
+        runner, _ = _run(module, "validation_step")
+        if shipped:
+            payload = runner._payload(last)
+        else:
+            with pytest.warns(UserWarning, match="too much to send.*other stages' ranks"):
+                payload = runner._payload(last)
+        assert (payload["joined"] is not None) == shipped
+        assert runner._joined["logits"].shape == (10, 3)  # the last stage's own, either way
 
 
 @pytest.mark.parametrize(

@@ -179,6 +179,9 @@ def test_the_batch_digest_tells_samples_and_their_order_apart_and_ignores_floati
     for what, other in changed.items():
         assert batch_digest(other) != same, what
     assert float(batch_digest(None)) == 0.0 == float(batch_digest((torch.randn(2),)))
+    from collections import UserDict  # a Hugging Face BatchEncoding is one
+
+    assert batch_digest(UserDict(batch)) == same
     layout = RankLayout(rank=2, stage=0, replica=1, grid=((0, 2), (1, 3)))
     check_same_batch({2: same, 3: same.clone()}, layout)
     with pytest.raises(InputError, match=r"rank\(s\) \[2\] of replica 1 loaded another batch "

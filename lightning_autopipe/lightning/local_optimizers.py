@@ -68,6 +68,12 @@ def _one_optimizer_told() -> Iterator[None]:
         text = str(exc)
         if "multiple optimizers" not in text or "manual optimization" not in text:
             raise
+        if "optimizer_idx" in text:  # Lightning 1.x's signature, refused with any count
+            raise PlanError(
+                "training_step declares an optimizer_idx argument (Lightning 1.x's several "
+                "optimizers); remove it: AutoPipeStrategy steps one optimizer per step and "
+                "cannot take manual optimization (return one optimizer with a parameter group "
+                "per part instead)") from None
         raise PlanError(
             "configure_optimizers returned several optimizers; AutoPipeStrategy steps one "
             "optimizer per step and cannot take manual optimization (its schedule runs the "

@@ -205,7 +205,9 @@ def check_same_batch(digests: Mapping[int, Tensor], layout: Any) -> None:
             by rank).
     """
     last = layout.last_stage_rank
-    other = sorted(r for r, d in digests.items() if float(d) != float(digests[last]))
+    ranks = list(digests)
+    values = torch.stack([digests[r] for r in ranks]).tolist()  # one host sync, not one each
+    other = sorted(r for r, d in zip(ranks, values) if d != values[ranks.index(last)])
     if other:
         raise InputError(
             f"rank(s) {other} of replica {layout.replica} loaded another batch than its last "

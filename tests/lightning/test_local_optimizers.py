@@ -50,23 +50,33 @@ def test_an_error_in_configure_optimizers_is_raised_as_it_is():
                               distributed=False)
 
 
-def test_two_optimizers_are_refused_with_the_parameter_group_fix_not_manual_optimization():
+@pytest.mark.parametrize("mistake", ["two optimizers", "optimizer_idx"])
+def test_two_optimizers_are_refused_with_the_parameter_group_fix_not_manual_optimization(
+        mistake):
     """Lightning's own check (its ``_init_optimizers_and_lr_schedulers``, what the strategy's
     ``setup_optimizers`` runs) suggests manual optimization, which the strategy refuses too: the
-    refusal names one optimizer with parameter groups instead."""
+    refusal names one optimizer with parameter groups instead (and a Lightning 1.x
+    ``optimizer_idx`` argument, refused with one optimizer too, is named as such)."""
     class TwoOptimizers(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 1)
 
         def configure_optimizers(self):
+            if mistake == "optimizer_idx":
+                return torch.optim.SGD(self.parameters(), lr=0.1)
             return [torch.optim.SGD(self.a.parameters(), lr=0.1),
                     torch.optim.SGD(self.b.parameters(), lr=0.1)]
 
-    module = TwoOptimizers()
+    class OldSignature(TwoOptimizers):
+        def training_step(self, batch, batch_idx, optimizer_idx):
+            return None
+
+    module = OldSignature() if mistake == "optimizer_idx" else TwoOptimizers()
     module.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False,
                                 enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(PlanError, match="several optimizers") as info:
+    phrase = "declares an optimizer_idx" if mistake == "optimizer_idx" else "several optimizers"
+    with pytest.raises(PlanError, match=phrase) as info:
         make_local_optimizers(lambda: _init_optimizers_and_lr_schedulers(module), list,
                               lambda: None, device=torch.device("cpu"), distributed=False)
     assert "parameter group" in str(info.value)

@@ -297,7 +297,6 @@ class PipelineExecutor:
         size = int(flat[0].shape[0]) if flat[0].dim() else 0
         if self.check_batch:
             check_batch_sizes(batch, flat, size)
-        self._digest = batch_digest(batch if self.check_batch else None)
         if train:
             m, k, j = fit_units(size, self.num_microbatches, self.startup_slices, self.drain_slices)
         else:
@@ -334,7 +333,7 @@ class PipelineExecutor:
         self.trace = trace
         self.timeline = timeline
         loss_sum = runners[max(runners)].loss_sum  # the last chunk's (zero unless the model's)
-        loss = self._global_loss(loss_sum, replicas)  # float64, the same on every rank
+        loss = self._global_loss(loss_sum, replicas, batch)  # float64, alike on every rank
         return loss if any(p.dtype == torch.float64 for p in self.parameters) else loss.float()
 
     def _arm(self, chunk: int) -> None:
@@ -362,12 +361,13 @@ class PipelineExecutor:
             return -1
         return last
 
-    def _global_loss(self, loss_sum: Tensor, replicas: bool = True) -> Tensor:
+    def _global_loss(self, loss_sum: Tensor, replicas: bool, batch: Any) -> Tensor:
         """Replica mean from the last stage to the replica, then (``replicas``) over replicas."""
         layout = self.layout
         if layout.num_stages > 1:
             last = layout.last_stage_rank  # its loss, and every rank's batch digest
-            mine = torch.stack([loss_sum, self._digest.to(loss_sum.device)])
+            digest = batch_digest(batch if self.check_batch else None).to(loss_sum.device)
+            mine = torch.stack([loss_sum, digest])
             with self._watch("loss gather", None if last == layout.rank else last, True):
                 got = gather_by_rank(mine, self.groups.pipeline)
             check_same_batch({r: t[1] for r, t in got.items()}, layout)  # every rank, at once

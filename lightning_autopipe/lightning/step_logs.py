@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,11 +174,17 @@ class SliceLogs:
         return out
 
 
+def weighted_mean(values: Tensor, weights: Sequence[float]) -> Tensor:
+    """The slices' values (one per slice) weighted by ``weights`` (their samples): the whole
+    batch's mean, in float64."""
+    w = torch.tensor(list(weights), dtype=torch.float64)
+    return (values.double() * w).sum() / max(float(w.sum()), 1e-300)
+
+
 def _value(rec: _Record) -> Tensor:
     values = torch.stack(rec.values)
     if rec.reduce == "mean":
-        weights = torch.tensor(rec.weights()[0], dtype=torch.float64)
-        return (values * weights).sum() / max(float(weights.sum()), 1e-300)
+        return weighted_mean(values, rec.weights()[0])
     if rec.reduce == "sum":
         return values.sum()
     return values.max() if rec.reduce == "max" else values.min()

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_autopipe.errors import StepContractError
+from lightning_autopipe.lightning.step_logs import weighted_mean
 
 __all__ = ["join_slices"]
 
@@ -42,7 +43,7 @@ def join_slices(parts: Sequence[Any], sizes: Sequence[int], *, evaluating: bool 
                 not evaluating and first.dim() and all(p.dim() for p in parts)):
             return torch.cat(list(parts), dim=0)
         if evaluating and all(p.numel() == 1 and p.is_floating_point() for p in parts):
-            mean = _weighted_mean([p.detach().double().reshape(()) for p in parts], sizes)
+            mean = weighted_mean(torch.stack([p.detach().reshape(()) for p in parts]), sizes)
             return mean.to(first.dtype).reshape(first.shape)
         shapes = sorted({tuple(p.shape) for p in parts})
         raise StepContractError(
@@ -52,8 +53,7 @@ def join_slices(parts: Sequence[Any], sizes: Sequence[int], *, evaluating: bool 
     if not isinstance(first, Mapping | list | tuple) and all(_alike(p, first) for p in parts):
         return first  # a plain value alike in every slice (None, batch_idx, a name)
     if evaluating and all(isinstance(p, float) for p in parts):  # a count (int) is no mean
-        return float(_weighted_mean([torch.tensor(float(p), dtype=torch.float64)
-                                     for p in parts], sizes))
+        return float(weighted_mean(torch.tensor(parts, dtype=torch.float64), sizes))
     if isinstance(first, Mapping) and all(isinstance(p, Mapping) for p in parts):
         keys = list(first)
         if any(list(p) != keys for p in parts):
@@ -81,16 +81,8 @@ def _alike(a: Any, b: Any) -> bool:
     """``a`` and ``b`` are the same plain value (no tensor: those are joined, not compared)."""
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return False
-    if isinstance(a, Mapping | list | tuple):
-        return False
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - an object whose == is not a truth value
         return False
 
-
-def _weighted_mean(values: Sequence[Tensor], sizes: Sequence[int]) -> Tensor:
-    """The slices' batch values, weighted by their samples: the whole batch's mean."""
-    total = sum(sizes)
-    return sum((v * n for v, n in zip(values, sizes)), torch.zeros((), dtype=torch.float64)
-               ) / total

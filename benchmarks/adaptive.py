@@ -149,7 +149,7 @@ def _rank_main(rank: int, port: int, cores: list[int], run: dict, out: str) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
                       NODE_RANK="0", LOCAL_RANK=str(rank))
     strategy = lightning_autopipe.AutoPipeStrategy(
-        num_stages=2, replan=run["replan"], replan_window=run["window"],
+        num_stages=run["stages"], replan=run["replan"], replan_window=run["window"],
         replan_min_steps=run["window"], replan_threshold=run["threshold"], timeout=900,
     )
     log = StepLog(run.get("drift"), cores[1])
@@ -201,7 +201,7 @@ def _launch(run: dict, cores: list[int], work: Path) -> list[dict]:
 def _command(args: Any) -> str:
     return (f"{COMMAND} --steps {args.steps} --drift {' '.join(map(str, args.drift))} "
             f"--single-steps {args.single_steps} --window {args.window} "
-            f"--threshold {args.threshold}"
+            f"--threshold {args.threshold} --stages {args.stages}"
             + (f" --cases {' '.join(args.cases)}" if len(args.cases) < 2 else ""))
 
 
@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--single-steps", type=int, default=6)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--threshold", type=float, default=0.1)
+    p.add_argument("--stages", default="auto",
+                   help="num_stages of every run: 'auto' (the planner's depth: a pipeline, or "
+                        "two data-parallel replicas with uneven batches) or a pinned depth")
     p.add_argument("--out", help="also write the table here (markdown)")
     p.add_argument("--report", help="only print the tables of a saved adaptive.json")
     p.add_argument("--cases", nargs="+", choices=("slowed", "drift"),
@@ -227,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"autopipe-adaptive-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
-    common = {"window": args.window, "threshold": args.threshold}
+    common = {"window": args.window, "threshold": args.threshold,
+              "stages": args.stages if args.stages == "auto" else int(args.stages)}
     runs: dict[str, Any] = {}
     singles: list[dict] = []
     with neighbour_on(cores[1], NEIGHBOUR_S):

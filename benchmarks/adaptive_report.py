@@ -64,6 +64,7 @@ def segments(run: Sequence[dict], name: str, drift: Sequence[int] | None) -> lis
             out.append(Segment(run=name, phase=key[0], plan=key[1], recal=key[2], steps=[]))
         out[-1]["steps"].append(i)
     for seg in out:
+        seg["samples"] = _plan(run, seg["plan"]).global_batch_size
         seg["walls"] = [rows[i]["wall"] for i in seg["steps"]]
         seg["ms"] = statistics.median(seg["walls"])
         seg["ranks"] = [_rank_medians(r["rows"], seg["steps"]) for r in run]
@@ -86,9 +87,15 @@ def steps_lost(off: Sequence[dict], auto: Sequence[dict], per_step_ms: float,
     steps (step 0 left out), in steps of ``per_step_ms``."""
     a, b = off[0]["rows"], auto[0]["rows"]
     lost = [0.0, 0.0, 0.0]
-    for i in range(1, min(len(a), len(b))):
-        lost[_phase(i, drift)] += a[i]["wall"] - b[i]["wall"]
+    for i in range(1, min(len(a), len(b))):  # each step's wall per BATCH samples
+        lost[_phase(i, drift)] += (_per_batch(off, i, a[i]["wall"])
+                                   - _per_batch(auto, i, b[i]["wall"]))
     return [x / per_step_ms for x in (*lost, sum(lost))]
+
+
+def _per_batch(run: Sequence[dict], i: int, ms: float) -> float:
+    """Step ``i``'s ``ms`` restated per ``BATCH`` samples (a plan with replicas trains more)."""
+    return ms * BATCH / _plan(run, plan_of_step(run[0]["rows"], i)).global_batch_size
 
 
 def _recalibrations(run: Sequence[dict], plan: int, i: int) -> list[dict]:
@@ -115,12 +122,22 @@ def _label(run: Sequence[dict], seg: Segment) -> str:
                                     if recal else "")
 
 
+def _plan(run: Sequence[dict], plan: int) -> Plan:
+    return Plan.from_json(run[0]["first_plan"] if plan == 0
+                          else run[0]["switches"][plan - 1]["plan"])
+
+
+def _samples(run: Sequence[dict], seg: Segment) -> int:
+    """Samples per step of the segment's plan: the loader's batch times the replicas."""
+    return _plan(run, seg["plan"]).global_batch_size
+
+
 def _layout(run: Sequence[dict], plan: int) -> str:
-    text = run[0]["first_plan"] if plan == 0 else run[0]["switches"][plan - 1]["plan"]
-    p = Plan.from_json(text)
-    blocks = "/".join(f"{s.blocks[0]}-{s.blocks[1]}@{s.devices[0]}" for s in p.stages)
+    p = _plan(run, plan)
+    blocks = "/".join(f"{s.blocks[0]}-{s.blocks[1]}@{'+'.join(s.devices)}" for s in p.stages)
+    shares = f" batches {'+'.join(map(str, p.replica_batches))}" if p.replica_batches else ""
     return (f"{blocks} m{p.num_microbatches} k{p.startup_slices} j{p.drain_slices} "
-            f"{p.schedule}")
+            f"{p.schedule}{shares}")
 
 
 def _mark(ok: bool) -> str:
@@ -181,10 +198,10 @@ def _slowed(runs: dict[str, Any], segs: dict[str, list[Segment]], single: float)
     ]
     for seg in segs["slowed-auto"] + segs["slowed-off"]:
         lines.append(_seg_row(seg, runs[seg["run"]], _near(runs, seg["run"], single)))
-    last = segs["slowed-auto"][-1]
-    x = _near(runs, "slowed-auto", single) / last["ms"]
+    last, off = segs["slowed-auto"][-1], segs["slowed-off"][-1]
+    x = _x(_near(runs, "slowed-auto", single), last, sa)
     ratio = last["ms"] / _predicted(sa, last)
-    off_x = _near(runs, "slowed-off", single) / segs["slowed-off"][-1]["ms"]
+    off_x = _x(_near(runs, "slowed-off", single), off, runs["slowed-off"])
     lines += ["", f"targets: auto after its last switch {x:.3f}x one process (>= {TARGET_X}: "
               f"{_mark(x >= TARGET_X)}; off: {off_x:.3f}x); measured / predicted {ratio:.3f} "
               f"(within {TARGET_PRED:.0%}: {_mark(abs(ratio - 1) <= TARGET_PRED)}; the "
@@ -234,9 +251,10 @@ def _drift(runs: dict[str, Any], segs: dict[str, list[Segment]], drift: Sequence
 
 
 def _plan_ms(segs: Sequence[Segment], plan: int, phase: int) -> float:
-    """The median step of plan ``plan`` in condition ``phase``, over its segments (one plan
-    re-calibrated keeps its layout: its steps are one sample)."""
-    walls = [w for s in segs if (s["plan"], s["phase"]) == (plan, phase) for w in s["walls"]]
+    """The median step of plan ``plan`` in condition ``phase`` per ``BATCH`` samples, over its
+    segments (one plan re-calibrated keeps its layout: its steps are one sample)."""
+    walls = [w * BATCH / s["samples"] for s in segs if (s["plan"], s["phase"]) == (plan, phase)
+             for w in s["walls"]]
     return statistics.median(walls) if walls else float("nan")
 
 
@@ -249,11 +267,17 @@ def _span(seg: Segment) -> str:
     return f"{seg['steps'][0]}-{seg['steps'][-1]} ({len(seg['steps'])})"
 
 
+def _x(single: float, seg: Segment, run: Sequence[dict]) -> float:
+    """Samples per second of the segment over one process's (``single`` ms per ``BATCH``)."""
+    return (_samples(run, seg) / seg["ms"]) / (BATCH / single)
+
+
 def _seg_row(seg: Segment, run: Sequence[dict], single: float) -> str:
     pred = _predicted(run, seg)
     load = statistics.mean(run[0]["rows"][i]["load"] for i in seg["steps"])
-    return (f"| {seg['run']}, {_label(run, seg)} | {_span(seg)} | {BATCH / seg['ms'] * 1e3:.2f}"
-            f" | {single / seg['ms']:.3f} | {seg['ms']:.0f} | {pred:.0f} | "
+    rate = _samples(run, seg) / seg["ms"] * 1e3
+    return (f"| {seg['run']}, {_label(run, seg)} | {_span(seg)} | {rate:.2f}"
+            f" | {_x(single, seg, run):.3f} | {seg['ms']:.0f} | {pred:.0f} | "
             f"{seg['ms'] / pred:.3f} | {_layout(run, seg['plan'])} | {load:.2f} | "
             f"{_ranks(seg)} |")
 
@@ -272,9 +296,9 @@ def _switch_table(runs: dict[str, Any], segs: dict[str, list[Segment]], fresh_al
             cost_steps = sw["cost_ms"] / ms if after else float("nan")
             row = (f"| {name} | {sw['step']} | {sw['reason']} | {sw['predicted_step_ms']:.0f} "
                    f"| {ms:.0f} | ")
-            if fresh:
+            if fresh:  # per BATCH samples, as _plan_ms gives the fresh plans'
                 ref = fresh_neighbour if after and after["phase"] == 1 else fresh_alone
-                rel = ms / ref
+                rel = (ms * BATCH / after["samples"] if after else ms) / ref
                 row += f"{rel:.3f} ({_mark(rel <= 1 + TARGET_FRESH)}) | "
             row += (f"{sw['predicted_cost_ms']:.0f} / {sw['cost_ms']:.0f} | {cost_steps:.2f} "
                     f"({_mark(cost_steps < TARGET_COST_STEPS)}) | {sw['bytes_moved']} |")

@@ -118,6 +118,12 @@ class AutoPipeOptions:
     replica the same labels / ids (a digest compared each step); False hands a non-per-sample
     tensor (e.g. class weights) to ``pipeline_loss`` whole and skips both checks."""
 
+    balance_replicas: bool = True
+    """Data-parallel replicas of unlike speed train uneven shares of the global batch (a slow
+    replica fewer samples) when the planner predicts it faster; the runtime all-gathers the
+    replicas' per-sample tensors each step to deal them (:mod:`~lightning_autopipe.runtime.
+    replica_share`), so batches must have one shape on every replica. False: even shares."""
+
     compile: bool | str = False
     """``torch.compile`` each local stage once, its batch dimension dynamic, so slices and
     short batches reuse the one graph (:mod:`~lightning_autopipe.runtime.compiled_stage`):
@@ -206,6 +212,7 @@ class AutoPipeOptions:
             ("bucket_mb", float(self.bucket_mb)),
             ("exact_cluster", bool(self.exact_cluster)),
             ("check_batch", bool(self.check_batch)),
+            ("balance_replicas", bool(self.balance_replicas)),
         ):
             object.__setattr__(self, name, value)
 

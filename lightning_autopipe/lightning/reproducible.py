@@ -10,7 +10,9 @@ different models. Under ``Trainer(deterministic=True)`` (which turns on
 * ``num_stages="auto"`` is refused (before any process starts): pin the depth;
 * ``num_microbatches="auto"`` becomes the smallest divisor of the replica batch that is at
   least twice the depth (the batch itself when none is), a rule of the batch and depth alone;
-* ``startup_slices`` / ``drain_slices`` ``"auto"`` become 1.
+* ``startup_slices`` / ``drain_slices`` ``"auto"`` become 1;
+* replicas train even shares of the global batch (``balance_replicas=False``): uneven shares
+  come from timings and set the samples each replica's BatchNorm normalises over.
 
 The planner still chooses the cuts and the schedule from the measurements: they move work
 between ranks, not the arithmetic of the step. Pinned counts are kept as given.
@@ -77,6 +79,8 @@ def reproducible_options(options: AutoPipeOptions, replica_batch: int) -> AutoPi
         changes["startup_slices"] = 1
     if pins["drain_slices"] is None:
         changes["drain_slices"] = 1
+    if options.balance_replicas:
+        changes["balance_replicas"] = False
     return replace(options, **changes) if changes else options
 
 

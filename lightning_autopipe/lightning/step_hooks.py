@@ -172,7 +172,8 @@ class StepHooks(ParallelStrategy):
         assert self._pipe is not None
         assert self._runner is not None
         outcome = self._runner.finish(self._pipe.layout, self._pipe.groups, self.root_device,
-                                      replicas=replicas)
+                                      replicas=replicas,
+                                      replica_weight=self._pipe.executor.replica_weight)
         outcome.log_to(self.lightning_module, self.root_device,
                        self._pipe.layout.pipeline_ranks[0] == self.global_rank)
         return outcome

@@ -13,6 +13,13 @@ logs that constant, as one process would; otherwise the step's ``batch_size`` (t
 its value in an ``on_epoch`` mean) is the slices' sum. What cannot be merged into a number (a
 ``torchmetrics.Metric`` object, a tensor of several elements, a custom reduction, a process
 group) is refused with :class:`StepContractError`.
+
+Under uneven replica batches (a plan's ``replica_batches``) a replica's mean is over its own
+share; Lightning's ``sync_dist`` mean of a step weights every rank alike, so a synced mean is
+logged times the replica's weight (its samples over an even share) and its ``batch_size``
+over it: the step's synced value and the epoch's batch-weighted mean are then the global
+batch's, as with even batches (a value alike on every replica, e.g. a learning rate, is
+unchanged, the weights averaging 1).
 """
 
 from __future__ import annotations
@@ -160,8 +167,10 @@ class SliceLogs:
         rec.given.append(given)
         rec.wide = rec.wide or wide
 
-    def combined(self) -> list[LoggedValue]:
-        """One call per key: the merged value and the keywords to log it with (one sync)."""
+    def combined(self, replica_weight: float = 1.0) -> list[LoggedValue]:
+        """One call per key: the merged value and the keywords to log it with (one sync).
+
+        ``replica_weight``: the replica's samples over an even share (module docstring)."""
         if not self._records:
             return []
         values = torch.stack([_value(r) for r in self._records.values()]).tolist()
@@ -169,7 +178,10 @@ class SliceLogs:
         for (name, rec), value in zip(self._records.items(), values):
             options = {k: rec.options[k] for k in _PASSED}
             options["reduce_fx"] = rec.reduce
-            options["batch_size"] = max(1, round(rec.weights()[1]))
+            size = rec.weights()[1]
+            if replica_weight != 1.0 and rec.reduce == "mean" and options["sync_dist"]:
+                value, size = value * replica_weight, size / replica_weight
+            options["batch_size"] = max(1, round(size))
             out.append((name, options, float(value), rec.wide))
         return out
 

@@ -126,8 +126,8 @@ class StepRunner:
                 self._failure = exc
         return _stand_in(outputs, training=hook == "training_step")
 
-    def finish(self, layout: Any, groups: Any, device: torch.device, *, replicas: bool = True
-               ) -> StepOutcome:
+    def finish(self, layout: Any, groups: Any, device: torch.device, *, replicas: bool = True,
+               replica_weight: float = 1.0) -> StepOutcome:
         """Combine the slices' records on the last stage and share them (collective).
 
         Every rank of the pipeline calls this after the executor's step, in the same order.
@@ -138,9 +138,11 @@ class StepRunner:
         or a :class:`~lightning_autopipe.errors.PipelineRuntimeError` naming that rank. With
         ``replicas=False`` (prediction: Lightning's predict sampler does not pad, so replicas
         may run different numbers of batches) a failure is shared within the replica only.
+        ``replica_weight``: the replica's samples over an even share (uneven replica batches,
+        :class:`~.step_logs.SliceLogs`).
         """
         hook = self._hook or "step"
-        payload = self._payload(layout) if layout.is_last else None
+        payload = self._payload(layout, replica_weight) if layout.is_last else None
         if layout.num_stages > 1:
             box = [payload]
             dist.broadcast_object_list(box, src=layout.last_stage_rank, group=groups.pipeline)
@@ -267,7 +269,7 @@ class StepRunner:
             )
         return loss.reshape(())
 
-    def _payload(self, layout: Any) -> dict[str, Any]:
+    def _payload(self, layout: Any, replica_weight: float = 1.0) -> dict[str, Any]:
         """What the last stage sends: plain Python values and CPU tensors only."""
         failure = None
         if self._failure is not None:
@@ -275,7 +277,7 @@ class StepRunner:
             contract = isinstance(self._failure, StepContractError)
             failure = (contract, str(self._failure) if contract else describe(self._failure), where)
             return {"failure": failure, "logs": [], "joined": None}
-        logs = self._logs.combined()
+        logs = self._logs.combined(replica_weight)
         joined = None
         if self._predictions:
             predicting = self._hook == "predict_step"

@@ -78,6 +78,11 @@ class Plan:
     :func:`~.placement.rank_chunks` names for ``placement`` (``"looped"`` or ``"v"``); the
     chunks of one rank list the same devices. Plans written before chunks existed load with
     ``v = 1``, where chunk == stage == rank position.
+
+    ``replica_batches``: samples of each data-parallel replica per step, in replica order,
+    summing to ``global_batch_size`` (empty: even, ``global_batch_size / replicas`` each). A
+    replica on slower devices gets fewer samples, so that every replica's pipeline ends its step
+    at about the same time; the runtime moves samples between the replicas' loaded batches.
     """
 
     planner: str
@@ -98,11 +103,13 @@ class Plan:
     recompute: list[bool] = field(default_factory=list)
     chunks_per_rank: int = 1
     placement: str = "looped"
+    replica_batches: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stages = [s if isinstance(s, StagePlan) else StagePlan(**s) for s in self.stages]
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
+        self._check_replica_batches()
         self.recompute = [bool(r) for r in self.recompute]
         if self.recompute and len(self.recompute) != len(self.stages):
             raise PlanError(
@@ -130,6 +137,36 @@ class Plan:
                 f"num_microbatches ({self.num_microbatches}), startup_slices "
                 f"({self.startup_slices}) and drain_slices ({self.drain_slices}) must be >= 1"
             )
+
+    def _check_replica_batches(self) -> None:
+        """Uneven replica batches: one positive count per replica, summing to the global batch."""
+        given = self.replica_batches
+        if not given:
+            return
+        if any(isinstance(n, bool) or int(n) != n for n in given):
+            raise PlanError(f"replica_batches must be whole sample counts, got {given}")
+        self.replica_batches = [int(n) for n in given]
+        widths = {s.replicas for s in self.stages}
+        width = widths.pop() if len(widths) == 1 else None
+        if width is None or len(given) != width or min(given) < 1 \
+                or sum(given) != self.global_batch_size:
+            raise PlanError(
+                f"replica_batches {given} must give each of the {width or 'uneven'} replicas at "
+                f"least one sample and sum to global_batch_size={self.global_batch_size}; "
+                "leave it empty for even batches"
+            )
+
+    def replica_batch(self, replica: int) -> int:
+        """Samples replica ``replica`` trains per step (its share of the global batch)."""
+        if self.replica_batches:
+            return self.replica_batches[replica]
+        return self.global_batch_size // self.replicas
+
+    def replica_weight(self, replica: int) -> float:
+        """Replica ``replica``'s samples against an even share (``n_i R / B``; 1 when even)."""
+        if not self.replica_batches:
+            return 1.0
+        return self.replica_batches[replica] * len(self.replica_batches) / self.global_batch_size
 
     def _check_chunks(self) -> None:
         """Chunks per rank divide the stages; one rank's chunks share their devices; no device
@@ -255,6 +292,7 @@ class Plan:
             **({"recompute": list(self.recompute)} if any(self.recompute) else {}),
             **({"chunks_per_rank": self.chunks_per_rank, "placement": self.placement}
                if self.chunks_per_rank > 1 else {}),
+            **({"replica_batches": list(self.replica_batches)} if self.replica_batches else {}),
         }
 
     @classmethod

@@ -58,7 +58,7 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster | None = None) ->
     """
     reps = [s.replicas for s in plan.stages]
     rep = str(reps[0]) if len(set(reps)) == 1 else "/".join(map(str, reps))
-    per = plan.global_batch_size / (plan.num_microbatches * max(reps))
+    per = plan.global_batch_size / (plan.num_microbatches * max(reps))  # even share
     lines = [
         f"plan ({plan.planner}) for {plan.model or profile.model}: {plan.num_stages} stages x "
         f"{rep} replicas, global batch {plan.global_batch_size} = {plan.num_microbatches} "
@@ -98,6 +98,7 @@ def format_plan(plan: Plan, profile: Profile, cluster: Cluster | None = None) ->
         f"balance {plan.balance:.3f} (max/mean stage ms) | search {plan.search_ms:.0f} ms"
     )
     lines += [f"note: {n}" for n in plan.search_notes]
+    lines += _shares(plan)
     redone = [s for s in range(plan.num_stages) if plan.recomputes(s)]
     if redone:
         lines.append(f"note: stages {redone} recompute their activations in backward (no plan "
@@ -124,4 +125,13 @@ def plan_table(plan: Plan, profile: Profile | None, cluster: Cluster | None = No
     )
     redone = [s for s in range(plan.num_stages) if plan.recomputes(s)]
     tail = [f"  stages {redone} recompute their activations in backward"] if redone else []
-    return "\n".join([head, *rows, *tail])
+    return "\n".join([head, *rows, *_shares(plan), *tail])
+
+
+def _shares(plan: Plan) -> list[str]:
+    """The uneven replica batches, if any, as a note line."""
+    if not plan.replica_batches:
+        return []
+    each = ", ".join(f"replica {i} ({plan.stages[0].devices[i]}): {n}"
+                     for i, n in enumerate(plan.replica_batches))
+    return [f"note: uneven replica batches (samples per step, slower replicas fewer): {each}"]

@@ -40,7 +40,7 @@ from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.memwalk import fitting_cuts
 from lightning_autopipe.planner.plan import Plan, Proposal
 from lightning_autopipe.planner.polish import bound_many, evaluate_many, polish
-from lightning_autopipe.planner.simulate import simulate
+from lightning_autopipe.planner.replica_batches import balance_replicas, predicted
 from lightning_autopipe.planner.vsearch import (
     choice_note,
     chunked_proposals,
@@ -285,15 +285,7 @@ def finish_plan(
                 drain_slices=prop.drain_slices, schedule=prop.schedule,
                 recompute=list(recompute) if any(recompute) else [],
                 chunks_per_rank=prop.chunks_per_rank, placement=prop.placement)
-    res = simulate(plan, profile, cluster, optimizer_bytes_per_param_byte=optimizer_factor)
-    for st, ms in zip(plan.stages, res.stage_ms):
-        st.stage_ms = ms
-    plan.iteration_ms = res.iteration_ms
-    plan.bubble_fraction = res.bubble_fraction
-    plan.peak_memory_bytes = dict(res.peak_memory_bytes)
-    mean = sum(res.stage_ms) / len(res.stage_ms)
-    plan.balance = max(res.stage_ms) / mean if mean > 0 else 1.0
-    return plan
+    return predicted(plan, profile, cluster, optimizer_factor)
 
 
 def search_plan(
@@ -308,12 +300,15 @@ def search_plan(
     startup_slices: int | None = None, drain_slices: int | None = None,
     schedules: Sequence[str] = ("1f1b", "zb-h1"),
     optimizer_factor: float = 2.0,
+    balance: bool = True,
 ) -> Plan:
     """The plan with the most samples/s that uses every launched device.
 
     The dataloader's batch is one replica's (as with DDP), so a layout with ``R`` replicas
     trains a global batch of ``replica_batch * R``; each pipeline depth dividing the world size
     (or the pinned one) is planned and the fastest per sample wins (:func:`make_plan`'s args).
+    With ``balance``, replicas of unlike speed train uneven shares of that global batch when
+    the simulator predicts it faster (:func:`~.replica_batches.balance_replicas`).
     """
     world = len(devices)
     if num_stages is not None and world % num_stages:
@@ -339,6 +334,8 @@ def search_plan(
             failures.append(f"{depth} stages x {replicas} replicas: {exc}")
             kinds.add(type(exc))
             continue
+        if balance and replicas > 1:
+            plan = balance_replicas(plan, profile, cluster, optimizer_factor)
         rate = replica_batch * replicas / max(plan.iteration_ms, 1e-9)
         key = (not any(plan.recompute), rate, plan)
         if best is None or key[:2] > best[:2]:

@@ -31,8 +31,8 @@ from lightning_autopipe.planner.schedule import (
 )
 from lightning_autopipe.profile import Profile
 
-__all__ = ["CODE", "Event", "Peer", "SimResult", "StageCost", "overlaps", "peers", "stage_costs",
-           "stage_peaks", "unit_samples"]
+__all__ = ["CODE", "Event", "Peer", "SimResult", "StageCost", "device_scale", "overlaps",
+           "peers", "stage_costs", "stage_peaks", "unit_samples"]
 
 #: action codes of the simulator's per-stage lists and of its raw timeline records
 F, B, SF, SB, RF, RB, AR, W = range(8)
@@ -178,6 +178,9 @@ def unit_samples(plan: Plan) -> tuple[list[float], list[int]]:
     """Global samples of each unit (summed over a stage's replicas) and replicas per stage."""
     reps = [s.replicas for s in plan.stages]
     m, k, j = plan.num_microbatches, plan.startup_slices, plan.drain_slices
+    if plan.replica_batches:  # uneven replicas: unit sizes as fractions (replica_scale)
+        g = plan.global_batch_size / m
+        return [g / slice_count(mb, m, k, j) for mb, _ in units(m, k, j)], reps
     if len(set(reps)) == 1:
         r = reps[0]
         n = plan.microbatch_size  # raises PlanError when B is not divisible into R x m
@@ -218,6 +221,18 @@ class Peer:
     resources: tuple
 
 
+def device_scale(plan: Plan, stage_devs: list[list[int]], count: int) -> list[float]:
+    """Per device (index in ``plan.devices``): its replica's samples against an even share
+    (:meth:`~.plan.Plan.replica_weight`; all 1 when even), what its units' compute, messages
+    and held activations are scaled by."""
+    scale = [1.0] * count
+    if plan.replica_batches:
+        for devs in stage_devs:
+            for i, d in enumerate(devs):
+                scale[d] = plan.replica_weight(i)
+    return scale
+
+
 def peers(
     plan: Plan, profile: Profile, cluster: Cluster, costs: list[StageCost], reps: list[int],
     stage_devs: list[list[int]],
@@ -240,6 +255,7 @@ def peers(
             continue
         per_sample = costs[s].activation_bytes / mbs  # activations out = gradients back
         for i, j, frac in overlaps(reps[s], reps[s + 1]):
+            frac *= plan.replica_weight(i)  # uneven batches (even widths): replica i's share
             a, b = stage_devs[s][i], stage_devs[s + 1][j]
             gbps, lat, res = link(names[a], names[b])
             out_f[a][s].append(Peer(b, per_sample * frac, gbps, lat / 1e3, res))

@@ -81,6 +81,7 @@ from lightning_autopipe.planner.simdata import (
     SimResult,
     StageCost,
     W,
+    device_scale,
     peers,
     stage_costs,
     stage_peaks,
@@ -129,6 +130,7 @@ class _Simulator:
                 self.rank_of[d] = r
         self.chunks = [plan.rank_stages(r) for r in range(plan.num_ranks)]
         self.stage_devs = [[dev_index[n] for n in st.devices] for st in plan.stages]
+        self.rel = device_scale(plan, self.stage_devs, len(self.names))  # uneven batches
         self.split = is_split(lowered)
         self.acts_of = [[(CODE[a.kind], uidx[a.unit], a.stage) for a in lowered[r]]
                         for r in range(plan.num_ranks)]
@@ -185,7 +187,7 @@ class _Simulator:
         prof, speed = device_profile(spec, self.profile)
         out = {}
         for s in self.chunks[self.rank_of[d]]:
-            per = self.reps[s] * float(prof.micro_batch_size)
+            per = self.reps[s] * float(prof.micro_batch_size) / self.rel[d]
             prices = self._cost(d, s).prices(s == 0, self.split)
             out[s] = [[unit_ms(ms, fixed, g / per, speed, spec.overhead_ms)
                        for g in self.gsamples] for ms, fixed in prices]
@@ -329,19 +331,20 @@ class _Simulator:
             ms = []
             for d in self.stage_devs[s]:
                 prof, speed = device_profile(self.specs[d], self.profile)
-                per = whole / self.reps[s] / prof.micro_batch_size
+                per = whole / self.reps[s] / prof.micro_batch_size * self.rel[d]
                 ovh = self.specs[d].overhead_ms
                 f, *back = [unit_ms(x, fx, per, speed, ovh)
                             for x, fx in self._cost(d, s).prices(s == 0, self.split)]
                 ms.append(f + (back[0] + back[1] if self.split else back[0]))
             stage_ms.append(max(ms))
-        peak = stage_peaks(self.schedule, self.costs, self.gsamples, self.reps, self.uidx,
-                           float(self.profile.micro_batch_size), self.optimizer_factor, whole)
+        peaks = {x: stage_peaks(self.schedule, self.costs, [g * x for g in self.gsamples],
+                                self.reps, self.uidx, float(self.profile.micro_batch_size),
+                                self.optimizer_factor, whole * x) for x in set(self.rel)}
         return SimResult(
             iteration_ms=iteration,
             bubble_fraction=bubble,
             busy_ms={names[d]: self.busy[d] for d in range(nd)},
-            peak_memory_bytes={names[d]: peak[self.rank_of[d]] for d in range(nd)},
+            peak_memory_bytes={names[d]: peaks[self.rel[d]][self.rank_of[d]] for d in range(nd)},
             stage_ms=stage_ms,
             allreduce_ms=self.ar_ms,
             devices=list(names),

@@ -137,7 +137,8 @@ def _plan_on_rank0(
         plan = search_plan(
             measured.profile, measured.cluster, measured.names, replica_batch,
             planner=options.planner, schedules=options.schedules,
-            optimizer_factor=options.optimizer_factor, **options.pins
+            optimizer_factor=options.optimizer_factor, balance=options.balance_replicas,
+            **options.pins
         )
         check_fingerprint(plan, blocks)
         return plan

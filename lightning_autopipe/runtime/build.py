@@ -241,6 +241,7 @@ def build_pipeline(
         check_batch=options.check_batch,
         timeout_s=timeout.total_seconds(),
         memory=meter,
+        replica_batches=plan.replica_batches,
     )
     return LocalPipeline(
         plan=plan,

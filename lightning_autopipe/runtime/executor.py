@@ -18,6 +18,12 @@ Numerics: each unit's loss on the last stage is weighted by ``unit_samples / B``
 gradients summed over units are those of the replica's mean loss. Averaging over the
 data-parallel group then gives the gradients of the global-batch mean loss, and summing tied
 copies across their stages gives what a single process would compute for the shared weight.
+Under uneven replica batches a replica first takes its share of the replicas' joined batches
+(:mod:`~lightning_autopipe.runtime.replica_share`) and weights its units over the even share,
+the batch it loaded.
+
+The module runs a little past ~400 lines: a step's phases (the sample exchange, units, the
+action loop, the loss gather, the gradient sync) share the runners' per-step state.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from lightning_autopipe.runtime.failure import FailureBoard, pipeline_failure
 from lightning_autopipe.runtime.gradsync import GradientSync, step_gradients_only
 from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout, gather_by_rank
 from lightning_autopipe.runtime.outbox import Outbox
+from lightning_autopipe.runtime.replica_share import take_share
 from lightning_autopipe.runtime.stage_runner import StageRunner, action_table, check_action
 from lightning_autopipe.runtime.units import fit_units, unit_bounds
 
@@ -119,6 +126,7 @@ class PipelineExecutor:
         timeout_s: float | None = None,
         drain_slices: int = 1,
         memory: Any = None,
+        replica_batches: Sequence[int] = (),
     ) -> None:
         if layout.world_size > 1 and groups is None:
             raise PipelineRuntimeError("a multi-rank pipeline needs its process groups")
@@ -130,6 +138,7 @@ class PipelineExecutor:
         self.num_microbatches = num_microbatches
         self.startup_slices = startup_slices
         self.drain_slices = drain_slices
+        self.replica_batches = list(replica_batches)  # uneven shares (:mod:`.replica_share`)
         self._train_schedule = train_schedule
         self._eval_schedule = eval_schedule
         self._inputs_fn = inputs_fn
@@ -141,6 +150,8 @@ class PipelineExecutor:
         self.check_batch = check_batch
         self.timeout_s = timeout_s
         self.step: int | None = None  # the caller's step number, quoted in failure messages
+        self.samples = 0  # samples of the last step (its share, under uneven replica batches)
+        self.replica_weight = 1.0  # those samples over the even share (the loaded batch's)
         self._training = True
         self._closed = False
         self.trace: list[Action] = []
@@ -294,7 +305,16 @@ class PipelineExecutor:
         flat = tuple(self._flatten(self._inputs_fn(batch)))
         if not flat:
             raise PipelineRuntimeError("the model's flattened inputs hold no tensor")
-        size = int(flat[0].shape[0]) if flat[0].dim() else 0
+        size = loaded = int(flat[0].shape[0]) if flat[0].dim() else 0
+        if train and self.replica_batches:
+            lay = self.layout
+            with self._watch("exchange of samples between replicas", None, True):
+                batch = take_share(batch, size, self.replica_batches, lay.replica,
+                                   lay.grid[lay.stage], self.groups.dp)
+            flat = tuple(self._flatten(self._inputs_fn(batch)))
+            size = int(flat[0].shape[0])
+        self.samples = size  # what this replica's last step ran on
+        self.replica_weight = size / loaded if loaded else 1.0
         if self.check_batch:
             check_batch_sizes(batch, flat, size)
         if train:
@@ -312,7 +332,8 @@ class PipelineExecutor:
         order = {u: i for i, u in enumerate(bounds)}
         for c, runner in runners.items():
             runner.begin(batch, flat, size, bounds, train=train, loss_scale=self.loss_scale,
-                         outbox=Outbox.for_actions([a for a in actions if a.stage == c], order))
+                         outbox=Outbox.for_actions([a for a in actions if a.stage == c], order),
+                         per=loaded)
         trace: list[Action] = []
         timeline: list[tuple[Action, float, float]] = []
         for idx, a in enumerate(actions):

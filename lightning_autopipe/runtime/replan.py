@@ -216,6 +216,7 @@ def propose(
             made.append(search_plan(pipe.profile, cluster, source.names, replica_batch,
                                     planner=options.planner, schedules=options.schedules,
                                     optimizer_factor=source.options.optimizer_factor,
+                                    balance=options.balance_replicas,
                                     **pins))
         return made[0]
 

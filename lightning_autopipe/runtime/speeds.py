@@ -123,11 +123,13 @@ def _scaled_spec(spec: DeviceSpec, ratio: float) -> DeviceSpec:
 
 
 def same_layout(a: Any, b: Any) -> bool:
-    """Two plans that run the same way (stages, devices, counts, schedule, recomputation)."""
+    """Two plans that run the same way (stages, devices, counts, schedule, recomputation,
+    replica batches)."""
 
     def key(p: Any) -> tuple:
         return (tuple((tuple(s.blocks), tuple(s.devices)) for s in p.stages), p.num_microbatches,
-                p.startup_slices, p.drain_slices, p.schedule, tuple(p.recompute))
+                p.startup_slices, p.drain_slices, p.schedule, tuple(p.recompute),
+                tuple(getattr(p, "replica_batches", ())))
 
     return key(a) == key(b)
 

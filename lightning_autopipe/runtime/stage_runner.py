@@ -99,14 +99,18 @@ class StageRunner:
         train: bool,
         outbox: Outbox,
         loss_scale: Callable[[Tensor], Tensor] | None = None,
+        per: float | None = None,
     ) -> None:
         """Start a step over ``batch`` (``flat``: its flattened model inputs, ``size`` samples)
         cut into ``bounds`` (unit -> ``[start, stop)``); every unit's state starts empty.
+        A unit's loss is weighted by its samples over ``per`` (default ``size``; under uneven
+        replica batches the even share, :mod:`~.replica_share`).
 
         ``loss_scale`` scales each unit's weighted loss before its backward (fp16); the
         summed loss stays unscaled.
         """
         self._batch, self._flat, self._size = batch, tuple(flat), size
+        self._per = float(size if per is None else per)
         self._bounds = bounds
         self._order = {u: i for i, u in enumerate(bounds)}
         self._train = train
@@ -165,7 +169,7 @@ class StageRunner:
             return
         part = slice_batch(self._batch, start, stop, self._size)
         with self._saving():
-            loss = self._loss_fn(self._unflatten(outs), part) * ((stop - start) / self._size)
+            loss = self._loss_fn(self._unflatten(outs), part) * ((stop - start) / self._per)
         self.loss_sum += loss.detach().double()  # a float64 model's loss stays float64
         if self._train:
             self._saved[unit] = (inputs, loss if self._scale is None else self._scale(loss))

@@ -13,6 +13,8 @@ Every rank runs every case in order and writes ``OUT_DIR/<case>.rank<r>.pt``. Ca
 * ``crafted``: ``fit(ckpt_path=OUT_DIR/crafted.ckpt)`` (a file whose unpickling would run code).
 * ``readme``: the README's contract example, run as written (``net`` and ``loader`` given).
 * ``rankdata``: ``fit`` on a dataset each rank builds from its own rank (mismatched stages).
+* ``accumulate``: :func:`tests.lightning._module.run_accumulate`; ``uneven``: the same with
+  replica batches of :data:`UNEVEN` samples (the plan's ``replica_batches``).
 * ``telemetry``: a planned 2-stage ``fit`` with a ``CSVLogger``, rank 1's forwards each made
   ``SLOW_FORWARD_S`` slower on purpose; records rank 0's ``metrics.csv`` and every rank's
   step-telemetry summary (:mod:`lightning_autopipe.lightning.telemetry`).
@@ -41,6 +43,7 @@ from tests.lightning import _module as M  # noqa: E402
 
 SLOW_FORWARD_S = 0.02  # the telemetry case's known slowdown of each forward on rank 1
 TELEMETRY_STEPS, TELEMETRY_EVERY = 8, 4
+UNEVEN = (13, 7)  # the "uneven" case's samples per replica (of 2 x REPLICA_BATCH)
 TIMEOUT = 120  # the strategy's: a rank left waiting for a peer stops only after this long
 NO_HANG_S = 30  # an error raised on every rank comes within this of the training start
 
@@ -101,10 +104,22 @@ class _Clock(pl.Callback):
         self.started = time.monotonic()
 
 
+class _Samples(pl.Callback):
+    """The samples this rank's pipeline trained each step (its replica's share)."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.samples.append(trainer.strategy.pipeline.executor.samples)
+
+
 def _trainer(world: int, root: Path, checkpoint_format: str = "consolidated", callbacks=(),
-             **kwargs) -> pl.Trainer:
+             replica_batches: tuple[int, ...] = (), **kwargs) -> pl.Trainer:
+    plan = fixed_plan(world)
+    plan.replica_batches = list(replica_batches)
     strategy = lightning_autopipe.AutoPipeStrategy(
-        plan=fixed_plan(world), timeout=TIMEOUT, checkpoint_format=checkpoint_format,
+        plan=Plan.from_json(plan.to_json()), timeout=TIMEOUT, checkpoint_format=checkpoint_format,
     )
     return pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, log_every_n_steps=1,
                       enable_progress_bar=False, num_sanity_val_steps=0,
@@ -144,9 +159,12 @@ def run_case(case: str, world: int, out: Path) -> dict:
                                                                **kw),
                                          replicas=world // 2, explicit_sampler=False,
                                          ckpt_dir=out / f"ckpt-{case}"))
-        elif case == "accumulate":
-            record.update(M.run_accumulate(lambda **kw: _trainer(world, root, **kw),
-                                           replicas=world // 2, explicit_sampler=False))
+        elif case in ("accumulate", "uneven"):
+            shares, seen = (UNEVEN, [_Samples()]) if case == "uneven" else ((), [])
+            record.update(M.run_accumulate(
+                lambda **kw: _trainer(world, root, replica_batches=shares, callbacks=seen, **kw),
+                replicas=world // 2, explicit_sampler=False))
+            record["samples"] = seen[0].samples if seen else []
         elif case == "telemetry":
             record.update(telemetry_run(world, root))
         elif case == "rankdata":  # each rank's own samples: a dataset built from its rank

@@ -18,6 +18,7 @@ from lightning_autopipe.checkpoint import read_model_state
 from lightning_autopipe.errors import UnsafeCheckpointError
 from lightning_autopipe.planner.plan import Plan
 from tests.lightning import _module as M
+from tests.lightning import _run
 from tests.lightning._run import (
     NO_HANG_S,
     SLOW_FORWARD_S,
@@ -29,7 +30,7 @@ from tests.lightning._run import (
 
 CASES = {2: ["ordinary", "sharded", "twice", "never", "metric", "optimizer", "crafted", "readme",
              "telemetry", "accumulate", "rankdata"],
-         4: ["ordinary", "twice-replica1", "accumulate"]}
+         4: ["ordinary", "twice-replica1", "accumulate", "uneven"]}
 RTOL, ATOL = 1e-5, 1e-6
 
 pytestmark = pytest.mark.slow
@@ -150,6 +151,23 @@ def test_accumulate_grad_batches_steps_on_the_windows_gradients_like_auto(runs):
         _close(state[name], value, f"parameter {name} after accumulating")
     one_step = runs.auto["fit_state"]  # not trivially equal: accumulation changed the training
     assert any(not torch.equal(v, one_step[k]) for k, v in runs.auto["acc_state"].items())
+
+
+def test_uneven_replica_batches_train_and_log_like_auto(runs4):
+    """Replicas dealt 13 and 7 of their 2 x 10 loaded samples per step: each rank trains its
+    share, yet the weights, the optimizer steps and the synced logs (means over the global
+    batch) are one process's on the same global batches."""
+    ranks = runs4.ranks["uneven"]
+    for rec in ranks:
+        assert "error" not in rec, rec.get("error")
+        replica = 0 if rec["rank"] in (0, 2) else 1  # fixed_plan: local:0/2 are replica 0
+        assert set(rec["samples"]) == {_run.UNEVEN[replica]}, rec["samples"]
+        assert rec["acc_steps"] == runs4.auto["acc_steps"]
+        _same_logs(rec["acc_logged"], runs4.auto["acc_logged"],
+                   ["train_loss", "train_acc", "train_samples"], f"uneven, rank {rec['rank']}")
+    state = _whole_state(ranks, "acc_state")
+    for name, value in runs4.auto["acc_state"].items():
+        _close(state[name], value, f"parameter {name} after uneven replica batches")
 
 
 def test_model_checkpoint_monitoring_val_loss_picks_the_same_best_epoch(runs):

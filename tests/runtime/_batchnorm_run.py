@@ -63,9 +63,11 @@ def run_case(case: str, world: int, out: Path) -> None:
         strategy = lightning_autopipe.AutoPipeStrategy(num_stages=2, profile_repeats=1)
         replicas = world // 2
     else:
+        # even replica batches, as the reference deals them (noisy profiles of alike ranks
+        # on a busy machine could plan uneven ones: those have their own tests)
         strategy = lightning_autopipe.AutoPipeStrategy(
             num_stages=1, num_microbatches=2, startup_slices=2, drain_slices=1,
-            profile_repeats=1)
+            profile_repeats=1, balance_replicas=False)
         replicas = world
     task = BatchNormTask(replicas)
     logger = RecordingLogger()

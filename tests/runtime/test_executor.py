@@ -26,7 +26,8 @@ from tests.runtime._toy import (
 
 
 def _plan(
-    cuts: list[int], replicas: int, m: int = 3, k: int = 2, batch: int = 12, j: int = 1
+    cuts: list[int], replicas: int, m: int = 3, k: int = 2, batch: int = 12, j: int = 1,
+    replica_batches: list[int] | None = None,
 ) -> Plan:
     devs = iter(f"cpu0:{i}" for i in range(100))
     stages = [
@@ -40,6 +41,7 @@ def _plan(
         startup_slices=k,
         stages=stages,
         drain_slices=j,
+        replica_batches=replica_batches or [],
     )
 
 
@@ -122,7 +124,8 @@ def test_layout_grid_and_neighbours():
 # The cases run on the shared gloo worlds of tests/_gloo.py (the ``gloo`` fixture).
 
 
-def _toy_executor(stage, lay, groups, m, k, j, gen, tied=()) -> PipelineExecutor:
+def _toy_executor(stage, lay, groups, m, k, j, gen, tied=(), replica_batches=()
+                  ) -> PipelineExecutor:
     """An executor of the toy chain's ``stage`` under schedule generator ``gen``."""
     S = lay.num_stages
     return PipelineExecutor(
@@ -140,18 +143,19 @@ def _toy_executor(stage, lay, groups, m, k, j, gen, tied=()) -> PipelineExecutor
         loss_fn=toy_loss,
         device=torch.device("cpu"),
         tied=tied,
+        replica_batches=replica_batches,
     )
 
 
 def _check_rank(
     rank: int, world: int, cuts: list[int], replicas: int, k: int, drain: int,
-    schedule: str = "1f1b",
+    schedule: str = "1f1b", shares: list[int] | None = None,
 ) -> None:
     from lightning_autopipe.planner.generators import SCHEDULES
 
     gen = SCHEDULES[schedule]
     m, batch = 3, 12 * replicas
-    plan = _plan(cuts, replicas, m=m, k=k, batch=batch, j=drain)
+    plan = _plan(cuts, replicas, m=m, k=k, batch=batch, j=drain, replica_batches=shares)
     lay = layout_for_rank(plan, [f"cpu0:{i}" for i in range(world)], rank)
     S = lay.num_stages
     groups = build_groups(lay, [(0, S - 1)], timeout=timedelta(seconds=TIMEOUT_S))
@@ -161,15 +165,16 @@ def _check_rank(
     i, j = plan.stages[lay.stage].blocks
     stage = ToyStage(chain, i, j)
     tied = [TiedParameter(0, chain.E, counted=lay.is_first)] if (i == 0 or j == 4) else []
-    ex = _toy_executor(stage, lay, groups, m, k, drain, gen, tied)
-    per = batch // replicas
+    ex = _toy_executor(stage, lay, groups, m, k, drain, gen, tied, plan.replica_batches)
+    per = batch // replicas  # what each replica loads (uneven shares: dealt by the executor)
     shard = (
         x[lay.replica * per : (lay.replica + 1) * per],
         y[lay.replica * per : (lay.replica + 1) * per],
     )
     loss = ex.train_step(shard)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-7)
-    assert ex.trace == lower_communication(gen(S, m, k, drain))[lay.stage]
+    mine = plan.replica_batch(lay.replica)
+    assert ex.trace == lower_communication(gen(S, *fit_units(mine, m, k, drain)))[lay.stage]
     used = {"E"} if (i == 0 or j == 4) else set()
     used |= {f"l{b}" for b in (1, 2) if i <= b < j}
     for name, p in chain.named_parameters():
@@ -186,22 +191,33 @@ def _check_rank(
         if p.grad is not None and p.grad.abs().sum() == 0:
             p.grad = None
     assert_norm_and_eval_match(ex, ref, x, y, shard)
+    if shares:  # an epoch's short last batch, 2 per replica: dealt in the plan's proportions
+        short = [slice(r * per, r * per + 2) for r in range(replicas)]
+        xj, yj = torch.cat([x[s] for s in short]), torch.cat([y[s] for s in short])
+        got = ex.train_step((x[short[lay.replica]], y[short[lay.replica]]))
+        with torch.no_grad():
+            torch.testing.assert_close(got, toy_loss(ref(xj), (xj, yj)), rtol=1e-5, atol=1e-7)
     ex.close()
     destroy_groups(groups)
 
 
 @pytest.mark.parametrize(
-    ("cuts", "replicas", "k", "j", "schedule"),
-    [([0, 2, 4], 1, 2, 1, "1f1b"), ([0, 1, 2, 3, 4], 1, 1, 2, "1f1b"),
-     ([0, 1, 4], 2, 3, 4, "1f1b"), ([0, 2, 4], 1, 1, 3, "1f1b"),
-     ([0, 2, 4], 1, 2, 2, "zb-h1"), ([0, 2, 4], 1, 1, 1, "zb-h1"),
-     ([0, 1, 2, 3, 4], 1, 2, 1, "zb-h1"), ([0, 1, 4], 2, 3, 2, "zb-h1")],
+    ("cuts", "replicas", "k", "j", "schedule", "shares"),
+    [([0, 2, 4], 1, 2, 1, "1f1b", None), ([0, 1, 2, 3, 4], 1, 1, 2, "1f1b", None),
+     ([0, 1, 4], 2, 3, 4, "1f1b", None), ([0, 2, 4], 1, 1, 3, "1f1b", None),
+     ([0, 2, 4], 1, 2, 2, "zb-h1", None), ([0, 2, 4], 1, 1, 1, "zb-h1", None),
+     ([0, 1, 2, 3, 4], 1, 2, 1, "zb-h1", None), ([0, 1, 4], 2, 3, 2, "zb-h1", None),
+     ([0, 4], 2, 1, 1, "1f1b", [17, 7]), ([0, 1, 4], 2, 2, 1, "zb-h1", [6, 18]),
+     ([0, 4], 4, 1, 1, "1f1b", [20, 4, 16, 8])],
     ids=["2x1-sliced", "4x1-drain", "2x2-both-ends", "2x1-drain", "zb-2x1-sliced",
-         "zb-2x1-plain", "zb-4x1-sliced", "zb-2x2-both-ends"],
+         "zb-2x1-plain", "zb-4x1-sliced", "zb-2x2-both-ends", "1x2-uneven", "zb-2x2-uneven",
+         "1x4-uneven"],
 )
-def test_pipeline_gradients_equal_single_process(gloo, cuts, replicas, k, j, schedule):
+def test_pipeline_gradients_equal_single_process(gloo, cuts, replicas, k, j, schedule, shares):
+    """Against one process on the whole global batch; with uneven replica batches the
+    replicas load even batches and the executor deals each its share."""
     world = (len(cuts) - 1) * replicas
-    gloo(world).run(_check_rank, cuts, replicas, k, j, schedule)
+    gloo(world).run(_check_rank, cuts, replicas, k, j, schedule, shares)
 
 
 def _clip_float64(rank: int, world: int) -> list[float]:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_autopipe.errors import PipelineRuntimeError
+from lightning_autopipe.errors import InputError, PipelineRuntimeError
 from lightning_autopipe.planner.schedule import Action, Kind
 from lightning_autopipe.runtime.backward import splits_backward_at
 from lightning_autopipe.runtime.checks import batch_digest, check_batch_sizes, check_same_batch
@@ -277,11 +277,13 @@ class PipelineExecutor:
         return self._schedules[key]
 
     @contextmanager
-    def _watch(self, what: str, peer: int | None, communication: bool) -> Iterator[None]:
-        """Turn any failure into a PipelineRuntimeError naming this rank (or the first failure)."""
+    def _watch(self, what: str, peer: int | None, communication: bool,
+               passes: tuple[type[Exception], ...] = (PipelineRuntimeError,)) -> Iterator[None]:
+        """Turn any failure but ``passes`` into a PipelineRuntimeError naming this rank (or the
+        first failure)."""
         try:
             yield
-        except PipelineRuntimeError:
+        except passes:
             raise
         except Exception as exc:
             lay = self.layout
@@ -308,7 +310,8 @@ class PipelineExecutor:
         size = loaded = int(flat[0].shape[0]) if flat[0].dim() else 0
         if train and self.replica_batches:
             lay = self.layout
-            with self._watch("exchange of samples between replicas", None, True):
+            with self._watch("exchange of samples between replicas", None, True,
+                             passes=(PipelineRuntimeError, InputError)):  # alike on every rank
                 batch = take_share(batch, size, self.replica_batches, lay.replica,
                                    lay.grid[lay.stage], self.groups.dp)
             flat = tuple(self._flatten(self._inputs_fn(batch)))

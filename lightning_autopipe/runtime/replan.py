@@ -39,6 +39,7 @@ from torch import nn
 
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.plan import Plan
+from lightning_autopipe.planner.replica_batches import balance_replicas
 from lightning_autopipe.planner.search import search_plan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.runtime.build import LocalPipeline, rebuild_pipeline
@@ -223,8 +224,17 @@ def propose(
     def predict(p: Plan, cluster: Any) -> float:
         return simulate(p, pipe.profile, cluster).iteration_ms
 
+    balanced: list[Plan] = []
+
+    def rebalance(cluster: Any) -> Plan:  # the running layout, its batches for the speeds
+        if not balanced:
+            balanced.append(balance_replicas(plan, pipe.profile, cluster,
+                                             source.options.optimizer_factor)
+                            if options.balance_replicas else plan)
+        return balanced[0]
+
     kw = dict(options=options, remaining_steps=remaining_steps,
-              steps_since_switch=steps_since_switch, predict=predict)
+              steps_since_switch=steps_since_switch, predict=predict, rebalance=rebalance)
     try:
         first = decide_replan(summaries, plan, pipe.cluster, planner, switch_cost_ms=0.0, **kw)
         if first.candidate is None or not first.switch:

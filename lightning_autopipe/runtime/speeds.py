@@ -122,14 +122,14 @@ def _scaled_spec(spec: DeviceSpec, ratio: float) -> DeviceSpec:
                    overhead_ms=spec.overhead_ms / ratio, profile=profile, profile_path=None)
 
 
-def same_layout(a: Any, b: Any) -> bool:
-    """Two plans that run the same way (stages, devices, counts, schedule, recomputation,
-    replica batches)."""
+def same_layout(a: Any, b: Any, *, batches: bool = True) -> bool:
+    """Two plans that run the same way (stages, devices, counts, schedule, recomputation and,
+    with ``batches``, replica batches)."""
 
     def key(p: Any) -> tuple:
         return (tuple((tuple(s.blocks), tuple(s.devices)) for s in p.stages), p.num_microbatches,
                 p.startup_slices, p.drain_slices, p.schedule, tuple(p.recompute),
-                tuple(getattr(p, "replica_batches", ())))
+                tuple(getattr(p, "replica_batches", ())) if batches else ())
 
     return key(a) == key(b)
 
@@ -184,6 +184,7 @@ def decide_replan(
     switch_cost_ms: float,
     remaining_steps: int,
     steps_since_switch: int,
+    rebalance: Callable[[Cluster], Any] | None = None,
 ) -> ReplanDecision:
     """Should every rank switch to a plan made for the measured speeds?
 
@@ -201,6 +202,12 @@ def decide_replan(
     look faster than the running one merely because its step is a prediction and the running
     one's a measurement.
 
+    Re-balancing comes first, as the cheapest step of an escalation: when the plan made for the
+    measured speeds runs the running layout with other replica batches only (no state moves),
+    the bar is ``options.rebalance_threshold``; and when a plan of another layout does not
+    clear ``replan_threshold``, the running layout re-balanced (``rebalance``) may still clear
+    ``rebalance_threshold``.
+
     Args:
         summaries: every rank's :class:`~lightning_autopipe.runtime.monitor.RankSummary`.
         plan, cluster: the running plan and the cluster it was made for.
@@ -211,6 +218,8 @@ def decide_replan(
         switch_cost_ms: what a switch costs (migration and rebuild), ms.
         remaining_steps: training steps left after the switch.
         steps_since_switch: steps run under the current plan.
+        rebalance: measured cluster -> the running plan with replica batches for it (or the
+            plan unchanged), tried when the searched plan does not switch.
     """
     measured = max((s.step_ms for s in summaries), default=math.nan)
     base = {"measured_step_ms": measured, "switch_cost_ms": float(switch_cost_ms),
@@ -228,8 +237,23 @@ def decide_replan(
         return ReplanDecision(False, "no steps remain to pay for a switch", **base)
     speeds = measured_speeds(summaries, plan)
     now = measured_cluster(cluster, speeds)
-    candidate = planner(now)
-    running_ms, candidate_ms = float(predict(plan, now)), float(predict(candidate, now))
+    running_ms = float(predict(plan, now))
+    context = (measured, running_ms, now, predict, switch_cost_ms, remaining_steps, speeds, base)
+    decision = _judge(planner(now), plan, options, context)
+    if decision.switch or rebalance is None or plan.stages[0].replicas < 2:
+        return decision
+    again = rebalance(now)
+    if same_layout(again, plan) or not same_layout(again, plan, batches=False):
+        return decision
+    other = _judge(again, plan, options, context)
+    return other if other.switch else decision
+
+
+def _judge(candidate: Any, plan: Any, options: Any, context: tuple) -> ReplanDecision:
+    """:func:`decide_replan`'s rule for one candidate (its threshold: a re-balance's, or a
+    re-plan's)."""
+    measured, running_ms, now, predict, switch_cost_ms, remaining_steps, speeds, base = context
+    candidate_ms = float(predict(candidate, now))
     expected = measured * candidate_ms / running_ms if running_ms > 0 else math.inf
     per_now = measured / plan.global_batch_size
     per_new = expected / candidate.global_batch_size
@@ -241,15 +265,18 @@ def decide_replan(
     if same_layout(candidate, plan):
         return ReplanDecision(False, "the plan for the measured speeds is the running one",
                               **full)
-    limit = per_now * (1.0 - options.replan_threshold)
+    rebalancing = same_layout(candidate, plan, batches=False)
+    name = "rebalance_threshold" if rebalancing else "replan_threshold"
+    threshold = float(getattr(options, name))
+    what = ("the running layout with replica batches for the measured speeds" if rebalancing
+            else "a plan for the measured speeds")
+    limit = per_now * (1.0 - threshold)
     gain = 1.0 - amortised / per_now
     figures = (f"(predicted on the measured speeds: {candidate_ms:.0f} ms against "
                f"the running plan's {running_ms:.0f} ms, which measures {measured:.0f} ms)")
     if amortised < limit:
-        return ReplanDecision(True, f"a plan for the measured speeds is expected {gain:.1%} "
-                              f"faster per sample than the measured step, switch cost "
-                              f"included (threshold {options.replan_threshold:.1%}) {figures}",
-                              **full)
-    return ReplanDecision(False, f"a plan for the measured speeds gains {gain:.1%} per sample "
-                          f"with the switch cost, not more than replan_threshold="
-                          f"{options.replan_threshold:.1%} {figures}", **full)
+        return ReplanDecision(True, f"{what} is expected {gain:.1%} faster per sample than the "
+                              f"measured step, switch cost included ({name} {threshold:.1%}) "
+                              f"{figures}", **full)
+    return ReplanDecision(False, f"{what} gains {gain:.1%} per sample with the switch cost, not "
+                          f"more than {name}={threshold:.1%} {figures}", **full)

@@ -345,3 +345,74 @@ def test_a_slowdown_the_speeds_do_not_explain_slows_both_plans_alike():
     assert got.expected_step_ms == pytest.approx(2 * step * (1 - gain))
     # the gain is the predicted ratio's, whatever the measured step
     assert _decide(doubled, plan, cluster, _Planner(), replan_threshold=gain - 0.02).switch
+
+
+# ------------------------------------------------------------------- re-balancing replicas
+def _replica_summaries(plan, cluster, stretch: dict[int, float], step_ms: float
+                       ) -> list[RankSummary]:
+    """One stage x two replicas: each rank's window, its compute ``stretch`` x predicted."""
+    profile, sim = _profile(), simulate(plan, _profile(), cluster)
+    out = []
+    for rank, device in enumerate(plan.stages[0].devices):
+        pred = predict_rank(plan, profile, cluster, device, sim)
+        records = []
+        for i in range(10):
+            tl, end = _timeline(sim, device, stretch.get(rank, 1.0))
+            records.append(StepRecord(i, breakdown(tl, 99.0, end + 0.002, step_ms), 1 << 20))
+        out.append(summarise(records, pred, rank, 0, replica=rank))
+    return out
+
+
+def _data_parallel_drift(slow: float = 0.8):
+    """Two alike replicas planned even, then rank 1 at ``slow``: the running plan, the
+    summaries (the step as the slowed cluster's simulation of it) and the slowed cluster."""
+    fast = _cluster()
+    plan = search_plan(_profile(), fast, ["local:0", "local:1"], BATCH, num_stages=1)
+    assert plan.replicas == 2
+    assert plan.replica_batches == []
+    slowed = _cluster(slow)
+    step = simulate(plan, _profile(), slowed).iteration_ms
+    return fast, plan, _replica_summaries(plan, fast, {1: 1 / slow}, step), slowed
+
+
+def test_a_switch_that_only_rebalances_replica_batches_takes_the_lower_threshold():
+    fast, plan, summ, _ = _data_parallel_drift()
+
+    def planner(cluster):  # the run's search: the same layout, uneven batches
+        return search_plan(_profile(), cluster, ["local:0", "local:1"], BATCH, num_stages=1)
+
+    got = _decide(summ, plan, fast, planner, replan_threshold=0.5, rebalance_threshold=0.03)
+    assert got.switch, got.reason
+    assert "rebalance_threshold" in got.reason
+    assert same_layout(got.candidate, plan, batches=False)
+    assert got.candidate.replica_batches[0] > got.candidate.replica_batches[1]
+    gain = 1 - got.candidate_ms_per_sample / got.measured_ms_per_sample
+    assert 0.03 < gain < 0.5
+    kept = _decide(summ, plan, fast, planner, replan_threshold=0.0,
+                   rebalance_threshold=gain + 0.02)
+    assert not kept.switch  # a layout change would have taken the re-plan bar of 0
+    assert "rebalance_threshold" in kept.reason
+
+
+def test_a_new_layout_short_of_the_replan_bar_falls_back_to_rebalancing_the_running_one():
+    from lightning_autopipe.planner.replica_batches import balance_replicas
+
+    fast, plan, summ, _ = _data_parallel_drift()
+
+    def planner(cluster):  # another layout (two micro-batches), even batches
+        return search_plan(_profile(), cluster, ["local:0", "local:1"], BATCH, num_stages=1,
+                           num_microbatches=2, balance=False)
+
+    def rebalance(cluster):
+        return balance_replicas(plan, _profile(), cluster)
+
+    options = AutoPipeOptions(replan_window=10, replan_min_steps=20, replan_threshold=0.5)
+    common = dict(predict=_predict, options=options, switch_cost_ms=0.0, remaining_steps=1000,
+                  steps_since_switch=100)
+    alone = decide_replan(summ, plan, fast, planner, **common)
+    assert not alone.switch
+    assert "replan_threshold" in alone.reason
+    got = decide_replan(summ, plan, fast, planner, rebalance=rebalance, **common)
+    assert got.switch, got.reason
+    assert same_layout(got.candidate, plan, batches=False)
+    assert got.candidate.replica_batches

@@ -43,8 +43,8 @@ from lightning_autopipe.planner.replica_batches import balance_replicas
 from lightning_autopipe.planner.search import search_plan
 from lightning_autopipe.planner.simulate import simulate
 from lightning_autopipe.runtime.build import LocalPipeline, rebuild_pipeline
+from lightning_autopipe.runtime.data_layout import keep_replicas, same_data_layout
 from lightning_autopipe.runtime.failure import FailureBoard, describe
-from lightning_autopipe.runtime.groups import layout_for_rank
 from lightning_autopipe.runtime.migrate import Migrated, StateLayout, migrate
 from lightning_autopipe.runtime.optim_state import named_optimizer_state, unwrap
 from lightning_autopipe.runtime.rebind import (
@@ -61,7 +61,6 @@ __all__ = [
     "agree_switch",
     "optimizer_state_ratio",
     "propose",
-    "same_data_layout",
     "state_layouts",
     "switch_cost",
     "switch_pipeline",
@@ -137,15 +136,6 @@ def _every_slot_filled(source: Any) -> Iterator[None]:
             slots[attr] = value
 
 
-def same_data_layout(a: Plan, b: Plan, names: Sequence[str]) -> bool:
-    """Every rank has the same data-parallel replica (of as many) under both plans: the data
-    loaders' samplers, fixed when training started, stay right."""
-    if a.replicas != b.replicas:
-        return False
-    return all(layout_for_rank(a, names, r).replica == layout_for_rank(b, names, r).replica
-               for r in range(len(names)))
-
-
 def optimizer_state_ratio(optimizers: Sequence[Any], params: Sequence[nn.Parameter]) -> float:
     """Bytes of per-parameter optimizer state per byte of parameter on this rank (Adam: about
     2; plain SGD: 0), to price the optimizer state a switch moves with the parameters."""
@@ -211,14 +201,19 @@ def propose(
     # the pipeline's depth in ranks (a chunked plan's stages are its p v chunks)
     pins = {**options.pins, "num_stages": plan.num_ranks}
     made: list[Plan] = []
+    refused: list[str] = []
 
     def planner(cluster: Any) -> Plan:
-        if not made:
-            made.append(search_plan(pipe.profile, cluster, source.names, replica_batch,
-                                    planner=options.planner, schedules=options.schedules,
-                                    optimizer_factor=source.options.optimizer_factor,
-                                    balance=options.balance_replicas,
-                                    **pins))
+        if not made:  # replicas renumbered to the running ones where that is all it takes
+            made.append(keep_replicas(search_plan(
+                pipe.profile, cluster, source.names, replica_batch, planner=options.planner,
+                schedules=options.schedules, optimizer_factor=source.options.optimizer_factor,
+                balance=options.balance_replicas, **pins), plan, source.names))
+            if not same_data_layout(made[0], plan, source.names):  # one the loaders allow
+                made[0] = rebalance(cluster)
+                refused.append("the plan for the measured speeds gives ranks other data-parallel "
+                               "replicas, which the data loaders fix, so the running layout "
+                               "re-balanced was judged instead: ")
         return made[0]
 
     def predict(p: Plan, cluster: Any) -> float:
@@ -251,6 +246,8 @@ def propose(
     if decision.switch and not same_data_layout(plan, decision.candidate, source.names):
         decision = replace(decision, switch=False, reason="the plan for the measured speeds "
                            "changes the data-parallel layout, which the data loaders fix")
+    elif refused:
+        decision = replace(decision, reason=refused[0] + decision.reason)
     return SwitchMessage.of(step, decision, nbytes)
 
 

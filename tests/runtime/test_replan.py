@@ -9,13 +9,9 @@ from torch import nn
 
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.plan import Plan, StagePlan
+from lightning_autopipe.runtime.data_layout import keep_replicas, same_data_layout
 from lightning_autopipe.runtime.optim_state import state_bytes_per_param_byte
-from lightning_autopipe.runtime.replan import (
-    SwitchMessage,
-    agree_switch,
-    optimizer_state_ratio,
-    same_data_layout,
-)
+from lightning_autopipe.runtime.replan import SwitchMessage, agree_switch, optimizer_state_ratio
 
 NAMES = [f"local:{r}" for r in range(4)]
 
@@ -38,6 +34,25 @@ def test_a_plan_giving_a_rank_another_replica_or_width_changes_the_data_layout()
     wider = _plan(((0, 6), NAMES))
     assert not same_data_layout(a, other_replica, NAMES)
     assert not same_data_layout(a, wider, NAMES)
+
+
+def test_a_plan_numbering_the_same_replicas_otherwise_is_renumbered_to_the_running_ones():
+    running = Plan("autopipe", 8, 1, 1, [StagePlan((0, 3), NAMES[:2]),
+                                         StagePlan((3, 6), NAMES[2:])], replica_batches=[5, 3])
+    swapped = Plan("autopipe", 8, 1, 1, [StagePlan((0, 2), [NAMES[1], NAMES[0]]),
+                                         StagePlan((2, 6), [NAMES[3], NAMES[2]])],
+                   replica_batches=[6, 2])
+    assert not same_data_layout(running, swapped, NAMES)
+    kept = keep_replicas(swapped, running, NAMES)
+    assert same_data_layout(running, kept, NAMES)
+    assert [s.devices for s in kept.stages] == [NAMES[:2], NAMES[2:]]
+    assert kept.replica_batches == [2, 6]  # each replica's batch moved with its devices
+    assert kept.cuts == swapped.cuts
+    # ranks regrouped (rank 0 with rank 3): no renumbering keeps every rank's replica
+    regrouped = Plan("autopipe", 8, 1, 1, [StagePlan((0, 3), NAMES[:2]),
+                                           StagePlan((3, 6), [NAMES[3], NAMES[2]])])
+    assert keep_replicas(regrouped, running, NAMES) is regrouped
+    assert not same_data_layout(running, regrouped, NAMES)
 
 
 def test_optimizer_state_ratio_counts_the_state_per_parameter_byte():

@@ -144,11 +144,6 @@ class AutoPipeOptions:
     (0.1: at least 10% faster per sample), after its switch cost spread over the remaining
     steps."""
 
-    rebalance_threshold: float = 0.03
-    """The same gain for a switch that only re-deals the replica batches of the running layout
-    (``balance_replicas``): no state moves, so the cheaper step of the escalation takes a lower
-    bar (0.03: at least 3% faster per sample)."""
-
     replan_window: int = 10
     """Training steps each rank's measured speed is taken over (their median, so one slow step
     does not trigger a switch), and the steps between two checks; a plan's first step is kept
@@ -212,7 +207,6 @@ class AutoPipeOptions:
         _check_choices(self)
         for name, value in (
             ("replan_threshold", float(self.replan_threshold)),
-            ("rebalance_threshold", float(self.rebalance_threshold)),
             ("timeout", seconds),
             ("profile_repeats", int(self.profile_repeats)),
             ("bucket_mb", float(self.bucket_mb)),
@@ -357,13 +351,12 @@ def _check_optimizer_state(value: Any) -> None:
 def _check_replan(o: AutoPipeOptions) -> None:
     if o.replan not in REPLAN:
         raise OptionError(f"replan must be one of {REPLAN}, not {o.replan!r}")
-    for name in ("replan_threshold", "rebalance_threshold"):
-        t = getattr(o, name)
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < 1:
-            raise OptionError(
-                f"{name} must be a fraction in [0, 1) of the measured step (0.1: a new "
-                f"plan must be predicted 10% faster), not {t!r}"
-            )
+    t = o.replan_threshold
+    if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < 1:
+        raise OptionError(
+            f"replan_threshold must be a fraction in [0, 1) of the measured step (0.1: a new "
+            f"plan must be predicted 10% faster), not {t!r}"
+        )
     for name in ("replan_window", "replan_min_steps"):
         value = getattr(o, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -375,23 +375,22 @@ def _data_parallel_drift(slow: float = 0.8):
     return fast, plan, _replica_summaries(plan, fast, {1: 1 / slow}, step), slowed
 
 
-def test_a_switch_that_only_rebalances_replica_batches_takes_the_lower_threshold():
+def test_a_switch_that_only_rebalances_replica_batches_is_named_so_and_takes_the_same_bar():
     fast, plan, summ, _ = _data_parallel_drift()
 
     def planner(cluster):  # the run's search: the same layout, uneven batches
         return search_plan(_profile(), cluster, ["local:0", "local:1"], BATCH, num_stages=1)
 
-    got = _decide(summ, plan, fast, planner, replan_threshold=0.5, rebalance_threshold=0.03)
+    got = _decide(summ, plan, fast, planner, replan_threshold=0.03)
     assert got.switch, got.reason
-    assert "rebalance_threshold" in got.reason
+    assert "the running layout with replica batches" in got.reason
     assert same_layout(got.candidate, plan, batches=False)
     assert got.candidate.replica_batches[0] > got.candidate.replica_batches[1]
     gain = 1 - got.candidate_ms_per_sample / got.measured_ms_per_sample
     assert 0.03 < gain < 0.5
-    kept = _decide(summ, plan, fast, planner, replan_threshold=0.0,
-                   rebalance_threshold=gain + 0.02)
-    assert not kept.switch  # a layout change would have taken the re-plan bar of 0
-    assert "rebalance_threshold" in kept.reason
+    kept = _decide(summ, plan, fast, planner, replan_threshold=gain + 0.02)
+    assert not kept.switch
+    assert "replan_threshold" in kept.reason
 
 
 def test_a_new_layout_short_of_the_replan_bar_falls_back_to_rebalancing_the_running_one():
@@ -406,7 +405,7 @@ def test_a_new_layout_short_of_the_replan_bar_falls_back_to_rebalancing_the_runn
     def rebalance(cluster):
         return balance_replicas(plan, _profile(), cluster)
 
-    options = AutoPipeOptions(replan_window=10, replan_min_steps=20, replan_threshold=0.5)
+    options = AutoPipeOptions(replan_window=10, replan_min_steps=20, replan_threshold=0.05)
     common = dict(predict=_predict, options=options, switch_cost_ms=0.0, remaining_steps=1000,
                   steps_since_switch=100)
     alone = decide_replan(summ, plan, fast, planner, **common)

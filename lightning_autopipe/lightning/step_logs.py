@@ -16,10 +16,12 @@ group) is refused with :class:`StepContractError`.
 
 Under uneven replica batches (a plan's ``replica_batches``) a replica's mean is over its own
 share; Lightning's ``sync_dist`` mean of a step weights every rank alike, so a synced mean is
-logged times the replica's weight (its samples over an even share) and its ``batch_size``
-over it: the step's synced value and the epoch's batch-weighted mean are then the global
-batch's, as with even batches (a value alike on every replica, e.g. a learning rate, is
-unchanged, the weights averaging 1).
+logged times the replica's weight (its samples over an even share), and a ``batch_size`` that
+is the replica's own sample count over it (one given as a constant stays): the step's synced
+value and the epoch's batch-weighted mean are then the global batch's, as with even batches
+(a value alike on every replica, e.g. a learning rate, is unchanged, the weights averaging
+1). A mean weighted by given per-slice counts (tokens) is left as it is: Lightning's epoch
+mean already weights each rank by its count.
 """
 
 from __future__ import annotations
@@ -63,15 +65,23 @@ class _Record:
     given: list[float | None]  # each slice's batch_size, None where not given
     wide: bool  # a float64 value was logged (merged as float64, else float32)
 
+    def weighting(self) -> str:
+        """``"samples"`` (no ``batch_size``), ``"constant"`` (one ``batch_size`` in every
+        slice, not their sample counts) or ``"given"`` (per-slice counts, e.g. tokens)."""
+        if self.given[0] is None:
+            return "samples"
+        given = [float(g) for g in self.given]  # type: ignore[arg-type]
+        if len(set(given)) == 1 and given != [float(n) for n in self.samples]:
+            return "constant"
+        return "given"
+
     def weights(self) -> tuple[list[float], float]:
         """The slices' weights in a mean and the step's ``batch_size`` (module docstring)."""
-        if self.given[0] is None:
-            return [float(n) for n in self.samples], float(sum(self.samples))
+        kind, samples = self.weighting(), [float(n) for n in self.samples]
+        if kind == "samples":
+            return samples, sum(samples)
         given = [float(g) for g in self.given]  # type: ignore[arg-type]
-        constant = len(set(given)) == 1 and given != [float(n) for n in self.samples]
-        if constant:
-            return [float(n) for n in self.samples], given[0]
-        return given, sum(given)
+        return (samples, given[0]) if kind == "constant" else (given, sum(given))
 
 
 def bind_log(hook: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -180,7 +190,11 @@ class SliceLogs:
             options["reduce_fx"] = rec.reduce
             size = rec.weights()[1]
             if replica_weight != 1.0 and rec.reduce == "mean" and options["sync_dist"]:
-                value, size = value * replica_weight, size / replica_weight
+                kind = rec.weighting()
+                if kind != "given":  # a token count is its own weight across the ranks
+                    value *= replica_weight
+                if kind == "samples":  # the replica's own count: restated as the even share
+                    size /= replica_weight
             options["batch_size"] = max(1, round(size))
             out.append((name, options, float(value), rec.wide))
         return out

@@ -4,6 +4,7 @@ Proposal a planner makes before it is scored."""
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -140,20 +141,25 @@ class Plan:
 
     def _check_replica_batches(self) -> None:
         """Uneven replica batches: one positive count per replica, summing to the global batch."""
-        given = self.replica_batches
+        try:
+            given = [operator.index(n) for n in self.replica_batches]
+        except TypeError:
+            raise PlanError(f"replica_batches must be whole sample counts, one per replica, "
+                            f"got {self.replica_batches!r}") from None
         if not given:
+            self.replica_batches = []
             return
-        if any(isinstance(n, bool) or int(n) != n for n in given):
+        if any(isinstance(n, bool) for n in self.replica_batches):
             raise PlanError(f"replica_batches must be whole sample counts, got {given}")
-        self.replica_batches = [int(n) for n in given]
+        self.replica_batches = given
         widths = {s.replicas for s in self.stages}
         width = widths.pop() if len(widths) == 1 else None
-        if width is None or len(given) != width or min(given) < 1 \
+        if width is None or width < 2 or len(given) != width or min(given) < 1 \
                 or sum(given) != self.global_batch_size:
             raise PlanError(
-                f"replica_batches {given} must give each of the {width or 'uneven'} replicas at "
-                f"least one sample and sum to global_batch_size={self.global_batch_size}; "
-                "leave it empty for even batches"
+                f"replica_batches {given} must give each of the stages' {width or 'uneven'} "
+                f"replicas (two or more) at least one sample and sum to global_batch_size="
+                f"{self.global_batch_size}; leave it empty for even batches"
             )
 
     def replica_batch(self, replica: int) -> int:

@@ -69,14 +69,17 @@ def share_counts(rates: list[float], total: int, least: int) -> list[int]:
     n = len(rates)
     if total < n * least:
         raise ValueError(f"{total} samples cannot give {n} replicas {least} each")
-    spare = total - n * least
     weight = sum(rates)
-    exact = [spare * r / weight for r in rates]
+    exact = [total * r / weight for r in rates]
     counts = [int(x) for x in exact]
     order = sorted(range(n), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in order[: spare - sum(counts)]:
+    for i in order[: total - sum(counts)]:
         counts[i] += 1
-    return [least + c for c in counts]
+    for i in range(n):  # the floor, taken from the replica with the most
+        while counts[i] < least:
+            counts[max(range(n), key=counts.__getitem__)] -= 1
+            counts[i] += 1
+    return counts
 
 
 def balance_replicas(plan: Plan, profile: Profile, cluster: Cluster,

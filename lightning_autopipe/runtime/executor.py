@@ -307,17 +307,18 @@ class PipelineExecutor:
         flat = tuple(self._flatten(self._inputs_fn(batch)))
         if not flat:
             raise PipelineRuntimeError("the model's flattened inputs hold no tensor")
-        size = loaded = int(flat[0].shape[0]) if flat[0].dim() else 0
+        size = int(flat[0].shape[0]) if flat[0].dim() else 0
+        per = float(size)  # what a unit's samples are weighted over
         if train and self.replica_batches:
             lay = self.layout
             with self._watch("exchange of samples between replicas", None, True,
                              passes=(PipelineRuntimeError, InputError)):  # alike on every rank
-                batch = take_share(batch, size, self.replica_batches, lay.replica,
-                                   lay.grid[lay.stage], self.groups.dp)
+                batch, per = take_share(batch, size, self.replica_batches, lay.replica,
+                                        lay.grid[lay.stage], self.groups.dp)
             flat = tuple(self._flatten(self._inputs_fn(batch)))
             size = int(flat[0].shape[0])
         self.samples = size  # what this replica's last step ran on
-        self.replica_weight = size / loaded if loaded else 1.0
+        self.replica_weight = size / per if per else 1.0
         if self.check_batch:
             check_batch_sizes(batch, flat, size)
         if train:
@@ -336,7 +337,7 @@ class PipelineExecutor:
         for c, runner in runners.items():
             runner.begin(batch, flat, size, bounds, train=train, loss_scale=self.loss_scale,
                          outbox=Outbox.for_actions([a for a in actions if a.stage == c], order),
-                         per=loaded)
+                         per=per)
         trace: list[Action] = []
         timeline: list[tuple[Action, float, float]] = []
         for idx, a in enumerate(actions):

@@ -374,3 +374,38 @@ def test_an_epoch_end_hook_failing_where_no_step_runs_is_told_why():
     assert epoch_end_note(info.value, module, SimpleNamespace(is_last=True, stage=1,
                                                               num_stages=2)) is None
     assert epoch_end_note(RuntimeError("elsewhere"), module, first) is None
+
+
+def test_uneven_replica_batches_log_synced_means_of_the_global_batch():
+    """Two replicas training 6 and 2 samples of an even 4: combined with their weights, what
+    Lightning makes of the ranks' logs (the step's synced mean over ranks, the epoch's
+    batch-weighted mean) is the global batch's mean, for a mean weighted by samples or by a
+    constant batch_size; a token-weighted mean keeps its own weights."""
+    from lightning_autopipe.lightning.step_logs import SliceLogs, bind_log
+
+    values = {0: torch.tensor([0.0, 1, 2, 3, 4, 5]), 1: torch.tensor([10.0, 20])}
+    tokens = {0: torch.tensor([1.0, 2, 3, 1, 2, 3]), 1: torch.tensor([4.0, 6])}
+    slices = {0: [(0, 4), (4, 6)], 1: [(0, 1), (1, 2)]}
+    logged = {}
+    for r in (0, 1):
+        logs = SliceLogs()
+        for lo, hi in slices[r]:
+            v, t = values[r][lo:hi], tokens[r][lo:hi]
+            calls = (("loss", {}, v.mean()), ("loss_c", {"batch_size": 4}, v.mean()),
+                     ("tok", {"batch_size": float(t.sum())}, (v * t).sum() / t.sum()))
+            for name, kw, value in calls:
+                got = bind_log("training_step", (name, value), {"sync_dist": True, **kw})
+                logs.merge(got[0], got[1], got[2], hi - lo, got[3])
+        logged[r] = {name: (value, opts["batch_size"])
+                     for name, opts, value, _ in logs.combined(len(values[r]) / 4)}
+    every = torch.cat(list(values.values()))
+    for name in ("loss", "loss_c"):
+        step = sum(logged[r][name][0] for r in (0, 1)) / 2  # sync_dist: ranks alike
+        epoch = (sum(v * b for v, b in (logged[r][name] for r in (0, 1)))
+                 / sum(b for _, b in (logged[r][name] for r in (0, 1))))
+        assert step == pytest.approx(float(every.mean()))
+        assert epoch == pytest.approx(float(every.mean()))
+    weights = torch.cat(list(tokens.values()))
+    epoch = (sum(v * b for v, b in (logged[r]["tok"] for r in (0, 1)))
+             / sum(b for _, b in (logged[r]["tok"] for r in (0, 1))))
+    assert epoch == pytest.approx(float((every * weights).sum() / weights.sum()))

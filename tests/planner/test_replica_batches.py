@@ -38,7 +38,8 @@ def _profile(n: int = 6, params: int = 0) -> Profile:
 def _plan(cuts: list[int], replicas: list[list[str]], batch: int, m: int,
           shares: list[int] | None = None, schedule: str = "1f1b") -> Plan:
     stages = [StagePlan((a, b), list(devs)) for a, b, devs in zip(cuts, cuts[1:], replicas)]
-    return Plan("test", batch, m, 1, stages, schedule=schedule, replica_batches=shares or [])
+    return Plan("test", batch, m, 1, stages, schedule=schedule,
+                replica_batches=[] if shares is None else shares)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -138,7 +139,18 @@ def test_share_counts_deal_every_sample_in_proportion_with_a_floor():
 
 @pytest.mark.parametrize(("shares", "phrase"), [
     ([20, 10], "sum to global_batch_size=32"), ([32, 0], "at least one sample"),
-    ([10, 10, 12], "each of the 2 replicas"), ([16.5, 15.5], "whole sample counts")])
+    ([10, 10, 12], "each of the stages' 2"), ([16.5, 15.5], "whole sample counts"),
+    ([True, 31], "whole sample counts"), ("16,16", "whole sample counts")])
 def test_replica_batches_that_do_not_deal_the_global_batch_are_refused(shares, phrase):
     with pytest.raises(PlanError, match=phrase):
         _plan([0, 6], [["fast:0", "slow:0"]], 32, 2, shares)
+
+
+def test_replica_batches_from_arrays_are_counts_and_one_replica_has_none():
+    import numpy as np
+    import torch
+
+    for given in (np.array([20, 12]), torch.tensor([20, 12])):
+        assert _plan([0, 6], [["fast:0", "slow:0"]], 32, 2, given).replica_batches == [20, 12]
+    with pytest.raises(PlanError, match="two or more"):
+        _plan([0, 6], [["fast:0"]], 32, 2, [32])

@@ -17,7 +17,8 @@ group) is refused with :class:`StepContractError`.
 Under uneven replica batches (a plan's ``replica_batches``) a replica's mean is over its own
 share; Lightning's ``sync_dist`` mean of a step weights every rank alike, so a synced mean is
 logged times the replica's weight (its samples over an even share), and a ``batch_size`` that
-is the replica's own sample count over it (one given as a constant stays): the step's synced
+is the replica's own sample count over it (one given as the even share's size, the loader's
+batch, stays): the step's synced
 value and the epoch's batch-weighted mean are then the global batch's, as with even batches
 (a value alike on every replica, e.g. a learning rate, is unchanged, the weights averaging
 1). A mean weighted by given per-slice counts (tokens) is left as it is: Lightning's epoch
@@ -191,6 +192,9 @@ class SliceLogs:
             size = rec.weights()[1]
             if replica_weight != 1.0 and rec.reduce == "mean" and options["sync_dist"]:
                 kind = rec.weighting()
+                if kind == "constant" and abs(float(rec.given[0] or 0) - sum(rec.samples)
+                                              / replica_weight) > 0.5:
+                    kind = "given"  # not the even share's size: a count (one slice's tokens)
                 if kind != "given":  # a token count is its own weight across the ranks
                     value *= replica_weight
                 if kind == "samples":  # the replica's own count: restated as the even share

@@ -409,3 +409,15 @@ def test_uneven_replica_batches_log_synced_means_of_the_global_batch():
     epoch = (sum(v * b for v, b in (logged[r]["tok"] for r in (0, 1)))
              / sum(b for _, b in (logged[r]["tok"] for r in (0, 1))))
     assert epoch == pytest.approx(float((every * weights).sum() / weights.sum()))
+    # one slice per step (m = 1): a token count is still a count, not the batch's size
+    one = {}
+    for r in (0, 1):
+        logs = SliceLogs()
+        v, t = values[r], tokens[r]
+        got = bind_log("training_step", ("tok", (v * t).sum() / t.sum()),
+                       {"sync_dist": True, "batch_size": float(t.sum())})
+        logs.merge(got[0], got[1], got[2], len(v), got[3])
+        one[r] = [(value, opts["batch_size"]) for _, opts, value, _ in
+                  logs.combined(len(v) / 4)][0]
+    epoch = sum(v * b for v, b in one.values()) / sum(b for _, b in one.values())
+    assert epoch == pytest.approx(float((every * weights).sum() / weights.sum()))

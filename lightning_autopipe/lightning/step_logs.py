@@ -17,8 +17,8 @@ group) is refused with :class:`StepContractError`.
 Under uneven replica batches (a plan's ``replica_batches``) a replica's mean is over its own
 share; Lightning's ``sync_dist`` mean of a step weights every rank alike, so a synced mean is
 logged times the replica's weight (its samples over an even share), and a ``batch_size`` that
-is the replica's own sample count over it (one given as the even share's size, the loader's
-batch, stays): the step's synced
+is the replica's own sample count over it (one given as a batch's size, the loader's or the
+global one, stays): the step's synced
 value and the epoch's batch-weighted mean are then the global batch's, as with even batches
 (a value alike on every replica, e.g. a learning rate, is unchanged, the weights averaging
 1). A mean weighted by given per-slice counts (tokens) is left as it is: Lightning's epoch
@@ -178,10 +178,11 @@ class SliceLogs:
         rec.given.append(given)
         rec.wide = rec.wide or wide
 
-    def combined(self, replica_weight: float = 1.0) -> list[LoggedValue]:
+    def combined(self, replica_weight: float = 1.0, replicas: int = 1) -> list[LoggedValue]:
         """One call per key: the merged value and the keywords to log it with (one sync).
 
-        ``replica_weight``: the replica's samples over an even share (module docstring)."""
+        ``replica_weight``: the replica's samples over an even share, of ``replicas``
+        (module docstring)."""
         if not self._records:
             return []
         values = torch.stack([_value(r) for r in self._records.values()]).tolist()
@@ -192,9 +193,10 @@ class SliceLogs:
             size = rec.weights()[1]
             if replica_weight != 1.0 and rec.reduce == "mean" and options["sync_dist"]:
                 kind = rec.weighting()
-                if kind == "constant" and abs(float(rec.given[0] or 0) - sum(rec.samples)
-                                              / replica_weight) > 0.5:
-                    kind = "given"  # not the even share's size: a count (one slice's tokens)
+                even = sum(rec.samples) / replica_weight
+                if kind == "constant" and all(abs(float(rec.given[0] or 0) - size) > 0.5
+                                              for size in (even, even * replicas)):
+                    kind = "given"  # not a batch's size: a count (one slice's tokens)
                 if kind != "given":  # a token count is its own weight across the ranks
                     value *= replica_weight
                 if kind == "samples":  # the replica's own count: restated as the even share

@@ -142,7 +142,8 @@ class StepRunner:
         :class:`~.step_logs.SliceLogs`).
         """
         hook = self._hook or "step"
-        payload = self._payload(layout, replica_weight) if layout.is_last else None
+        payload = (self._payload(layout, replica_weight, layout.num_replicas) if layout.is_last
+                   else None)
         if layout.num_stages > 1:
             box = [payload]
             dist.broadcast_object_list(box, src=layout.last_stage_rank, group=groups.pipeline)
@@ -269,7 +270,8 @@ class StepRunner:
             )
         return loss.reshape(())
 
-    def _payload(self, layout: Any, replica_weight: float = 1.0) -> dict[str, Any]:
+    def _payload(self, layout: Any, replica_weight: float = 1.0, replicas: int = 1
+                 ) -> dict[str, Any]:
         """What the last stage sends: plain Python values and CPU tensors only."""
         failure = None
         if self._failure is not None:
@@ -277,7 +279,7 @@ class StepRunner:
             contract = isinstance(self._failure, StepContractError)
             failure = (contract, str(self._failure) if contract else describe(self._failure), where)
             return {"failure": failure, "logs": [], "joined": None}
-        logs = self._logs.combined(replica_weight)
+        logs = self._logs.combined(replica_weight, replicas)
         joined = None
         if self._predictions:
             predicting = self._hook == "predict_step"

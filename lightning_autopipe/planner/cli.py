@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="same replica count on every stage (what the runtime executes)")
     p.add_argument("--use-all-devices", action="store_true",
                    help="stages x replicas must equal the device count")
+    p.add_argument("--even-replicas", action="store_true",
+                   help="even replica batches (default: replicas of unlike speed train uneven "
+                        "shares when predicted faster, as the strategy plans them)")
     p.add_argument("--no-memory-check", action="store_true",
                    help="return the best plan even if it does not fit device memory")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -120,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
 def plan_main(argv: list[str]) -> int:
     """Entry point of ``python -m lightning_autopipe plan``; returns the exit status."""
     args = _parser().parse_args(argv)
+    from lightning_autopipe.planner.replica_batches import balance_replicas
     from lightning_autopipe.planner.search import make_plan
 
     try:
@@ -142,6 +146,8 @@ def plan_main(argv: list[str]) -> int:
             uniform_replicas=args.uniform_replicas, use_all_devices=args.use_all_devices,
             memory_check=not args.no_memory_check,
         )
+        if not args.even_replicas and len({s.replicas for s in plan.stages}) == 1:
+            plan = balance_replicas(plan, profile, cluster)
     except AutoPipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

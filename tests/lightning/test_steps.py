@@ -380,7 +380,8 @@ def test_uneven_replica_batches_log_synced_means_of_the_global_batch():
     """Two replicas training 6 and 2 samples of an even 4: combined with their weights, what
     Lightning makes of the ranks' logs (the step's synced mean over ranks, the epoch's
     batch-weighted mean) is the global batch's mean, for a mean weighted by samples or by a
-    constant batch_size; a token-weighted mean keeps its own weights."""
+    constant batch_size (the loader's or the global batch's); a token-weighted mean keeps its
+    own weights."""
     from lightning_autopipe.lightning.step_logs import SliceLogs, bind_log
 
     values = {0: torch.tensor([0.0, 1, 2, 3, 4, 5]), 1: torch.tensor([10.0, 20])}
@@ -392,14 +393,15 @@ def test_uneven_replica_batches_log_synced_means_of_the_global_batch():
         for lo, hi in slices[r]:
             v, t = values[r][lo:hi], tokens[r][lo:hi]
             calls = (("loss", {}, v.mean()), ("loss_c", {"batch_size": 4}, v.mean()),
+                     ("loss_g", {"batch_size": 8}, v.mean()),
                      ("tok", {"batch_size": float(t.sum())}, (v * t).sum() / t.sum()))
             for name, kw, value in calls:
                 got = bind_log("training_step", (name, value), {"sync_dist": True, **kw})
                 logs.merge(got[0], got[1], got[2], hi - lo, got[3])
         logged[r] = {name: (value, opts["batch_size"])
-                     for name, opts, value, _ in logs.combined(len(values[r]) / 4)}
+                     for name, opts, value, _ in logs.combined(len(values[r]) / 4, 2)}
     every = torch.cat(list(values.values()))
-    for name in ("loss", "loss_c"):
+    for name in ("loss", "loss_c", "loss_g"):  # no batch_size, the loader's, the global one
         step = sum(logged[r][name][0] for r in (0, 1)) / 2  # sync_dist: ranks alike
         epoch = (sum(v * b for v, b in (logged[r][name] for r in (0, 1)))
                  / sum(b for _, b in (logged[r][name] for r in (0, 1))))
@@ -418,6 +420,6 @@ def test_uneven_replica_batches_log_synced_means_of_the_global_batch():
                        {"sync_dist": True, "batch_size": float(t.sum())})
         logs.merge(got[0], got[1], got[2], len(v), got[3])
         one[r] = [(value, opts["batch_size"]) for _, opts, value, _ in
-                  logs.combined(len(v) / 4)][0]
+                  logs.combined(len(v) / 4, 2)][0]
     epoch = sum(v * b for v, b in one.values()) / sum(b for _, b in one.values())
     assert epoch == pytest.approx(float((every * weights).sum() / weights.sum()))

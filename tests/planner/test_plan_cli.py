@@ -150,3 +150,26 @@ def test_a_cpu_profile_planned_on_a_gpu_cluster_warns(tmp_path, capsys):
     assert plan_main(["--profile", str(path), "--cluster", "local", "--world-size", "2",
                       "--global-batch-size", "16"]) == 0
     assert "warning" not in capsys.readouterr().err  # this machine's own processes
+
+
+def test_replicas_of_unlike_speed_get_uneven_batches_as_the_strategy_plans_them(profile_path,
+                                                                              tmp_path, capsys):
+    """Like ``search_plan`` (the strategy's), the CLI balances unlike replicas unless told."""
+    import yaml
+
+    from lightning_autopipe.cluster import Cluster
+
+    data = Cluster.local(2).to_dict()
+    data["servers"][0]["devices"] = {1: {"name": "slow", "speed": 0.5, "memory_gb": 16}}
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(data))
+    common = ["--profile", str(profile_path), "--cluster", str(path), "--global-batch-size",
+              "32", "--stages", "1", "--replicas", "2", "--json"]
+    assert plan_main(common) == 0
+    balanced = json.loads(capsys.readouterr().out)
+    assert plan_main([*common, "--even-replicas"]) == 0
+    even = json.loads(capsys.readouterr().out)
+    assert "replica_batches" not in even
+    fast = balanced["stages"][0]["devices"].index("local:0")
+    assert balanced["replica_batches"][fast] > balanced["replica_batches"][1 - fast]
+    assert balanced["iteration_ms"] < even["iteration_ms"]

@@ -25,9 +25,6 @@ first plan is balanced and rank 1 then measures slow):
 * ``uniform``: ``auto`` with both ranks slowed alike and a threshold of 50%: the plan is kept
   and re-calibrated to the measured speeds;
 * ``refit``: ``auto`` fitted for 2 steps, then again up to step 7 (:func:`refit_case`);
-* ``rebalance``: ``auto`` on 1 stage x 2 replicas (even batches at first, the ranks alike),
-  rank 1's forwards slowed in proportion to their samples: the switch re-deals the replica
-  batches and moves no state;
 * ``fail``: ``auto`` with rank 1 failing as it loads its new stage (the rebind module's
   ``load_stage_tensors`` replaced in this process only); records each rank's error and when.
 """
@@ -55,7 +52,6 @@ from lightning_autopipe.runtime.speeds import measured_cluster  # noqa: E402
 from tests.runtime import _cases as C  # noqa: E402
 
 SLOW_FORWARD_S = 0.02
-REBALANCE_BATCH = 32  # the rebalance case's samples per replica
 DECLARED_FAST = 2.0  # the chunked case's declared speed of rank 1 (rank 0: 1)
 STEPS = 8
 LR = 1e-2
@@ -67,13 +63,11 @@ INJECTED = "injected failure while loading the new stage"
 
 
 class Task(pl.LightningModule):
-    """``C.build_net("gpt")`` (tied embedding and head) trained with Adam; ``replicas``: the
-    data-parallel width (its data holds ``STEPS`` batches of ``batch`` per replica)."""
+    """``C.build_net("gpt")`` (tied embedding and head) trained with Adam."""
 
-    def __init__(self, replicas: int = 1, batch: int = C.REPLICA_BATCH) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.net = C.build_net("gpt")
-        self.replicas, self.batch = replicas, batch
         self.step_losses: list[float] = []
 
     def forward(self, x):
@@ -93,8 +87,8 @@ class Task(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=LR, eps=EPS)
 
     def train_dataloader(self):
-        data = C.dataset("gpt", self.batch * STEPS * self.replicas, seed=1)
-        return DataLoader(TensorDataset(*data), batch_size=self.batch)
+        data = C.dataset("gpt", C.REPLICA_BATCH * STEPS, seed=1)
+        return DataLoader(TensorDataset(*data), batch_size=C.REPLICA_BATCH)
 
 
 class SlowRank1(pl.Callback):
@@ -104,21 +98,16 @@ class SlowRank1(pl.Callback):
     overhead of tiny chunks makes an unslowed rank measure below its profiled speed too.
     ``ranks``: the ranks slowed (the ``uniform`` case: every rank)."""
 
-    def __init__(self, ranks: tuple[int, ...] = (1,), per_sample: bool = False) -> None:
+    def __init__(self, ranks: tuple[int, ...] = (1,)) -> None:
         self.hooked = None
         self.ranks = ranks
-        self.per_sample = per_sample  # SLOW_FORWARD_S per 4 samples, not per forward
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         executor = trainer.strategy.pipeline.executor
         if trainer.global_rank not in self.ranks or executor is self.hooked:
             return
         for module in executor.chunks.values():  # the modules its actions run
-            if self.per_sample:
-                module.register_forward_hook(
-                    lambda mod, args, out: time.sleep(SLOW_FORWARD_S * len(args[0]) / 4))
-            else:
-                module.register_forward_hook(lambda *_: time.sleep(SLOW_FORWARD_S))
+            module.register_forward_hook(lambda *_: time.sleep(SLOW_FORWARD_S))
         self.hooked = executor
 
 
@@ -149,12 +138,11 @@ def _inject_failure(record: dict) -> None:
 def _strategy(case: str, world: int, window: int = 2, **pins
               ) -> lightning_autopipe.AutoPipeStrategy:
     schedule, cluster = "1f1b", Cluster.local(world)
-    stages = 1 if case == "rebalance" else 2
     if case == "chunked":
         schedule = "zbv"
         cluster = measured_cluster(cluster, {cluster.devices[1].name: DECLARED_FAST})
     return lightning_autopipe.AutoPipeStrategy(
-        num_stages=stages, schedule=schedule, profile_repeats=1, timeout=TIMEOUT,
+        num_stages=2, schedule=schedule, profile_repeats=1, timeout=TIMEOUT,
         cluster=cluster, replan="off" if case == "off" else "auto",
         replan_window=window, replan_min_steps=2,
         # the chunked case: any gain switches (its 8 steps leave little to pay a switch with,
@@ -225,15 +213,12 @@ def run_case(case: str, world: int, out: Path) -> dict:
         return refit_case(world, out)
     pins = {"compile": "aot_eager"} if case == "compiled" else {}
     strategy = _strategy(case, world, num_microbatches=4, **pins)
-    # the rebalance case: 32 samples per replica, so that the profiled per-sample work of the
-    # tiny model outweighs its per-call part, which moving samples does not shrink
-    task = Task(world, REBALANCE_BATCH) if case == "rebalance" else Task()
+    task = Task()
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[SlowRank1((0, 1) if case == "uniform" else (1,), case == "rebalance"),
-                   verdicts := Verdicts()],
+        callbacks=[SlowRank1((0, 1) if case == "uniform" else (1,)), verdicts := Verdicts()],
         default_root_dir=str(out / f"root-{case}"),
     )
     record: dict = {"case": case}

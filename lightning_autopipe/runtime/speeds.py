@@ -206,7 +206,8 @@ def decide_replan(
     does not clear the bar (another layout, whose prediction differs more from the running
     one's), the running layout with its replica batches re-dealt for the measured speeds
     (``rebalance``: no state moves) is judged by the same rule. The bar is the same: measured
-    speeds are noisy, and a lower one made 4 ranks on 2 cores re-deal at every check.
+    speeds are noisy, and a lower one re-deals on that noise (4 ranks on 2 cores: at every
+    check).
 
     Args:
         summaries: every rank's :class:`~lightning_autopipe.runtime.monitor.RankSummary`.
@@ -250,8 +251,8 @@ def decide_replan(
 
 
 def _judge(candidate: Any, plan: Any, options: Any, context: tuple) -> ReplanDecision:
-    """:func:`decide_replan`'s rule for one candidate (its threshold: a re-balance's, or a
-    re-plan's)."""
+    """:func:`decide_replan`'s rule for one candidate (a re-balance of the running layout is
+    named so in the reason)."""
     measured, running_ms, now, predict, switch_cost_ms, remaining_steps, speeds, base = context
     candidate_ms = float(predict(candidate, now))
     expected = measured * candidate_ms / running_ms if running_ms > 0 else math.inf

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lightning_autopipe.errors import InputError
 from lightning_autopipe.planner.replica_batches import share_counts
+from lightning_autopipe.runtime.units import per_sample
 
 __all__ = ["take_share"]
 
@@ -100,7 +101,7 @@ def _walk(batch: Any, size: int, on_tensor: Any, on_list: Any) -> Any:
 
     def visit(x: Any) -> Any:
         if isinstance(x, Tensor):
-            return on_tensor(x) if x.dim() > 0 and x.shape[0] == size else x
+            return on_tensor(x) if per_sample(x, size) else x
         if _sample_list(x, size):
             return on_list(x)
         return [apply_to_collection(e, (Tensor, list), visit, allow_frozen=True) for e in x]

@@ -14,7 +14,7 @@ from torch import Tensor
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.planner.schedule import slice_count, slice_sizes
 
-__all__ = ["Unit", "fit_units", "slice_batch", "unit_bounds"]
+__all__ = ["Unit", "fit_units", "per_sample", "slice_batch", "unit_bounds"]
 
 Unit = tuple[int, int]
 """``(micro-batch, slice)``: one unit of work of the schedule."""
@@ -56,6 +56,11 @@ def unit_bounds(
     return out
 
 
+def per_sample(t: Tensor, batch_size: int) -> bool:
+    """Whether ``t`` holds one row per sample of a batch of ``batch_size`` (what is cut)."""
+    return t.dim() > 0 and t.shape[0] == batch_size
+
+
 def slice_batch(batch: Any, start: int, stop: int, batch_size: int) -> Any:
     """Cut every tensor whose first dimension is ``batch_size`` to ``[start, stop)``.
 
@@ -65,6 +70,6 @@ def slice_batch(batch: Any, start: int, stop: int, batch_size: int) -> Any:
     """
 
     def cut(t: Tensor) -> Tensor:
-        return t[start:stop] if t.dim() > 0 and t.shape[0] == batch_size else t
+        return t[start:stop] if per_sample(t, batch_size) else t
 
     return apply_to_collection(batch, Tensor, cut, allow_frozen=True)

@@ -183,6 +183,12 @@ class Profile:
         return len(self.blocks)
 
     @property
+    def total_ms(self) -> float:
+        """One micro-batch forward and backward through every block: the figure discovery
+        compares ranks' speeds by."""
+        return sum(b.forward_ms + b.backward_ms for b in self.blocks)
+
+    @property
     def names(self) -> list[str]:
         return [b.name for b in self.blocks]
 

@@ -10,7 +10,9 @@ and the measured links into a :class:`~lightning_autopipe.cluster.Cluster`:
 * ranks on one host form a server (launchers number ranks host by host);
 * ranks of one device name whose profiles agree form one device type; a rank measurably slower
   than the fastest of its name (``total time > SLOWER x`` theirs: a throttled or shared device,
-  another job on its cores) is a type of its own. Each type gets the median profile of its
+  another job on its cores) is a type of its own (:func:`slower_ranks`; the measuring phase
+  then profiles every rank once more and keeps each rank's faster profile, so that a transient
+  does not make a type for the whole run). Each type gets the median profile of its
   ranks and its speed relative to the fastest type, whose profile is the reference the plan is
   made from. With more than one device name each name keeps its own profile, so blocks are
   priced on the device that runs them (an older device is not slower on every block by one
@@ -61,6 +63,7 @@ __all__ = [
     "host_name",
     "link_pairs",
     "local_report",
+    "slower_ranks",
     "write_cluster",
 ]
 
@@ -174,10 +177,6 @@ def link_pairs(hosts: Sequence[str]) -> list[tuple[int, int]]:
 
 
 # ---------------------------------------------------------------------------- assembly
-def _total(p: Profile) -> float:
-    return sum(b.forward_ms + b.backward_ms for b in p.blocks)
-
-
 def _types(reports: Sequence[RankReport]) -> dict[int, tuple[str, Profile | None, str]]:
     """Rank -> (device type name, the type's median profile, the device name it is a class of);
     the fastest class of a device name keeps the plain name."""
@@ -196,10 +195,10 @@ def _types(reports: Sequence[RankReport]) -> dict[int, tuple[str, Profile | None
             for r in group:
                 out[r.rank] = (name, None, name)
             continue
-        group = sorted(group, key=lambda r: _total(r.profile))  # type: ignore[arg-type]
+        group = sorted(group, key=lambda r: r.profile.total_ms)  # type: ignore[arg-type]
         clusters: list[list[RankReport]] = []
         for r in group:  # a new type whenever a rank is clearly slower than the type's fastest
-            if clusters and _total(r.profile) <= SLOWER * _total(clusters[-1][0].profile):
+            if clusters and r.profile.total_ms <= SLOWER * clusters[-1][0].profile.total_ms:
                 clusters[-1].append(r)
             else:
                 clusters.append([r])
@@ -207,16 +206,22 @@ def _types(reports: Sequence[RankReport]) -> dict[int, tuple[str, Profile | None
         # fastest class's total: slower classes of one device differ by a factor (module
         # docstring), so every rank's timings inform the blocks' shares and the noise of single
         # block timings averages out.
-        base_total = statistics.median(_total(m.profile) for m in clusters[0])  # type: ignore
-        base = median_profile([_scaled(r.profile, base_total / _total(r.profile))  # type: ignore
+        base_total = statistics.median(m.profile.total_ms for m in clusters[0])  # type: ignore
+        base = median_profile([_scaled(r.profile, base_total / r.profile.total_ms)  # type: ignore
                                for r in group])
         for i, members in enumerate(clusters):
-            total = statistics.median(_total(m.profile) for m in members)  # type: ignore
+            total = statistics.median(m.profile.total_ms for m in members)  # type: ignore
             prof = _scaled(base, total / base_total)
             label = name if i == 0 else f"{name} (slower {i})"
             for m in members:
                 out[m.rank] = (label, prof, name)
     return out
+
+
+def slower_ranks(reports: Sequence[RankReport]) -> list[int]:
+    """The ranks that :func:`discover` makes a slower type of their device name (measurably
+    slower than its fastest ranks)."""
+    return sorted(rank for rank, (label, _, name) in _types(reports).items() if label != name)
 
 
 def _type_key(r: RankReport) -> tuple[str, int]:
@@ -294,7 +299,7 @@ def assemble(
                else r for r in reports]
     types = _types(reports)
     profiled = {label: prof for label, prof, _ in types.values() if prof is not None}
-    ref = min(profiled.values(), key=_total) if profiled else None
+    ref = min(profiled.values(), key=lambda p: p.total_ms) if profiled else None
     # Another device name (another model of device) keeps its own profile: its blocks need not
     # be slower by one factor. A slower class of the same device (shared, throttled) is priced
     # by its measured speed alone: such a slowdown is the same for every block, and a block
@@ -306,7 +311,7 @@ def assemble(
         label, prof, _ = types[r.rank]
         if label in specs:
             continue
-        speed = _total(ref) / _total(prof) if prof is not None and ref is not None else 1.0
+        speed = ref.total_ms / prof.total_ms if prof is not None and ref is not None else 1.0
         own = prof if len(names) > 1 and label in base and prof is not None else None
         specs[label] = DeviceSpec(
             name=label, speed=round(speed, 4), memory_gb=round(r.memory_bytes / 2**30, 2),
@@ -399,7 +404,7 @@ def compare_with_declared(
     out = []
     reports = sorted(reports, key=lambda r: r.rank)
     devices = declared.devices[: len(reports)]
-    totals = [_total(r.profile) if r.profile is not None else None for r in reports]
+    totals = [r.profile.total_ms if r.profile is not None else None for r in reports]
     known = [(d, t) for d, t in zip(devices, totals) if t is not None]
     if known:
         fastest = min(t for _, t in known)

@@ -5,7 +5,9 @@ the launched devices' cluster (a file, ``Cluster.local`` with a calibrated link,
 discovered from the ranks) and, when no plan is given, the profile of the traced blocks. Every
 rank profiles on its own device at the same time (in training all ranks compute at once and
 contend for shared cores and memory bandwidth, so a profile taken while the others idle would
-be optimistic), and a rank whose profiling fails stops every rank with its error.
+be optimistic), and a rank whose profiling fails stops every rank with its error. When
+discovery finds a rank slower than its peers of one device name, every rank profiles once
+more and discovery runs again on each rank's faster profile (:func:`_confirmed`).
 
 A cluster measured here (discovered, or the local one of a single process) also carries the
 runtime's own cost per compute action, timed on every rank right after its profile by the
@@ -40,6 +42,7 @@ from lightning_autopipe.runtime.discover import (
     discover,
     gather_reports,
     host_name,
+    slower_ranks,
     write_cluster,
 )
 from lightning_autopipe.runtime.failure import stop_everywhere
@@ -131,7 +134,12 @@ def measure(
             stop_everywhere(None, profiling)  # no rank failed: go on together
     profile = mine
     if discovering:
-        cluster, profile, _ = discover(mine, device)
+        cluster, profile, reports = discover(mine, device)
+        if slower_ranks(reports):  # the same on every rank: built from the gathered reports
+            mine = _confirmed(mine, lambda: _profile(
+                blocks, example, example_batch, loss_fn, device, options.profile_repeats),
+                blocks, example, device, options.compile_backend)
+            cluster, profile, _ = discover(mine, device)
         names = [d.name for d in cluster.devices]
         # its file carries the measured cost per action too (failure is None: profiling
         # failures stop every rank in a process group)
@@ -150,6 +158,28 @@ def measure(
     if planning and failure is None and not discovering:
         cluster = _priced_actions(cluster, overhead, options.cluster is None, distributed, rank)
     return Measurement(cluster=cluster, names=names, profile=profile, failure=failure)
+
+
+def _confirmed(first: Profile | None, again: Callable[[], Profile], blocks: Any, example: Any,
+               device: torch.device, backend: str | None) -> Profile | None:
+    """Every rank's faster of ``first`` and a second profile, taken together once discovery
+    found a rank slower than its peers of one device name.
+
+    A short profile can meet a transient (a core lent to another job for a second, a VM's
+    neighbour): on the 2-core development machines two alike cores profiled 1.0-1.3x apart
+    from run to run, and at 1.2x (:data:`~lightning_autopipe.runtime.discover.SLOWER`) such a
+    rank became a slower device type of its own for the whole run. A device slowed for good (a
+    throttled card, another job on its core) is slow in both profiles and stays its own type;
+    one that met a transient is not. Collective: a rank whose second profile fails stops every
+    rank with its error."""
+    where = "while profiling the blocks again to confirm a slower rank"
+    try:
+        second = profile_for(backend, again(), blocks, example, device)
+    except Exception as exc:
+        stop_everywhere(exc, where)
+        raise  # not reached: the failing rank re-raises its own error there
+    stop_everywhere(None, where)
+    return second if first is None else min((first, second), key=lambda p: p.total_ms)
 
 
 #: The runtime's cost per compute action, per device, once per process (:func:`_action_overhead`).

@@ -17,6 +17,7 @@ from lightning_autopipe.runtime.discover import (
     assemble,
     compare_with_declared,
     link_pairs,
+    slower_ranks,
     write_cluster,
 )
 
@@ -63,11 +64,20 @@ def test_other_device_models_keep_their_own_profiles():
     assert [s.name for s in specs] == ["H100", "V100"]
     assert specs[0].profile is ref
     assert specs[1].profile.blocks == old.profile.blocks
-    assert specs[1].speed == pytest.approx(_total(ref) / _total(old.profile))
+    assert specs[1].speed == pytest.approx(ref.total_ms / old.profile.total_ms)
 
 
-def _total(p: Profile) -> float:
-    return sum(b.forward_ms + b.backward_ms for b in p.blocks)
+def test_the_ranks_to_confirm_are_those_the_cluster_types_as_slower_classes():
+    """``slower_ranks`` (which the measuring phase profiles again) names exactly the ranks
+    that the assembled cluster gives a slower class of their device name."""
+    reports = [_report(0, "h", 1.0), _report(1, "h", 1.1), _report(2, "h", 1.5),
+               _report(3, "h", 3.0), RankReport(4, "h", "V100", 8 * GIB, 0, _profile(2.0))]
+    cluster, _ = assemble(reports, {(0, 1): LINK, (0, 2): LINK})
+    fastest = cluster.devices[0].spec.name
+    classed = [d.rank for d in cluster.devices
+               if d.spec.name not in (fastest, "V100")]
+    assert slower_ranks(reports) == classed == [2, 3]
+    assert slower_ranks(reports[:2]) == []
 
 
 def test_ranks_within_noise_are_one_type_and_plan_as_the_local_cluster():

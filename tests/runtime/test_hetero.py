@@ -301,39 +301,52 @@ def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_war
 
 
 def _failing_worker(rank: int, port: int, out: str) -> None:
+    """Two discoveries: rank 1's first profile fails; then its second, which discovery takes
+    to confirm a rank it found slower (here every discovery finds rank 1 slower)."""
+    import lightning_autopipe.runtime.measure as measure
     import lightning_autopipe.runtime.profiler as profiler
 
     torch.set_num_threads(1)
     init_gloo(rank, 2, port, timeout_s=60)
     real = profiler.profile_blocks
+    calls = {"n": 0, "fail_at": 1}
 
     def broken(*args, **kwargs):
-        if rank == 1:
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == calls["fail_at"]:
             raise RuntimeError("this rank's device is gone")
         return real(*args, **kwargs)
 
     profiler.profile_blocks = broken
+    measure.slower_ranks = lambda reports: [1]
     try:
-        x, y = _data(0)
-        build_local_pipeline(Model(), (x,), BATCH, AutoPipeOptions(num_stages=2),
-                             rank=rank, world_size=2, device=torch.device("cpu"),
-                             broadcast=_broadcast, example_batch=(x, y))
-        message = "no error"
-    except Exception as exc:  # every rank must end with the failing rank's error
-        message = f"{type(exc).__name__}: {exc}"
-    (Path(out) / f"rank{rank}.txt").write_text(message)
-    # destroyed together: a rank closing its gloo pairs while the other still reads the
-    # last collective's bytes aborts that one
-    dist.barrier()
-    dist.destroy_process_group()
+        for case, fail_at in (("first", 1), ("confirming", 2)):
+            calls.update(n=0, fail_at=fail_at)
+            try:
+                x, y = _data(0)
+                build_local_pipeline(Model(), (x,), BATCH, AutoPipeOptions(num_stages=2),
+                                     rank=rank, world_size=2, device=torch.device("cpu"),
+                                     broadcast=_broadcast, example_batch=(x, y))
+                message = "no error"
+            except Exception as exc:  # every rank must end with the failing rank's error
+                message = f"{type(exc).__name__}: {exc}"
+            (Path(out) / f"{case}.rank{rank}.txt").write_text(message)
+    finally:
+        # destroyed together: a rank closing its gloo pairs while the other still reads the
+        # last collective's bytes aborts that one
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @pytest.mark.ranks  # asserts the error every rank ends with, nothing on time
 def test_a_rank_whose_profiling_fails_ends_discovery_on_every_rank(tmp_path):
     mp.spawn(_failing_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    # rank 0 learns rank 1's own error (a hang would end in the collective's timeout instead)
-    assert "this rank's device is gone" in (tmp_path / "rank1.txt").read_text()
-    theirs = (tmp_path / "rank0.txt").read_text()
-    assert "PipelineRuntimeError" in theirs
-    assert "rank 1" in theirs
-    assert "this rank's device is gone" in theirs
+    for case, doing in (("first", "while profiling the blocks for discovery"),
+                        ("confirming", "while profiling the blocks again to confirm")):
+        # rank 0 learns rank 1's own error (a hang would end in the collective's timeout)
+        assert "this rank's device is gone" in (tmp_path / f"{case}.rank1.txt").read_text()
+        theirs = (tmp_path / f"{case}.rank0.txt").read_text()
+        assert "PipelineRuntimeError" in theirs
+        assert "rank 1" in theirs
+        assert "this rank's device is gone" in theirs
+        assert doing in theirs, theirs

@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
                 "model": name, "precision": precision, "device": prof.device,
                 "micro_batch": batch, "blocks": len(blocks), "tracer": blocks.tracer,
                 "traced_s": traced_s, "profile": str(path.relative_to(out)),
-                "profile_sum_ms": sum(b.forward_ms + b.backward_ms for b in prof.blocks),
+                "profile_sum_ms": prof.total_ms,
                 "predicted_ms": predicted, "predicted_peak_bytes": predicted_peak, **timed,
                 "seconds": time.perf_counter() - start,
             }

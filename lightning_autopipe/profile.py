@@ -186,7 +186,7 @@ class Profile:
     def total_ms(self) -> float:
         """One micro-batch forward and backward through every block: the figure discovery
         compares ranks' speeds by."""
-        return sum(b.forward_ms + b.backward_ms for b in self.blocks)
+        return sum(b.compute_ms for b in self.blocks)
 
     @property
     def names(self) -> list[str]:

@@ -10,9 +10,9 @@ and the measured links into a :class:`~lightning_autopipe.cluster.Cluster`:
 * ranks on one host form a server (launchers number ranks host by host);
 * ranks of one device name whose profiles agree form one device type; a rank measurably slower
   than the fastest of its name (``total time > SLOWER x`` theirs: a throttled or shared device,
-  another job on its cores) is a type of its own (:func:`slower_ranks`; the measuring phase
-  then profiles every rank once more and keeps each rank's faster profile, so that a transient
-  does not make a type for the whole run). Each type gets the median profile of its
+  another job on its cores) is a type of its own (:func:`slower_ranks`; with ``confirm``
+  every rank then profiles once more and reports its faster profile, so that a transient does
+  not make a type for the whole run). Each type gets the median profile of its
   ranks and its speed relative to the fastest type, whose profile is the reference the plan is
   made from. With more than one device name each name keeps its own profile, so blocks are
   priced on the device that runs them (an older device is not slower on every block by one
@@ -39,7 +39,7 @@ import os
 import platform
 import socket
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -49,6 +49,7 @@ import torch.distributed as dist
 from lightning_autopipe.cluster import Cluster, DeviceSpec, Level, ServerSpec
 from lightning_autopipe.errors import ClusterError
 from lightning_autopipe.profile import Profile, median_profile
+from lightning_autopipe.runtime import log
 
 __all__ = [
     "HOST_ENV",
@@ -219,9 +220,20 @@ def _types(reports: Sequence[RankReport]) -> dict[int, tuple[str, Profile | None
 
 
 def slower_ranks(reports: Sequence[RankReport]) -> list[int]:
-    """The ranks that :func:`discover` makes a slower type of their device name (measurably
-    slower than its fastest ranks)."""
-    return sorted(rank for rank, (label, _, name) in _types(reports).items() if label != name)
+    """The ranks that :func:`assemble` makes a slower type of their device name (measurably
+    slower than its fastest ranks), typed as it types them."""
+    types = _types(_per_device_memory(reports))
+    return sorted(rank for rank, (label, _, name) in types.items() if label != name)
+
+
+def _per_device_memory(reports: Sequence[RankReport]) -> list[RankReport]:
+    """``reports`` in rank order, a host's shared memory divided among its ranks."""
+    reports = sorted(reports, key=lambda r: r.rank)
+    per_host: dict[str, int] = {}
+    for r in reports:
+        per_host[r.host] = per_host.get(r.host, 0) + 1
+    return [replace(r, memory_bytes=r.memory_bytes // per_host[r.host]) if r.shared_memory
+            else r for r in reports]
 
 
 def _type_key(r: RankReport) -> tuple[str, int]:
@@ -291,12 +303,7 @@ def assemble(
     Raises:
         ClusterError: a host's ranks are not consecutive.
     """
-    reports = sorted(reports, key=lambda r: r.rank)
-    per_host: dict[str, int] = {}
-    for r in reports:
-        per_host[r.host] = per_host.get(r.host, 0) + 1
-    reports = [replace(r, memory_bytes=r.memory_bytes // per_host[r.host]) if r.shared_memory
-               else r for r in reports]
+    reports = _per_device_memory(reports)
     types = _types(reports)
     profiled = {label: prof for label, prof, _ in types.values() if prof is not None}
     ref = min(profiled.values(), key=lambda p: p.total_ms) if profiled else None
@@ -441,11 +448,16 @@ def discover(
     device: torch.device,
     *,
     measure_reduce_rate: bool = True,
+    confirm: Callable[[], Profile] | None = None,
 ) -> tuple[Cluster, Profile | None, list[RankReport]]:
     """Gather every rank's report, measure the sampled links; collective on the default group.
 
     Every rank must call it at the same point, with the profile it just measured. Returns the
     same cluster and reference profile on every rank (built from the same gathered figures).
+    ``confirm``, when given, is called on every rank (together: it may be collective) if a
+    rank measured slower than its peers of one device name (:func:`slower_ranks`); it returns
+    the profile this rank reports instead, and the ranks are typed by those (the links are
+    not measured again).
     """
     from lightning_autopipe.runtime.calibrate import link_device, measure_link, measure_reduce
 
@@ -480,5 +492,11 @@ def discover(
     for group in used:
         dist.destroy_process_group(group)
     dist.barrier()
+    slower = slower_ranks(got)  # the same on every rank: built from the gathered reports
+    if slower and confirm is not None:
+        got = gather_reports(confirm(), device)
+        log.rank_zero_info(f"discovery: ranks {slower} profiled slower than their peers of one "
+                           f"device name and were profiled again; still slower: "
+                           f"{slower_ranks(got) or 'none'}")
     cluster, ref = assemble(got, links, reduce_gbps=reduce)
     return cluster, ref, got

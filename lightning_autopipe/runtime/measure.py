@@ -7,7 +7,7 @@ rank profiles on its own device at the same time (in training all ranks compute 
 contend for shared cores and memory bandwidth, so a profile taken while the others idle would
 be optimistic), and a rank whose profiling fails stops every rank with its error. When
 discovery finds a rank slower than its peers of one device name, every rank profiles once
-more and discovery runs again on each rank's faster profile (:func:`_confirmed`).
+more and discovery types the ranks by each one's faster profile (:func:`_confirmed`).
 
 A cluster measured here (discovered, or the local one of a single process) also carries the
 runtime's own cost per compute action, timed on every rank right after its profile by the
@@ -42,7 +42,6 @@ from lightning_autopipe.runtime.discover import (
     discover,
     gather_reports,
     host_name,
-    slower_ranks,
     write_cluster,
 )
 from lightning_autopipe.runtime.failure import stop_everywhere
@@ -134,12 +133,13 @@ def measure(
             stop_everywhere(None, profiling)  # no rank failed: go on together
     profile = mine
     if discovering:
-        cluster, profile, reports = discover(mine, device)
-        if slower_ranks(reports):  # the same on every rank: built from the gathered reports
-            mine = _confirmed(mine, lambda: _profile(
+        def again() -> Profile:
+            return profile_for(options.compile_backend, _profile(
                 blocks, example, example_batch, loss_fn, device, options.profile_repeats),
-                blocks, example, device, options.compile_backend)
-            cluster, profile, _ = discover(mine, device)
+                blocks, example, device)
+
+        assert mine is not None  # a rank whose profiling failed stopped every rank above
+        cluster, profile, _ = discover(mine, device, confirm=lambda: _confirmed(mine, again))
         names = [d.name for d in cluster.devices]
         # its file carries the measured cost per action too (failure is None: profiling
         # failures stop every rank in a process group)
@@ -160,26 +160,29 @@ def measure(
     return Measurement(cluster=cluster, names=names, profile=profile, failure=failure)
 
 
-def _confirmed(first: Profile | None, again: Callable[[], Profile], blocks: Any, example: Any,
-               device: torch.device, backend: str | None) -> Profile | None:
-    """Every rank's faster of ``first`` and a second profile, taken together once discovery
-    found a rank slower than its peers of one device name.
+def _confirmed(first: Profile, again: Callable[[], Profile]) -> Profile:
+    """This rank's faster of ``first`` and a second profile (``again``), which every rank
+    takes once discovery has found a rank slower than its peers of one device name.
 
     A short profile can meet a transient (a core lent to another job for a second, a VM's
     neighbour): on the 2-core development machines two alike cores profiled 1.0-1.3x apart
     from run to run, and at 1.2x (:data:`~lightning_autopipe.runtime.discover.SLOWER`) such a
-    rank became a slower device type of its own for the whole run. A device slowed for good (a
-    throttled card, another job on its core) is slow in both profiles and stays its own type;
-    one that met a transient is not. Collective: a rank whose second profile fails stops every
-    rank with its error."""
+    rank became a slower device type of its own for the whole run. Noise only adds time, so
+    each rank keeps its faster profile: a device slowed for good (a throttled card, another job
+    on its core) is slow in both and stays its own type; one that met a transient is not.
+    Collective: a rank whose second profile fails stops every rank with its error. What the
+    first profile warned about (a loss that could not be profiled, a compile backend) it does
+    not warn again."""
     where = "while profiling the blocks again to confirm a slower rank"
     try:
-        second = profile_for(backend, again(), blocks, example, device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            second = again()
     except Exception as exc:
         stop_everywhere(exc, where)
         raise  # not reached: the failing rank re-raises its own error there
     stop_everywhere(None, where)
-    return second if first is None else min((first, second), key=lambda p: p.total_ms)
+    return min((first, second), key=lambda p: p.total_ms)
 
 
 #: The runtime's cost per compute action, per device, once per process (:func:`_action_overhead`).

@@ -301,9 +301,9 @@ def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_war
 
 
 def _failing_worker(rank: int, port: int, out: str) -> None:
-    """Two discoveries: rank 1's first profile fails; then its second, which discovery takes
-    to confirm a rank it found slower (here every discovery finds rank 1 slower)."""
-    import lightning_autopipe.runtime.measure as measure
+    """Three builds, in each of which discovery finds rank 1 slower and every rank profiles
+    again to confirm it: rank 1's first profile fails; its second fails; none fails."""
+    import lightning_autopipe.runtime.discover as discover
     import lightning_autopipe.runtime.profiler as profiler
 
     torch.set_num_threads(1)
@@ -318,9 +318,9 @@ def _failing_worker(rank: int, port: int, out: str) -> None:
         return real(*args, **kwargs)
 
     profiler.profile_blocks = broken
-    measure.slower_ranks = lambda reports: [1]
+    discover.slower_ranks = lambda reports: [1]
     try:
-        for case, fail_at in (("first", 1), ("confirming", 2)):
+        for case, fail_at in (("first", 1), ("confirming", 2), ("confirmed", 0)):
             calls.update(n=0, fail_at=fail_at)
             try:
                 x, y = _data(0)
@@ -350,3 +350,6 @@ def test_a_rank_whose_profiling_fails_ends_discovery_on_every_rank(tmp_path):
         assert "rank 1" in theirs
         assert "this rank's device is gone" in theirs
         assert doing in theirs, theirs
+    # confirmed without a failure: both ranks go on to a plan (nothing waits for a collective
+    # another rank never makes)
+    assert [(tmp_path / f"confirmed.rank{r}.txt").read_text() for r in (0, 1)] == ["no error"] * 2

@@ -97,8 +97,27 @@ def _finish(running: Running, start: float) -> list[int]:
     return statuses
 
 
+#: The checkout's Python folders whose modules the suite's processes import.
+SOURCES = ("lightning_autopipe", "tests", "recipes", "benchmarks", "examples")
+
+
+def compile_sources() -> None:
+    """Write the bytecode of the checkout's modules (only what is missing or stale) before any
+    process starts. Where ``PYTHONDONTWRITEBYTECODE`` is set (as on the machines the suite runs
+    on) no import writes it, so each of the suite's few hundred processes compiled the package
+    again: 0.17 s of every rank's start-up for ``lightning_autopipe`` alone (``-X importtime``,
+    0.25 s without bytecode against 0.08 s with it). Python reads existing bytecode whatever
+    that variable says, and recompiles in memory any file edited since."""
+    import compileall
+
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            compileall.compile_dir(ROOT / name, quiet=2)
+
+
 def main(args: list[str]) -> int:
     """Run the lanes; 0 when every lane passed (pytest's 5, nothing selected, counts as passed)."""
+    compile_sources()
     with tempfile.TemporaryDirectory(prefix="autopipe-suite-") as tmp:
         root = Path(tmp)
         start = time.monotonic()

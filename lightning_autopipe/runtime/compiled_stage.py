@@ -53,7 +53,8 @@ from lightning_autopipe.runtime.backward import splits_backward_at
 from lightning_autopipe.runtime.clock import now
 from lightning_autopipe.runtime.compiled_split import Deferral, split_backend
 
-__all__ = ["CompiledStage", "check_backend", "compiled_profile", "compiled_stage", "profile_for"]
+__all__ = ["CompileCorrection", "CompiledStage", "check_backend", "compiled_profile",
+           "compiled_stage", "with_ratios"]
 
 
 class CompiledStage(nn.Module):
@@ -170,29 +171,44 @@ def compiled_stage(stage: nn.Module, schedule: str, backend: str, *,
     return CompiledStage(stage, backend, split_backward=splits_backward_at(stage_index, split))
 
 
-def profile_for(
-    backend: str | None, profile: Profile, blocks: Any, example: Any, device: torch.device,
-    repeats: int = 3,
-) -> Profile:
-    """The profile the planner should use: ``profile`` itself for eager stages (``backend``
-    None) and for a model on the meta device (it cannot run whole; its eager costs are kept,
-    with a warning), else :func:`compiled_profile` (the ratios logged on rank 0)."""
-    if backend is None:
-        return profile
-    from lightning_autopipe.runtime.log import rank_zero_info, rank_zero_warn
+class CompileCorrection:
+    """The profile the planner should use, for one fit: an eager profile itself (``backend``
+    None) or for a model on the meta device (it cannot run whole; its eager costs are kept,
+    with a warning), else as the compiled stages will run (:func:`compiled_profile`, the ratios
+    logged on rank 0).
 
-    if any(p.is_meta for p in blocks.stage(0, len(blocks)).parameters()):
-        rank_zero_warn("compile: a model on the meta device is planned from its eager profile "
-                       "(its whole forward cannot be timed compiled)")
-        return profile
-    corrected, r = compiled_profile(profile, blocks, example, device, backend, repeats)
-    rank_zero_info(
-        f"compile ({backend}): block costs scaled by the whole model's compiled/eager time, "
-        f"forward x{r['forward']:.2f} (fixed x{r['forward_fixed']:.2f}, per sample "
-        f"x{r['forward_per_sample']:.2f}), backward x{r['backward']:.2f} (fixed "
-        f"x{r['backward_fixed']:.2f}, per sample x{r['backward_per_sample']:.2f})"
-    )
-    return corrected
+    Measuring the ratios compiles the whole model, so they are measured on the first profile
+    only and applied to any later one of the same blocks (discovery's confirming profile,
+    :func:`~lightning_autopipe.runtime.measure._confirmed`)."""
+
+    def __init__(self, backend: str | None, blocks: Any, example: Any, device: torch.device,
+                 repeats: int = 3) -> None:
+        self.backend, self.blocks, self.example = backend, blocks, example
+        self.device, self.repeats = device, repeats
+        self.ratios: dict[str, float] | None = None
+
+    def __call__(self, profile: Profile) -> Profile:
+        if self.backend is None:
+            return profile
+        if self.ratios is not None:
+            return with_ratios(profile, self.ratios)
+        from lightning_autopipe.runtime.log import rank_zero_info, rank_zero_warn
+
+        blocks = self.blocks
+        if any(p.is_meta for p in blocks.stage(0, len(blocks)).parameters()):
+            rank_zero_warn("compile: a model on the meta device is planned from its eager "
+                           "profile (its whole forward cannot be timed compiled)")
+            return profile
+        corrected, r = compiled_profile(profile, blocks, self.example, self.device,
+                                        self.backend, self.repeats)
+        self.ratios = r
+        rank_zero_info(
+            f"compile ({self.backend}): block costs scaled by the whole model's compiled/eager "
+            f"time, forward x{r['forward']:.2f} (fixed x{r['forward_fixed']:.2f}, per sample "
+            f"x{r['forward_per_sample']:.2f}), backward x{r['backward']:.2f} (fixed "
+            f"x{r['backward_fixed']:.2f}, per sample x{r['backward_per_sample']:.2f})"
+        )
+        return corrected
 
 
 def compiled_profile(
@@ -235,6 +251,11 @@ def compiled_profile(
             (c_full - c_fix) / (e_full - e_fix) if e_full > e_fix else whole_ratio
         )
         ratios[part] = whole_ratio
+    return with_ratios(profile, ratios), ratios
+
+
+def with_ratios(profile: Profile, ratios: dict[str, float]) -> Profile:
+    """``profile`` with :func:`compiled_profile`'s ``ratios`` applied to every block."""
     out = [
         replace(
             b,
@@ -245,7 +266,7 @@ def compiled_profile(
         )
         for b in profile.blocks
     ]
-    return replace(profile, blocks=out), ratios
+    return replace(profile, blocks=out)
 
 
 def _scaled(ms: float, fixed: float, ratios: dict[str, float], part: str) -> dict[str, float]:

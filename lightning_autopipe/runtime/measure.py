@@ -35,7 +35,7 @@ from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.options import AutoPipeOptions
 from lightning_autopipe.profile import Profile
 from lightning_autopipe.runtime import log, profiler
-from lightning_autopipe.runtime.compiled_stage import profile_for
+from lightning_autopipe.runtime.compiled_stage import CompileCorrection
 from lightning_autopipe.runtime.discover import (
     compare_with_declared,
     device_names,
@@ -119,11 +119,11 @@ def measure(
     names = _launched_names(cluster, options, world_size) if cluster is not None else []
     mine = failure = None
     profiling = "while profiling the blocks for discovery and planning"
+    correct = CompileCorrection(options.compile_backend, blocks, example, device)
     if planning:
         try:
-            mine = profile_for(options.compile_backend, _profile(
-                blocks, example, example_batch, loss_fn, device, options.profile_repeats),
-                blocks, example, device)
+            mine = correct(_profile(
+                blocks, example, example_batch, loss_fn, device, options.profile_repeats))
             overhead = _action_overhead(device)  # as the profile: while every rank does it
         except Exception as exc:
             if distributed:
@@ -133,10 +133,9 @@ def measure(
             stop_everywhere(None, profiling)  # no rank failed: go on together
     profile = mine
     if discovering:
-        def again() -> Profile:
-            return profile_for(options.compile_backend, _profile(
-                blocks, example, example_batch, loss_fn, device, options.profile_repeats),
-                blocks, example, device)
+        def again() -> Profile:  # compiled: corrected by the ratios measured above
+            return correct(_profile(
+                blocks, example, example_batch, loss_fn, device, options.profile_repeats))
 
         assert mine is not None  # a rank whose profiling failed stopped every rank above
         cluster, profile, _ = discover(mine, device, confirm=lambda: _confirmed(mine, again))

@@ -12,6 +12,7 @@ inductor.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -163,6 +164,38 @@ def test_the_correction_scales_fixed_and_per_sample_parts_by_the_measured_ratios
         assert new.backward_ms == pytest.approx(
             old.backward_fixed_ms * 0.5 + (old.backward_ms - old.backward_fixed_ms) * 0.75)
         assert (new.name, new.param_bytes, new.memory_bytes) == (old.name, 1, 1)
+
+
+def test_a_fit_compiles_once_and_corrects_a_later_profile_by_the_same_ratios(monkeypatch):
+    """Discovery's confirming profile is corrected by the ratios measured on the first: the
+    whole model is compiled and timed once per fit, and the later profile comes out as a
+    fresh measurement of the same lines would correct it."""
+    lines = {"eager": ((4, 2), (6, 4)), "compiled": ((1, 1.5), (3, 3))}
+    calls = []
+
+    def timed(fn, inputs, device, repeats):
+        n = inputs[0].shape[0]
+        kind = "compiled" if isinstance(fn, CompiledStage) else "eager"
+        calls.append(kind)
+        return tuple(a + b * n for a, b in lines[kind])
+
+    monkeypatch.setattr(cs, "_timed", timed)
+    example = (torch.zeros(4, T.SEQ, dtype=torch.long),)
+    blocks = split_model(T.build_net(), example)
+    correct = cs.CompileCorrection("aot_eager", blocks, example, torch.device("cpu"))
+    first, later = _profile(), Profile("toy", 4, "cpu", [
+        replace(b, forward_ms=2 * b.forward_ms, backward_ms=3 * b.backward_ms)
+        for b in _profile().blocks])
+    assert correct(first) == compiled_profile(first, blocks, example, torch.device("cpu"),
+                                              backend="aot_eager")[0]
+    timings = len(calls) // 2  # the reference above timed as often as the correction
+    want = compiled_profile(later, blocks, example, torch.device("cpu"), backend="aot_eager")[0]
+    before = len(calls)
+    assert correct(later) == want
+    assert len(calls) == before, "the later profile compiled and timed the model again"
+    assert timings == 4  # eager and compiled, at the micro-batch and at half of it
+    eager = cs.CompileCorrection(None, blocks, example, torch.device("cpu"))
+    assert eager(later) is later
 
 
 class _Pointwise(nn.Module):

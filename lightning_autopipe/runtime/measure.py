@@ -120,10 +120,14 @@ def measure(
     mine = failure = None
     profiling = "while profiling the blocks for discovery and planning"
     correct = CompileCorrection(options.compile_backend, blocks, example, device)
+
+    def profiled() -> Profile:  # compiled: by the ratios the first call measures
+        return correct(_profile(
+            blocks, example, example_batch, loss_fn, device, options.profile_repeats))
+
     if planning:
         try:
-            mine = correct(_profile(
-                blocks, example, example_batch, loss_fn, device, options.profile_repeats))
+            mine = profiled()
             overhead = _action_overhead(device)  # as the profile: while every rank does it
         except Exception as exc:
             if distributed:
@@ -133,12 +137,8 @@ def measure(
             stop_everywhere(None, profiling)  # no rank failed: go on together
     profile = mine
     if discovering:
-        def again() -> Profile:  # compiled: corrected by the ratios measured above
-            return correct(_profile(
-                blocks, example, example_batch, loss_fn, device, options.profile_repeats))
-
         assert mine is not None  # a rank whose profiling failed stopped every rank above
-        cluster, profile, _ = discover(mine, device, confirm=lambda: _confirmed(mine, again))
+        cluster, profile, _ = discover(mine, device, confirm=lambda: _confirmed(mine, profiled))
         names = [d.name for d in cluster.devices]
         # its file carries the measured cost per action too (failure is None: profiling
         # failures stop every rank in a process group)

@@ -9,19 +9,16 @@ channel per (sending chunk, receiving chunk) pair.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from lightning_autopipe.errors import ScheduleError
 from lightning_autopipe.planner.ascii import ascii_timeline
 from lightning_autopipe.planner.placement import chunk_ranks
+from lightning_autopipe.planner.rounds import Replay, replay
 from lightning_autopipe.planner.schedule import (
-    Action,
     Kind,
     Schedule,
     check_shape,
-    chunk_owners,
     is_split,
     lower_communication,
     spans,
@@ -29,165 +26,6 @@ from lightning_autopipe.planner.schedule import (
 )
 
 __all__ = ["validate", "format_grid", "ascii_timeline", "inflight_per_rank"]
-
-
-# ---------------------------------------------------------------------------- replay
-@dataclass
-class _Replay:
-    """Result of replaying a schedule in rounds: where each action ran and what went wrong."""
-
-    stages: list[int]  # rank positions (the grid's columns)
-    rows: int = 0  # rounds that executed something
-    cell: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, index) -> row
-    error: str | None = None
-    where: tuple[int, int] | None = None  # (rank, index) of the offending action
-    word: str = "stage"  # what a column is called: "stage" (one chunk per rank) or "rank"
-
-
-def _replay(schedule: Schedule, owner: Sequence[int] | None = None) -> _Replay:
-    """Replay ``schedule`` round by round, each rank running at most one action per round.
-
-    Compute-only schedules get the implied dependencies (``F`` of a unit after the previous
-    chunk's ``F``, ``B`` after the next chunk's ``B``); lowered schedules are replayed literally
-    with non-blocking sends and blocking receives over first-in-first-out channels per
-    (sending chunk, receiving chunk) pair. A neighbour chunk on the same rank must have run
-    its part earlier in the rank's list (a local hand-off never waits). ``owner`` maps chunk
-    to rank (default: as the schedule lists them). Stops at the first error or when no rank
-    can move (deadlock).
-    """
-    stages = sorted(schedule)
-    if owner is None:
-        got = chunk_owners(schedule)
-        owner = [got.get(c, -1) for c in range(max([*got, *stages]) + 1)]
-    nc = len(owner)
-    word = "stage" if nc == len(stages) else "rank"
-    rep = _Replay(stages, word=word)
-    last = nc - 1
-    lowered = any(not a.kind.is_compute for acts in schedule.values() for a in acts)
-    ptr = dict.fromkeys(stages, 0)
-    fwd: list[set] = [set() for _ in range(nc)]
-    bwd: list[set] = [set() for _ in range(nc)]
-    wgt: list[set] = [set() for _ in range(nc)]
-    got_f: list[set] = [set() for _ in range(nc)]
-    got_b: list[set] = [set() for _ in range(nc)]
-    chan: dict[tuple[int, int], deque] = {}
-
-    def name(c: int, u: tuple[int, int], kind: str) -> str:
-        return f"{c}{kind}{u[0]}.{u[1]}"
-
-    def needs(r: int, a: Action, peer: int, done: list[set], what: str, got: list[set],
-              recv: str) -> str | bool:
-        """A compute's input from chunk ``peer``: local (must be done), remote (received)."""
-        u = a.unit
-        if owner[peer] == r:
-            return True if u in done[peer] else (
-                f"{word} {r} runs {a} before its local {what} {name(peer, u, a.kind.value)}")
-        if lowered:
-            return True if u in got[a.stage] else (
-                f"{word} {r} runs {a} before receiving its {what} ({name(a.stage, u, recv)})")
-        return u in done[peer]
-
-    def check(r: int, a: Action) -> str | None | bool:
-        """True: ready; False: waiting; str: error."""
-        u, k, c = a.unit, a.kind, a.stage
-        if k is Kind.WEIGHT:
-            if u in wgt[c]:
-                return f"{word} {r} runs {a} twice"
-            if u not in bwd[c]:
-                return f"{word} {r} runs {a} before its input backward {name(c, u, 'B')}"
-            return True
-        if k is Kind.FORWARD:
-            if u in fwd[c]:
-                return f"{word} {r} runs {a} twice"
-            return c == 0 or needs(r, a, c - 1, fwd, "input", got_f, "RF")
-        if k is Kind.BACKWARD:
-            if u in bwd[c]:
-                return f"{word} {r} runs {a} twice"
-            if u not in fwd[c]:
-                return f"{word} {r} runs {a} before its forward {name(c, u, 'F')}"
-            return c == last or needs(r, a, c + 1, bwd, "gradient", got_b, "RB")
-        if k in (Kind.SEND_F, Kind.SEND_B):
-            done = fwd if k is Kind.SEND_F else bwd
-            peer = c + 1 if k is Kind.SEND_F else c - 1
-            if not 0 <= peer < nc:
-                return f"{word} {r} sends {a} to stage {peer}, which does not exist"
-            if owner[peer] == r:
-                return f"{word} {r} sends {a} to chunk {peer} on the same rank (a local hand-off)"
-            if u not in done[c]:
-                what = "forward" if k is Kind.SEND_F else "backward"
-                return f"{word} {r} sends {a} before running its {what}"
-            return True
-        peer = c - 1 if k is Kind.RECV_F else c + 1
-        if not 0 <= peer < nc:
-            return f"{word} {r} receives {a} from stage {peer}, which does not exist"
-        if owner[peer] == r:
-            return f"{word} {r} receives {a} from chunk {peer} on the same rank (a local hand-off)"
-        q = chan.get((peer, c))
-        if not q:
-            return False
-        if q[0][0] != u:
-            return f"{word} {r} receives {a} but the next message from stage {peer} is {q[0][1]}"
-        return True
-
-    while True:
-        ready: list[tuple[int, Action]] = []
-        blocked = []
-        for r in stages:
-            acts = schedule[r]
-            if ptr[r] >= len(acts):
-                continue
-            a = acts[ptr[r]]
-            if not 0 <= a.stage < nc or owner[a.stage] != r:
-                held = owner[a.stage] if 0 <= a.stage < nc else None
-                rep.error = f"action {a} is listed under {word} {r}; it belongs to {word} {held}"
-                rep.where = (r, ptr[r])
-                break
-            st = check(r, a)
-            if isinstance(st, str):
-                rep.error, rep.where = st, (r, ptr[r])
-                break
-            (ready if st else blocked).append((r, a))
-        if rep.error is not None:
-            break
-        if not ready:
-            if blocked:
-                waits = ", ".join(str(a) for _, a in blocked)
-                rep.error = (
-                    f"deadlock: no {word} can move; waiting: {waits} "
-                    "(receives block, sends do not: check the order of these steps)"
-                )
-                rep.where = (blocked[0][0], ptr[blocked[0][0]])
-            break
-        for r, a in ready:  # apply after checking, so effects show up next round
-            rep.cell[(r, ptr[r])] = rep.rows
-            ptr[r] += 1
-            u, k, c = a.unit, a.kind, a.stage
-            if k is Kind.FORWARD:
-                fwd[c].add(u)
-            elif k is Kind.BACKWARD:
-                bwd[c].add(u)
-            elif k is Kind.WEIGHT:
-                wgt[c].add(u)
-            elif k is Kind.SEND_F:
-                chan.setdefault((c, c + 1), deque()).append((u, a, r))
-            elif k is Kind.SEND_B:
-                chan.setdefault((c, c - 1), deque()).append((u, a, r))
-            else:
-                peer = c - 1 if k is Kind.RECV_F else c + 1
-                chan[(peer, c)].popleft()
-                (got_f if k is Kind.RECV_F else got_b)[c].add(u)
-        rep.rows += 1
-    if rep.error is None:
-        for q in chan.values():
-            if q:
-                _, sent, r = q[0]
-                rep.error = f"{sent} is sent but never received (no matching receive)"
-                rep.where = (r, schedule[r].index(sent))
-                break
-    for r in stages:  # actions never reached go below, in list order
-        for i in range(ptr[r], len(schedule[r])):
-            rep.cell[(r, i)] = rep.rows + 1 + i - ptr[r]
-    return rep
 
 
 def inflight_per_rank(schedule: Schedule, num_microbatches: int, startup_slices: int,
@@ -211,7 +49,7 @@ def inflight_per_rank(schedule: Schedule, num_microbatches: int, startup_slices:
     return out
 
 
-def _grid(schedule: Schedule, rep: _Replay, mark: tuple[int, int] | None,
+def _grid(schedule: Schedule, rep: Replay, mark: tuple[int, int] | None,
           held: dict[int, list[float]] | None = None) -> str:
     stages, word = rep.stages, rep.word
     pos = {(row, s): str(schedule[s][i]) for (s, i), row in rep.cell.items()}
@@ -239,14 +77,14 @@ def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, *,
                 held: dict[int, list[float]] | None = None) -> str:
     """The step x rank grid of ``schedule`` in replay order, ``mark`` = (step, rank) as ``>..<``.
 
-    Each step every rank runs its next action if it can (see :func:`_replay`); actions that
+    Each step every rank runs its next action if it can (see :func:`~.rounds.replay`); actions that
     are never reached (error or deadlock) follow below a ``not reached`` line. With ``held``
     (:func:`inflight_per_rank`) a last row gives each rank's peak activations in flight.
     """
-    return _grid(schedule, _replay(schedule), mark, held)
+    return _grid(schedule, replay(schedule), mark, held)
 
 
-def _fail(schedule: Schedule, rep: _Replay, msg: str, where: tuple[int, int] | None,
+def _fail(schedule: Schedule, rep: Replay, msg: str, where: tuple[int, int] | None,
           held: dict[int, list[float]] | None = None) -> None:
     mark = None
     if where is not None:
@@ -292,7 +130,7 @@ def validate(
         raise ScheduleError(f"schedule stages must be 0..S-1, got {stages}")
     owner = chunk_ranks(len(stages), chunks_per_rank, placement)
     word = "stage" if chunks_per_rank == 1 else "rank"
-    rep = _replay(schedule, owner)
+    rep = replay(schedule, owner)
     held = inflight_per_rank(schedule, num_microbatches, startup_slices, drain_slices)
     expected = units(num_microbatches, startup_slices, drain_slices)
     want = set(expected)
@@ -312,16 +150,20 @@ def validate(
                     f"m={num_microbatches}, k={startup_slices}, j={drain_slices}",
                     (r, i),
                 )
+        seen: dict[tuple[int, Kind], set[tuple[int, int]]] = {}  # (chunk, kind) -> units
+        twice: dict[tuple[int, Kind], int] = {}  # (chunk, kind) -> its first repeated action
+        for i, a in enumerate(schedule[r]):
+            got = seen.setdefault((a.stage, a.kind), set())
+            if a.unit in got:
+                twice.setdefault((a.stage, a.kind), i)
+            got.add(a.unit)
         for c in (c for c, o in enumerate(owner) if o == r):
             where = f"stage {r}" if chunks_per_rank == 1 else f"chunk {c} (rank {r})"
             for kind in kinds:
-                seen: dict[tuple[int, int], int] = {}
-                for i, a in enumerate(schedule[r]):
-                    if a.kind is kind and a.stage == c:
-                        if a.unit in seen:
-                            _fail(schedule, rep, f"{word} {r} runs {a} twice", (r, i))
-                        seen[a.unit] = i
-                missing = [u for u in expected if u not in seen]
+                if (c, kind) in twice:
+                    i = twice[(c, kind)]
+                    _fail(schedule, rep, f"{word} {r} runs {schedule[r][i]} twice", (r, i))
+                missing = [u for u in expected if u not in seen.get((c, kind), ())]
                 if missing:
                     names = ", ".join(f"{c}{kind.value}{mb}.{sl}" for mb, sl in missing[:6])
                     _fail(schedule, rep, f"{where} lacks {names}", (r, len(schedule[r])))
@@ -338,6 +180,6 @@ def validate(
         _fail(schedule, rep, rep.error, rep.where, held if chunks_per_rank > 1 else None)
     if all(a.kind.is_compute for acts in schedule.values() for a in acts):
         lowered = lower_communication(schedule)
-        low = _replay(lowered, owner)
+        low = replay(lowered, owner)
         if low.error is not None:
             _fail(lowered, low, f"after lowering: {low.error}", low.where)

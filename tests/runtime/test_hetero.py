@@ -26,6 +26,7 @@ from lightning_autopipe.runtime.chunks import RankChunks
 from lightning_autopipe.runtime.discover import SLOWER
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from lightning_autopipe.zoo.models import TinyGPT
+from tests._gloo import forked_context
 from tests._launch import free_port, init_gloo
 from tests.runtime import _cases as C
 
@@ -50,6 +51,15 @@ class Model(nn.Module):
 
     def pipeline_loss(self, outputs, batch):
         return C.loss_fn(outputs, batch)
+
+
+def _ranks(fn, out: str) -> None:
+    """``fn(rank, port, out)`` on two ranks forked from the fork server that has torch and the
+    runtime imported (:func:`tests._gloo.forked_context`), not spawned as fresh interpreters
+    that import them again (seconds of both cores, in the tests that hold the machine alone)."""
+    forked_context()
+    mp.start_processes(fn, args=(free_port(), out), nprocs=2, join=True,
+                       start_method="forkserver")
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +185,7 @@ def test_a_rank_slowed_by_a_core_neighbour_is_discovered_and_given_less_work(tmp
             [sys.executable, "-c", busy], preexec_fn=lambda: os.sched_setaffinity(0, {core})
         )
         try:
-            mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+            _ranks(_worker, str(tmp_path))
         finally:  # the neighbour's lifetime is bounded by the test's
             neighbour.kill()
             neighbour.wait()
@@ -270,7 +280,7 @@ def _alike_worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to pin the ranks to")
 def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_warns(tmp_path):
     def run() -> dict:
-        mp.spawn(_alike_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+        _ranks(_alike_worker, str(tmp_path))
         return json.loads((tmp_path / "alike.json").read_text())
 
     def alike(r: dict) -> bool:
@@ -340,7 +350,7 @@ def _failing_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.ranks  # asserts the error every rank ends with, nothing on time
 def test_a_rank_whose_profiling_fails_ends_discovery_on_every_rank(tmp_path):
-    mp.spawn(_failing_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    _ranks(_failing_worker, str(tmp_path))
     for case, doing in (("first", "while profiling the blocks for discovery"),
                         ("confirming", "while profiling the blocks again to confirm")):
         # rank 0 learns rank 1's own error (a hang would end in the collective's timeout)

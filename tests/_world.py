@@ -2,14 +2,14 @@
 
     python tests/_world.py OUT WORLD MODULE:CASE [MODULE:CASE ...]
 
-Every rank imports torch and Lightning once and then, for each spec in order, calls
+torch and Lightning are imported once, and then every rank, for each spec in order, calls
 ``MODULE.run_case(CASE, WORLD, OUT / MODULE)``; a returned dict is saved as
-``<that folder>/<CASE>.rank<r>.pt``. Every rank runs every case. The launching process starts
-the other ranks itself, as Lightning's popen launcher would (``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``/``MASTER_PORT`` set), and every rank waits until all have imported torch and
-Lightning before the first case, so the first case's process-group timeout never has to cover
-the others' start-up on a busy machine. It ends with a non-zero status when a rank did, and no
-rank outlives it. A case that raises is written to
+``<that folder>/<CASE>.rank<r>.pt``. Every rank runs every case. The launching process is rank
+0: it sets the environment Lightning's popen launcher would give the ranks (``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), imports torch and Lightning, then forks the
+other ranks, and every rank waits until all are up before the first case, so the first case's
+process-group timeout never has to cover the others' start-up on a busy machine. It ends with
+a non-zero status when a rank did, and no rank outlives it. A case that raises is written to
 ``<folder>/<CASE>.error.rank<r>.txt`` and the next case runs (its peers end the case through
 the strategy's failure handling or its timeout), so one broken case fails its own tests only.
 
@@ -19,9 +19,11 @@ The pytest side (which cases, one launch per world size, reading the results) is
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,17 +64,58 @@ def _rank() -> int:
 _START_S = 600
 
 
-def _start_others(world: int) -> list[subprocess.Popen]:
-    """In the launching process: become rank 0 of ``world`` and start ranks 1.. as children."""
+def _become_rank_zero(world: int) -> None:
+    """In the launching process: the environment of rank 0 of ``world``, before any import
+    (the ranks forked from it later inherit it and change only ``LOCAL_RANK``)."""
     ports = {"MASTER_PORT": str(free_port()), "AUTOPIPE_WORLD_READY_PORT": str(free_port())}
     common = {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(world), "NODE_RANK": "0", **ports}
     os.environ.update(common, LOCAL_RANK="0")
-    return [subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, **common,
-                                                               "LOCAL_RANK": str(r)})
-            for r in range(1, world)]
 
 
-def _wait_for_every_rank(world: int, children: list[subprocess.Popen]) -> None:
+class _Forked:
+    """A rank forked by the launching process: what the launch needs of a child process."""
+
+    def __init__(self, pid: int, rank: int) -> None:
+        self.pid, self.args, self.returncode = pid, f"rank {rank} (pid {pid})", None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        end = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > end:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _fork_others(world: int) -> list[_Forked]:
+    """In the launching process, once torch and Lightning are imported: ranks 1.. as forked
+    children, which start with the imports in memory instead of paying them again (an
+    interpreter, torch and Lightning are about three CPU-seconds per rank here: a third of a
+    4-rank world's start). A forked rank returns no children and goes on as rank r."""
+    sys.stdout.flush()
+    sys.stderr.flush()  # nothing buffered is written twice
+    children = []
+    for r in range(1, world):
+        pid = os.fork()
+        if pid == 0:
+            os.environ["LOCAL_RANK"] = str(r)
+            return []
+        children.append(_Forked(pid, r))
+    return children
+
+
+def _wait_for_every_rank(world: int, children: list[_Forked]) -> None:
     """A start barrier on its own store (the default process group is the cases' own); rank
     0 stops waiting as soon as one of the ranks it started has died (an import that failed),
     and keeps the store (its server) until every other rank has read the go."""
@@ -91,7 +134,7 @@ def _wait_for_every_rank(world: int, children: list[subprocess.Popen]) -> None:
     del store
 
 
-def _await_count(store: Any, key: str, count: int, children: list[subprocess.Popen]) -> None:
+def _await_count(store: Any, key: str, count: int, children: list[_Forked]) -> None:
     """Rank 0: until ``count`` ranks have added to ``key``; raised when one it started died."""
     end = time.monotonic() + _START_S
     while store.add(key, 0) < count:
@@ -101,7 +144,7 @@ def _await_count(store: Any, key: str, count: int, children: list[subprocess.Pop
         time.sleep(0.02)
 
 
-def _finish(children: list[subprocess.Popen]) -> int:
+def _finish(children: list[_Forked]) -> int:
     """Rank 0, after its cases: the others' exit status (any still running after a grace
     period is killed)."""
     status = 0
@@ -116,10 +159,13 @@ def _finish(children: list[subprocess.Popen]) -> int:
 
 def main() -> None:
     out, world = Path(sys.argv[1]), int(sys.argv[2])
-    # the other ranks start before this one imports anything heavy: the imports overlap
-    children = _start_others(world) if "LOCAL_RANK" not in os.environ else []
+    launcher = "LOCAL_RANK" not in os.environ
+    if launcher:
+        _become_rank_zero(world)
+    children: list[_Forked] = []
     try:
         _import_the_stack()
+        children = _fork_others(world) if launcher else []
         _wait_for_every_rank(world, children)
     except BaseException:  # rank 0 failed to start: its children must not wait out _START_S
         for child in children:

@@ -67,12 +67,13 @@ def _start_lane(lane: tuple[str, str, int], args: list[str], root: Path,
     """The lane's shards, started; ``beside``: the launch lane's lock file (the shards run at
     idle priority until it is released, :mod:`tests._machine`)."""
     name, marks, shards = lane
-    env = {**os.environ, LANE_VARIABLE: name}
+    # inductor compiles in the compiling process, one g++ at a time, not in a pool of worker
+    # interpreters that each import torch: in a rest shard a ``one_child`` test's pool would
+    # need the machine, and the shared 2-rank world's compiled cases took 46 CPU-s with the
+    # pools (two workers per rank, inductor's default on 2 cores) against 34 without
+    env = {**os.environ, LANE_VARIABLE: name, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     if shards > 1:
         env[LOCK_VARIABLE] = str(root / f"{name}.lock")
-        # inductor compiles in the test's own process, one g++ at a time (a ``one_child``
-        # test), not in a pool of worker processes that would need the machine
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     if beside is not None:
         env[BESIDE_VARIABLE] = str(beside)
     running = []

@@ -102,7 +102,10 @@ def _fork_others(world: int) -> list[_Forked]:
     """In the launching process, once torch and Lightning are imported: ranks 1.. as forked
     children, which start with the imports in memory instead of paying them again (an
     interpreter, torch and Lightning are about three CPU-seconds per rank here: a third of a
-    4-rank world's start). A forked rank returns no children and goes on as rank r."""
+    4-rank world's start). A forked rank returns no children and goes on as rank r. Forked by
+    :func:`os.fork`, not as a :mod:`multiprocessing` process, whose child leaves through
+    ``os._exit``: a rank here ends as a launched one does, through the interpreter's exit and
+    the atexit hooks the strategy registered (:mod:`lightning_autopipe.lightning.held_pipeline`)."""
     sys.stdout.flush()
     sys.stderr.flush()  # nothing buffered is written twice
     children = []
@@ -117,7 +120,7 @@ def _fork_others(world: int) -> list[_Forked]:
 
 def _wait_for_every_rank(world: int, children: list[_Forked]) -> None:
     """A start barrier on its own store (the default process group is the cases' own); rank
-    0 stops waiting as soon as one of the ranks it started has died (an import that failed),
+    0 stops waiting as soon as one of the ranks it started has died (before the barrier),
     and keeps the store (its server) until every other rank has read the go."""
     local = int(os.environ["LOCAL_RANK"])
     store = torch.distributed.TCPStore(

@@ -27,7 +27,7 @@ import pytest
 from tests import _machine
 from tests._launch import free_port, init_gloo
 
-__all__ = ["TIMEOUT_S", "GlooWorld", "GlooWorlds", "forked_context"]
+__all__ = ["TIMEOUT_S", "GlooWorld", "GlooWorlds", "forked_context", "run_forked"]
 
 #: Seconds a case may run before its world is declared hung (collectives time out sooner).
 _CASE_S = 300.0
@@ -54,6 +54,16 @@ def forked_context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+def run_forked(fn: Callable[..., None], *args: Any, nprocs: int = 2) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes forked from :func:`forked_context`'s server
+    and joined, a failing one raised as ``torch.multiprocessing`` raises it: for a test whose
+    ranks set up their own process group (a missing peer, pinned cores), not a gloo world's."""
+    import torch.multiprocessing as tmp
+
+    forked_context()  # the server, its imports preloaded, before the first start
+    tmp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def _serve(rank: int, world: int, port: int, timeout_s: float, conn: Any) -> None:

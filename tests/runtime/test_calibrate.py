@@ -9,7 +9,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.planner.pricing import allreduce_ms
@@ -22,7 +21,7 @@ from lightning_autopipe.runtime.calibrate import (
     measure_reduce,
 )
 from lightning_autopipe.runtime.pipeline import resolve_cluster
-from tests._gloo import forked_context
+from tests._gloo import run_forked
 from tests._launch import free_port, init_gloo
 
 CPU = torch.device("cpu")
@@ -203,6 +202,4 @@ def _timeout_worker(rank: int, port: int) -> None:
 
 @pytest.mark.quiet  # asserts the time a collective takes to fail
 def test_a_missing_peer_fails_instead_of_hanging():
-    forked_context()  # the fork server, its imports preloaded
-    mp.start_processes(_timeout_worker, args=(free_port(),), nprocs=2, join=True,
-                       start_method="forkserver")
+    run_forked(_timeout_worker, free_port())

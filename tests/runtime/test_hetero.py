@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_autopipe.options import AutoPipeOptions
@@ -26,7 +25,7 @@ from lightning_autopipe.runtime.chunks import RankChunks
 from lightning_autopipe.runtime.discover import SLOWER
 from lightning_autopipe.runtime.pipeline import build_local_pipeline
 from lightning_autopipe.zoo.models import TinyGPT
-from tests._gloo import forked_context
+from tests._gloo import run_forked
 from tests._launch import free_port, init_gloo
 from tests.runtime import _cases as C
 
@@ -51,15 +50,6 @@ class Model(nn.Module):
 
     def pipeline_loss(self, outputs, batch):
         return C.loss_fn(outputs, batch)
-
-
-def _ranks(fn, out: str) -> None:
-    """``fn(rank, port, out)`` on two ranks forked from the fork server that has torch and the
-    runtime imported (:func:`tests._gloo.forked_context`), not spawned as fresh interpreters
-    that import them again (seconds of both cores, in the tests that hold the machine alone)."""
-    forked_context()
-    mp.start_processes(fn, args=(free_port(), out), nprocs=2, join=True,
-                       start_method="forkserver")
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +175,7 @@ def test_a_rank_slowed_by_a_core_neighbour_is_discovered_and_given_less_work(tmp
             [sys.executable, "-c", busy], preexec_fn=lambda: os.sched_setaffinity(0, {core})
         )
         try:
-            _ranks(_worker, str(tmp_path))
+            run_forked(_worker, free_port(), str(tmp_path))
         finally:  # the neighbour's lifetime is bounded by the test's
             neighbour.kill()
             neighbour.wait()
@@ -280,7 +270,7 @@ def _alike_worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to pin the ranks to")
 def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_warns(tmp_path):
     def run() -> dict:
-        _ranks(_alike_worker, str(tmp_path))
+        run_forked(_alike_worker, free_port(), str(tmp_path))
         return json.loads((tmp_path / "alike.json").read_text())
 
     def alike(r: dict) -> bool:
@@ -350,7 +340,7 @@ def _failing_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.ranks  # asserts the error every rank ends with, nothing on time
 def test_a_rank_whose_profiling_fails_ends_discovery_on_every_rank(tmp_path):
-    _ranks(_failing_worker, str(tmp_path))
+    run_forked(_failing_worker, free_port(), str(tmp_path))
     for case, doing in (("first", "while profiling the blocks for discovery"),
                         ("confirming", "while profiling the blocks again to confirm")):
         # rank 0 learns rank 1's own error (a hang would end in the collective's timeout)

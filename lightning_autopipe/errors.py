@@ -8,6 +8,7 @@ __all__ = [
     "AutoPipeError",
     "TraceError",
     "BlockRangeError",
+    "GraphRunError",
     "InputError",
     "OptionError",
     "ClusterError",
@@ -33,6 +34,16 @@ class TraceError(AutoPipeError, RuntimeError):
 class InputError(AutoPipeError, ValueError):
     """Inputs handed to the graph layer do not match what the model was traced with (or a
     loss handed to the profiler is not the scalar a pipeline's last stage needs)."""
+
+
+class GraphRunError(InputError):
+    """The traced graph failed on the example inputs at one node: the inputs do not fit the
+    model, or (torch.fx) the graph does not compute what the model does. ``node`` names the
+    node and ``reason`` the failure, so a caller can tell the two apart and say which."""
+
+    def __init__(self, message: str, node: str, reason: str) -> None:
+        super().__init__(message)
+        self.node, self.reason = node, reason
 
 
 class OptionError(AutoPipeError, ValueError):

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from lightning_autopipe.errors import InputError
-from lightning_autopipe.graph.trace import Traced, _short, has_meta, on_meta
+from lightning_autopipe.errors import GraphRunError
+from lightning_autopipe.graph.trace import Traced, _short, buffers_kept, has_meta, on_meta
 
 __all__ = ["GraphInfo", "ValueMeta", "analyze"]
 
@@ -216,27 +216,17 @@ class _Recorder(fx.Interpreter):
         return value
 
 
-def _buffers_snapshot(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(b, b.detach().clone()) for b in model.buffers()]
-
-
-def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for buf, saved in snapshot:
-            buf.copy_(saved)
-
-
 def _record(
     traced: Traced, flat: tuple[torch.Tensor, ...], dropped: set[fx.Node]
 ) -> tuple[dict[fx.Node, ValueMeta], dict[fx.Node, fx.Node]]:
     feeds: dict[fx.Node, Any] = dict(zip(traced.input_nodes, flat))
     feeds.update(traced.constant_inputs)
     recorder = _Recorder(traced.gm, feeds, dropped)
-    snapshot = _buffers_snapshot(traced.gm) + _buffers_snapshot(traced.model)
     # A model built on the meta device runs on shapes alone (values are not needed here).
     deferred = has_meta(traced.gm) or has_meta(traced.model)
     try:
-        with torch.enable_grad(), on_meta() if deferred else nullcontext():
+        with buffers_kept(traced.gm, traced.model), torch.enable_grad(), (
+                on_meta() if deferred else nullcontext()):
             recorder.run()
     except Exception as exc:  # noqa: BLE001 - reported as an input problem with the node
         node = recorder.current
@@ -246,12 +236,10 @@ def _record(
             else "the start"
         )
         shapes = ", ".join(str(s) for s in traced.example_shapes)
-        raise InputError(
+        raise GraphRunError(
             f"running the traced model on example_inputs (shapes {shapes}) failed at {where}: "
-            f"{_short(exc)}; pass example inputs of the shape/dtype the model expects"
-        ) from exc
-    finally:
-        _restore(snapshot)
+            f"{_short(exc)}; pass example inputs of the shape/dtype the model expects",
+            where, _short(exc)) from exc
     return recorder.meta, recorder.alias_root
 
 

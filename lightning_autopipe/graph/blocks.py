@@ -16,7 +16,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, fx, nn
 
-from lightning_autopipe.errors import BlockRangeError, InputError, OptionError, TraceError
+from lightning_autopipe.errors import (
+    BlockRangeError,
+    GraphRunError,
+    InputError,
+    OptionError,
+    TraceError,
+)
 from lightning_autopipe.graph.analysis import GraphInfo, analyze
 from lightning_autopipe.graph.cuts import GRANULARITIES, Block, choose_blocks
 from lightning_autopipe.graph.stage import (
@@ -27,7 +33,7 @@ from lightning_autopipe.graph.stage import (
     adopt_orphans,
     build_stage,
 )
-from lightning_autopipe.graph.trace import Inputs, trace
+from lightning_autopipe.graph.trace import Inputs, trace, unfaithful_fx
 
 __all__ = ["BlockGraph", "split_model"]
 
@@ -55,8 +61,13 @@ def split_model(
     if granularity not in GRANULARITIES:
         raise OptionError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     traced = trace(model, example_inputs, tracer)
-    flat = traced.flatten(example_inputs)
-    info = analyze(traced, flat)
+    try:
+        info = analyze(traced, traced.flatten(example_inputs))
+    except GraphRunError as exc:  # an input problem, or an fx graph that is not the model's
+        if traced.tracer != "fx":
+            raise
+        traced = unfaithful_fx(model, example_inputs, tracer, exc)
+        info = analyze(traced, traced.flatten(example_inputs))
     blocks = choose_blocks(info, granularity)
     if not blocks:
         raise TraceError(f"{type(model).__name__} has no computation to split")

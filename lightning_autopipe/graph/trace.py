@@ -4,8 +4,9 @@ The result, :class:`Traced`, hides which front end ran: it holds one ``GraphModu
 placeholders are the model's *flattened* inputs and whose output node yields the flattened
 outputs, plus the recipes to flatten user inputs and rebuild model-shaped outputs.
 
-Both front ends, their fallbacks and the quiet-while-trying log handling stay in this one module
-(a little past ~400 lines): the choice between them is one decision with one error message.
+Both front ends, their fallbacks (torch.export when fx cannot trace, or when fx's graph fails
+where the model runs) and the quiet-while-trying log handling stay in this one module (past
+~400 lines): the choice between them is one decision with one error message.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_autopipe.errors import InputError, OptionError, TraceError
+from lightning_autopipe.errors import GraphRunError, InputError, OptionError, TraceError
 from lightning_autopipe.graph.fx_guard import (
     Unrecorded,
     mode_difference,
@@ -35,8 +36,8 @@ from lightning_autopipe.graph.fx_guard import (
     watch_unrecorded,
 )
 
-__all__ = ["TRACE_LOGS_ENV", "Inputs", "Traced", "has_meta", "normalize_inputs", "on_meta",
-           "trace"]
+__all__ = ["TRACE_LOGS_ENV", "Inputs", "Traced", "buffers_kept", "has_meta", "normalize_inputs",
+           "on_meta", "trace", "unfaithful_fx"]
 
 Inputs = tuple[Any, ...] | dict[str, Any]
 TRACERS = ("auto", "fx", "export")
@@ -439,10 +440,24 @@ def _warn_mode(traced: Traced, model: nn.Module) -> None:
         UserWarning, stacklevel=3)
 
 
+@contextmanager
+def buffers_kept(*modules: nn.Module) -> Iterator[None]:
+    """Run a check that must leave no trace: the modules' buffers (BatchNorm's running
+    statistics and batch count) are put back as they were, whatever happens inside."""
+    saved = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved:
+                buf.copy_(value)
+
+
 def _eager_check(model: nn.Module, inputs: Inputs) -> None:
     """Tell bad inputs apart from an untraceable model: run the model itself once."""
     try:
-        with torch.no_grad(), on_meta() if has_meta(model) else nullcontext():
+        with buffers_kept(model), torch.no_grad(), (
+                on_meta() if has_meta(model) else nullcontext()):
             model(**inputs) if isinstance(inputs, dict) else model(*inputs)
     except Exception as exc:  # noqa: BLE001 - re-raised as InputError with context
         raise InputError(
@@ -512,3 +527,39 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
     raise TraceError(
         f"cannot capture {type(model).__name__} as a graph. {'; '.join(parts)}. {_REMEDIES}"
     ) from _cause(export_error)
+
+
+def unfaithful_fx(model: nn.Module, example_inputs: Any, tracer: str,
+                  failure: GraphRunError) -> Traced:
+    """The torch.fx graph of ``model`` failed on ``example_inputs`` (``failure``): capture the
+    model again with torch.export when the model itself runs on them.
+
+    torch.fx traces with proxies, so Python that inspects a traced value records the branch a
+    proxy takes, not the one real values take: ``hasattr(out, "logits")`` is true of every
+    proxy, ``isinstance`` and ``len`` see a proxy. The graph then fails where the model does
+    not, and the inputs are not at fault. torch.export traces with fake tensors, which take the
+    real branch; so ``tracer="auto"`` falls back to it as it does when fx cannot trace at all.
+
+    Raises:
+        GraphRunError: ``failure`` itself, when the model fails on the inputs as well (they are
+            at fault after all, and the failure names the node that took them).
+        TraceError: ``tracer="fx"`` (asked for fx only), or torch.export fails as well.
+    """
+    try:
+        _eager_check(model, normalize_inputs(example_inputs))
+    except InputError:  # the inputs' fault: the graph's error names the node that took them
+        raise failure from failure.__cause__
+    name = type(model).__name__
+    what = (f"the torch.fx graph of {name} fails on example_inputs where {name} itself runs "
+            f"(at {failure.node}: {failure.reason}); Python that inspects a traced value "
+            "(hasattr, isinstance, len, an `if` on a shape) took the branch a tracing proxy "
+            "takes, not the real one")
+    if tracer == "fx":
+        raise TraceError(f"{what}. Pass tracer='export' (or 'auto', which then captures the "
+                         "model with torch.export) or make forward take one branch")
+    try:
+        traced = trace(model, example_inputs, "export")
+    except TraceError as exc:
+        raise TraceError(f"{what}; and {exc}") from exc
+    traced.notes.append(f"{what}: captured with torch.export instead")
+    return traced

@@ -42,6 +42,18 @@ def test_fx_only_tracer_reports_the_fx_failure() -> None:
         split_model(DataDependent(), (torch.randn(2, 4),), tracer="fx")
 
 
+def test_an_fx_only_trace_that_fails_where_the_model_runs_names_the_cause_not_the_inputs(
+) -> None:
+    from tests.graph.test_split import PeeksAtItsOutput
+
+    with pytest.raises(TraceError) as info:
+        split_model(PeeksAtItsOutput(), (torch.randn(2, 4),), tracer="fx")
+    text = str(info.value)
+    assert "fails on example_inputs where PeeksAtItsOutput itself runs" in text
+    assert "no attribute 'logits'" in text and "hasattr" in text  # the node's error, the cause
+    assert "tracer='export'" in text
+
+
 def test_wrong_example_shape_fx_path() -> None:
     model, _ = build_model("small_cnn", "tiny")
     with pytest.raises(InputError, match=r"\(2, 5, 16, 16\).*stem") as info:

@@ -52,6 +52,32 @@ def test_hf_models_match_original_through_export(name: str) -> None:
         check_split(blocks, model, other, random_cuts(len(blocks), 3, seed=batch))
 
 
+class PeeksAtItsOutput(nn.Module):
+    """Written for Hugging Face outputs and plain tensors alike. ``hasattr`` is true of every
+    torch.fx proxy, so fx's graph reads ``.logits`` of a tensor: it fails where the model runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.b(torch.relu(self.norm(self.a(x))))
+        return out.logits if hasattr(out, "logits") else out
+
+
+def test_an_fx_graph_that_fails_where_the_model_runs_is_captured_with_export() -> None:
+    torch.manual_seed(0)
+    model, example = PeeksAtItsOutput(), (torch.randn(5, 4),)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    blocks = split_model(model, example)
+    assert blocks.tracer == "export"
+    # telling the graph's fault from the inputs' ran the model: BatchNorm's statistics are kept
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    for cuts in _cut_sets(len(blocks)):
+        check_split(blocks, model, example, cuts)
+
+
 def test_tied_embeddings_form_a_tie_group_across_stages() -> None:
     model, example = build_model("tiny_gpt", "tiny")
     blocks = split_model(model, example)

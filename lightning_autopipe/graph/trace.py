@@ -453,6 +453,65 @@ def buffers_kept(*modules: nn.Module) -> Iterator[None]:
                 buf.copy_(value)
 
 
+#: aten ops whose behaviour follows train()/eval() in eager PyTorch, and the argument holding
+#: the mode (or, for attention, the dropout probability the module chose by its mode)
+_MODE_ARGS = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2,
+              "feature_alpha_dropout": 2, "batch_norm": 5, "scaled_dot_product_attention": 4}
+
+
+def _mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """Nodes of an exported graph that computed as they did because of the model's mode:
+    dropout with ``p > 0`` (on in training), batch norm with running statistics (batch
+    statistics in training), attention with a dropout probability."""
+    out = []
+    for n in gm.graph.nodes:
+        name = getattr(getattr(n.target, "_overloadpacket", None), "__name__", "")
+        if n.op != "call_function" or name not in _MODE_ARGS:
+            continue
+        i = _MODE_ARGS[name]
+        value = n.args[i] if len(n.args) > i else n.kwargs.get(
+            "dropout_p" if name == "scaled_dot_product_attention" else "train", None)
+        if name == "batch_norm":  # without running statistics it is the same in both modes
+            if value and n.args[3] is not None:
+                out.append(n)
+        elif name == "scaled_dot_product_attention" or name.endswith("dropout"):
+            p = value if name == "scaled_dot_product_attention" else n.args[1]
+            if isinstance(p, (int, float)) and p > 0 and value:
+                out.append(n)
+    return out
+
+
+def _warn_export_mode(traced: Traced, model: nn.Module) -> None:
+    """Warn that an exported graph keeps the mode it was captured in.
+
+    torch.export records ``train()``/``eval()`` decisions as constants (``dropout(x, 0.1,
+    True)``, ``batch_norm(..., training=True, ...)``), so the split model runs the captured
+    mode's code in every mode: validation, test and prediction keep dropout on and normalise
+    by batch statistics (and update BatchNorm's running statistics). torch.fx graphs follow the
+    stages' mode; an exported one cannot, so say so once, naming the first such module.
+    """
+    nodes = _mode_nodes(traced.gm)
+    if not nodes or not model.training:
+        return
+    first = next(iter(reversed(nodes[0].meta.get("nn_module_stack", {}).values())), ("?", ""))
+    kinds = sorted({n.target._overloadpacket.__name__ for n in nodes})
+    effects, fixes = [], []
+    if kinds != ["batch_norm"]:  # a dropout, or attention's dropout
+        effects.append("keep dropout on")
+        fixes.append("build the model with dropout 0 (Hugging Face: the config's *dropout* / "
+                     "*_prob fields)")
+    if "batch_norm" in kinds:
+        effects.append("normalise by batch statistics (updating BatchNorm's running statistics)")
+    fixes.append("let torch.fx capture it (a forward without Python checks on traced values "
+                 "such as hasattr)")
+    warnings.warn(
+        f"{type(model).__name__} was captured with torch.export, whose graph keeps the "
+        f"training-mode code of {len(nodes)} node(s) ({', '.join(kinds)}; the first in "
+        f"{first[0]!r}): the split model runs it in every mode, so validation, test and "
+        f"prediction {' and '.join(effects)}. To have the stages follow train()/eval(), "
+        f"{', or '.join(fixes)}", UserWarning, stacklevel=3)
+
+
 def _eager_check(model: nn.Module, inputs: Inputs) -> None:
     """Tell bad inputs apart from an untraceable model: run the model itself once."""
     try:
@@ -512,7 +571,9 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
             ) from _cause(fx_error)
     try:
         with _quiet_tracers():
-            return _trace_export(model, inputs)
+            traced = _trace_export(model, inputs)
+        _warn_export_mode(traced, model)
+        return traced
     except (InputError, TraceError):
         raise
     except Exception as exc:  # noqa: BLE001 - converted into a TraceError naming both failures

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -69,13 +71,43 @@ def test_an_fx_graph_that_fails_where_the_model_runs_is_captured_with_export() -
     torch.manual_seed(0)
     model, example = PeeksAtItsOutput(), (torch.randn(5, 4),)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    blocks = split_model(model, example)
+    with pytest.warns(UserWarning, match=r"torch.export.*training-mode code of 1 node\(s\) "
+                      r"\(batch_norm; the first in 'norm'\).*batch statistics"):
+        blocks = split_model(model, example)
     assert blocks.tracer == "export"
     # telling the graph's fault from the inputs' ran the model: BatchNorm's statistics are kept
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
     for cuts in _cut_sets(len(blocks)):
         check_split(blocks, model, example, cuts)
+    # what the warning says: the exported graph keeps training-mode BatchNorm in eval
+    model.eval()
+    stage = blocks.stage(0, len(blocks)).eval()
+    assert not torch.allclose(blocks.run(example), model(*example))
+    assert stage.training is False
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_an_exported_model_with_dropout_is_warned_about_and_one_without_is_not(dropout) -> None:
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     hidden_dropout_prob=dropout,
+                                     attention_probs_dropout_prob=dropout)
+    model = transformers.BertForMaskedLM(config)
+    example = {"input_ids": torch.randint(0, 64, (2, 8))}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split_model(model, example)
+    said = [str(w.message) for w in caught if "training-mode code" in str(w.message)]
+    if dropout:
+        (text,) = said
+        assert "dropout, scaled_dot_product_attention" in text
+        assert "'bert.embeddings.dropout'" in text
+        assert "keep dropout on." in text
+    else:
+        assert not said
 
 
 def test_tied_embeddings_form_a_tie_group_across_stages() -> None:

@@ -68,6 +68,12 @@ class TieGroup:
     stages: dict[int, tuple[str, ...]]
 
 
+def by_mode(training: bool, in_training: Any, in_evaluation: Any) -> Any:
+    """The value a module's mode chose when the model was captured: the stage graph calls this
+    with its own ``training`` flag, so an exported stage follows ``train()``/``eval()``."""
+    return in_training if training else in_evaluation
+
+
 class StageModule(fx.GraphModule):
     """The ``GraphModule`` of one stage; metadata lives in ``self.meta`` so copies keep it."""
 
@@ -97,6 +103,7 @@ class _Builder:
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.available: list[fx.Node] = []  # original values present in the stage, in order
+        self.training: fx.Node | None = None  # the stage's ``self.training``, once read
         root = info.traced.gm
         written = {
             info.alias_root.get(a, a)
@@ -126,8 +133,24 @@ class _Builder:
         if info.is_sym_leaf(n) and src not in self.env and info.is_value(src):
             new = self._substitute(n)
         else:
-            new = self.graph.node_copy(n, self.lookup)
+            new = self._copy(n)
         self.env[n] = new
+        return new
+
+    def _copy(self, n: fx.Node) -> fx.Node:
+        """``n`` in the stage's graph; a constant the model's mode chose (an exported graph's
+        dropout, batch norm: :attr:`~.trace.Traced.mode_values`) becomes a choice by the
+        stage's own ``training`` flag, read as ``self.training`` when the stage runs."""
+        new = self.graph.node_copy(n, self.lookup)
+        mode = self.info.traced.mode_values.get(n)
+        if mode is not None:
+            index, in_training, in_evaluation = mode
+            with self.graph.inserting_before(new):
+                if self.training is None:
+                    self.training = self.graph.get_attr("training")
+                chosen = self.graph.call_function(by_mode, (self.training, in_training,
+                                                            in_evaluation))
+            new.update_arg(index, chosen)
         return new
 
     def _substitute(self, n: fx.Node) -> fx.Node:
@@ -141,7 +164,7 @@ class _Builder:
         )
 
     def add(self, n: fx.Node) -> None:
-        self.env[n] = self.graph.node_copy(n, self.lookup)
+        self.env[n] = self._copy(n)
         self.available.append(n)
 
     def output(self, values: Iterable[fx.Node]) -> None:

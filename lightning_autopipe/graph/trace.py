@@ -117,6 +117,9 @@ class Traced:
     notes: list[str] = field(default_factory=list)
     #: (fx) the first graph line that differs in the other train/eval mode, or None
     mode_line: str | None = None
+    #: (export) node -> (argument index, its value in training, in evaluation): the constants
+    #: by which train()/eval() changed the exported graph; stages read their mode there
+    mode_values: dict[fx.Node, tuple[int, Any, Any]] = field(default_factory=dict)
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -481,16 +484,96 @@ def _mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return out
 
 
-def _warn_export_mode(traced: Traced, model: nn.Module) -> None:
-    """Warn that an exported graph keeps the mode it was captured in.
+def _counts_batches(n: fx.Node) -> bool:
+    """BatchNorm's ``num_batches_tracked += 1``, which only training does."""
+    first = n.args[0] if n.args else None
+    return (n.target is torch.ops.aten.add_.Tensor and isinstance(first, fx.Node)
+            and first.op == "get_attr" and str(first.target).endswith("num_batches_tracked"))
 
-    torch.export records ``train()``/``eval()`` decisions as constants (``dropout(x, 0.1,
-    True)``, ``batch_norm(..., training=True, ...)``), so the split model runs the captured
-    mode's code in every mode: validation, test and prediction keep dropout on and normalise
-    by batch statistics (and update BatchNorm's running statistics). torch.fx graphs follow the
-    stages' mode; an exported one cannot, so say so once, naming the first such module.
+
+#: ops that leave values as they are: a capture may hold one where the other mode's does not
+#: (torch.export keeps a ``contiguous`` whose input the other mode's graph lays out already)
+_NEUTRAL = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default,
+            torch.ops.aten.alias.default}
+
+
+def _constants(n: fx.Node, length: int = 0) -> tuple[Any, Any]:
+    """A node's arguments with every node replaced by None, padded to ``length`` with the op's
+    defaults (a capture may leave out an argument at its default, attention's dropout 0)."""
+    args = list(fx.node.map_arg(n.args, lambda _: None))
+    schema = getattr(n.target, "_schema", None)
+    while schema is not None and len(args) < min(length, len(schema.arguments)):
+        args.append(schema.arguments[len(args)].default_value)
+    return tuple(args), fx.node.map_arg(n.kwargs, lambda _: None)
+
+
+def _mode_values(train: fx.GraphModule, evaluation: fx.GraphModule
+                 ) -> dict[fx.Node, tuple[int, Any, Any]] | None:
+    """Where the capture in evaluation mode differs from the one in training mode, if only by
+    what :func:`_mode_nodes` finds (one argument each), by ``num_batches_tracked += 1`` (which
+    evaluation does not do: it adds 0 there) and by ops that leave values as they are; None
+    for any other difference (a Python branch on ``self.training``), which the stages cannot
+    follow."""
+    calls = [n for n in evaluation.graph.nodes if n.op == "call_function"]
+    out: dict[fx.Node, tuple[int, Any, Any]] = {}
+    j = 0
+    for n in (n for n in train.graph.nodes if n.op == "call_function"):
+        while j < len(calls) and calls[j].target in _NEUTRAL and calls[j].target != n.target:
+            j += 1
+        other = calls[j] if j < len(calls) else None
+        if other is not None and other.target == n.target:
+            length = max(len(n.args), len(other.args))
+            (args, kwargs), (eargs, ekwargs) = _constants(n, length), _constants(other, length)
+            diff = [i for i, (a, b) in enumerate(zip(args, eargs)) if a != b]
+            if kwargs != ekwargs or len(args) != len(eargs) or len(diff) > 1:
+                return None
+            if diff:
+                if (_MODE_ARGS.get(n.target._overloadpacket.__name__) != diff[0]
+                        or diff[0] >= len(n.args)):  # the stage sets an argument it holds
+                    return None
+                out[n] = (diff[0], args[diff[0]], eargs[diff[0]])
+            j += 1
+        elif _counts_batches(n):
+            out[n] = (1, n.args[1], 0)
+        elif n.target not in _NEUTRAL:
+            return None
+    return out if all(n.target in _NEUTRAL for n in calls[j:]) else None
+
+
+def _follow_mode(traced: Traced, model: nn.Module, inputs: Inputs) -> None:
+    """Let the stages of an exported graph follow ``train()``/``eval()``.
+
+    torch.export records the model's mode as constants (``dropout(x, 0.1, True)``,
+    ``batch_norm(..., training=True, ...)``, attention's dropout probability). When the
+    captured graph has such nodes, the model is exported once more in the other mode and the
+    constants that differ are kept in :attr:`Traced.mode_values`: a stage reads its own
+    ``training`` flag there (:mod:`~.stage`). A capture the other mode changes in any other way
+    keeps its captured mode, with a warning (:func:`_warn_export_mode`).
     """
-    nodes = _mode_nodes(traced.gm)
+    if not _mode_nodes(traced.gm) or not model.training:
+        return
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with buffers_kept(model), _quiet_tracers():
+            model.eval()
+            other = _export(model, inputs, traced.dynamic_batch).module()
+    except Exception:  # noqa: BLE001 - the graph keeps its mode, and the warning says so
+        return
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    values = _mode_values(traced.gm, other)
+    if values is not None:
+        traced.mode_values = values
+
+
+def _warn_export_mode(traced: Traced, model: nn.Module) -> None:
+    """Warn that an exported graph keeps the mode it was captured in: its stages run the
+    captured mode's code in every mode (validation, test and prediction keep dropout on and
+    normalise by batch statistics, updating BatchNorm's running statistics). A graph whose
+    mode :func:`_follow_mode` could place needs no warning; say so once, naming the first
+    module whose code keeps its mode."""
+    nodes = [n for n in _mode_nodes(traced.gm) if n not in traced.mode_values]
     if not nodes or not model.training:
         return
     first = next(iter(reversed(nodes[0].meta.get("nn_module_stack", {}).values())), ("?", ""))
@@ -572,6 +655,7 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
     try:
         with _quiet_tracers():
             traced = _trace_export(model, inputs)
+        _follow_mode(traced, model, inputs)
         _warn_export_mode(traced, model)
         return traced
     except (InputError, TraceError):

@@ -71,8 +71,8 @@ def test_an_fx_graph_that_fails_where_the_model_runs_is_captured_with_export() -
     torch.manual_seed(0)
     model, example = PeeksAtItsOutput(), (torch.randn(5, 4),)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.warns(UserWarning, match=r"torch.export.*training-mode code of 1 node\(s\) "
-                      r"\(batch_norm; the first in 'norm'\).*batch statistics"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the stages follow train()/eval(): nothing to warn of
         blocks = split_model(model, example)
     assert blocks.tracer == "export"
     # telling the graph's fault from the inputs' ran the model: BatchNorm's statistics are kept
@@ -80,34 +80,69 @@ def test_an_fx_graph_that_fails_where_the_model_runs_is_captured_with_export() -
         assert torch.equal(value, before[name]), name
     for cuts in _cut_sets(len(blocks)):
         check_split(blocks, model, example, cuts)
-    # what the warning says: the exported graph keeps training-mode BatchNorm in eval
-    model.eval()
-    stage = blocks.stage(0, len(blocks)).eval()
-    assert not torch.allclose(blocks.run(example), model(*example))
-    assert stage.training is False
+    _check_modes(blocks, model, example, model.norm)
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_an_exported_model_with_dropout_is_warned_about_and_one_without_is_not(dropout) -> None:
+def _check_modes(blocks, model: nn.Module, example, norm: nn.Module | None) -> None:
+    """The stages of every cut compute what the model computes in evaluation mode, and
+    BatchNorm counts batches in training only, as the model's own module does."""
+    for cuts in _cut_sets(len(blocks)):
+        stages = [blocks.stage(i, j) for i, j in zip(cuts, cuts[1:])]
+        for stage in stages:
+            stage.eval()
+        model.eval()
+        counted = None if norm is None else int(norm.num_batches_tracked)
+        with torch.no_grad():
+            torch.testing.assert_close(main_output(blocks.run(example, cuts)),
+                                       main_output(call(model, example)))
+        if norm is not None:
+            assert int(norm.num_batches_tracked) == counted  # evaluation counts nothing
+        model.train()
+        for stage in stages:
+            stage.train()
+        blocks.run(example, cuts)
+        if norm is not None:
+            assert int(norm.num_batches_tracked) == counted + 1
+
+
+def _bert(dropout: float) -> tuple[nn.Module, dict]:
     import transformers
 
     config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=64,
                                      hidden_dropout_prob=dropout,
                                      attention_probs_dropout_prob=dropout)
-    model = transformers.BertForMaskedLM(config)
-    example = {"input_ids": torch.randint(0, 64, (2, 8))}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        split_model(model, example)
-    said = [str(w.message) for w in caught if "training-mode code" in str(w.message)]
-    if dropout:
-        (text,) = said
-        assert "dropout, scaled_dot_product_attention" in text
-        assert "'bert.embeddings.dropout'" in text
-        assert "keep dropout on." in text
-    else:
-        assert not said
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(config), {"input_ids": torch.randint(0, 64, (2, 8))}
+
+
+def test_an_exported_model_with_dropout_follows_train_and_eval() -> None:
+    model, example = _bert(0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        blocks = split_model(model, example)
+    assert blocks.tracer == "export"
+    _check_modes(blocks, model, example, None)
+    stage = blocks.stage(0, len(blocks)).train()  # dropout is on in training
+    assert not torch.equal(main_output(blocks.run(example)), main_output(blocks.run(example)))
+
+
+class TrainsOtherwise(nn.Module):
+    """A Python branch on ``self.training``: the other mode's capture is another graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(4, 4), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(self.lin(x))
+        return y * 2 if self.training else y
+
+
+def test_an_export_the_mode_changes_otherwise_keeps_its_mode_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match=r"torch.export.*training-mode code of 1 node\(s\) "
+                      r"\(dropout; the first in 'drop'\).*keep dropout on\. "):
+        split_model(TrainsOtherwise(), (torch.randn(3, 4),), tracer="export")
 
 
 def test_tied_embeddings_form_a_tie_group_across_stages() -> None:

@@ -458,8 +458,8 @@ def buffers_kept(*modules: nn.Module) -> Iterator[None]:
 
 #: aten ops whose behaviour follows train()/eval() in eager PyTorch, and the argument holding
 #: the mode (or, for attention, the dropout probability the module chose by its mode)
-_MODE_ARGS = {"dropout": 2, "feature_dropout": 2, "alpha_dropout": 2,
-              "feature_alpha_dropout": 2, "batch_norm": 5, "scaled_dot_product_attention": 4}
+_MODE_ARGS = {f"{kind}dropout{inplace}": 2 for kind in ("", "feature_", "alpha_", "feature_alpha_")
+              for inplace in ("", "_")} | {"batch_norm": 5, "scaled_dot_product_attention": 4}
 
 
 def _mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -477,7 +477,7 @@ def _mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:
         if name == "batch_norm":  # without running statistics it is the same in both modes
             if value and n.args[3] is not None:
                 out.append(n)
-        elif name == "scaled_dot_product_attention" or name.endswith("dropout"):
+        else:  # a dropout, in place or not, or attention's dropout
             p = value if name == "scaled_dot_product_attention" else n.args[1]
             if isinstance(p, (int, float)) and p > 0 and value:
                 out.append(n)

@@ -123,8 +123,20 @@ def test_an_exported_model_with_dropout_follows_train_and_eval() -> None:
         blocks = split_model(model, example)
     assert blocks.tracer == "export"
     _check_modes(blocks, model, example, None)
-    stage = blocks.stage(0, len(blocks)).train()  # dropout is on in training
+    blocks.stage(0, len(blocks)).train()  # dropout is on in training
     assert not torch.equal(main_output(blocks.run(example)), main_output(blocks.run(example)))
+
+
+def test_an_exported_in_place_dropout_follows_train_and_eval() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5, inplace=True), nn.Linear(8, 2))
+    example = (torch.randn(3, 4),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        blocks = split_model(model, example, tracer="export")
+    _check_modes(blocks, model, example, None)
+    blocks.stage(0, len(blocks)).train()
+    assert not torch.equal(blocks.run(example), blocks.run(example))
 
 
 class TrainsOtherwise(nn.Module):

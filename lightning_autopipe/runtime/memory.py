@@ -87,7 +87,11 @@ class _Saved:
         self.tensor, self.ptr, self.meter = tensor, ptr, meter
 
     def __del__(self) -> None:
-        self.meter._drop(self.ptr)
+        # torch.compile may trace the pack hook and rebuild this object without ``__init__``
+        # (dropped again with nothing counted): only an object the hook made counts
+        meter = getattr(self, "meter", None)
+        if meter is not None:
+            meter._drop(self.ptr)
 
 
 class MemoryMeter:

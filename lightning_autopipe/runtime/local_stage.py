@@ -7,6 +7,7 @@ original names), and the parameters of every other stage are released on this ra
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ def model_inputs(module: nn.Module, batch: Any) -> Any:
     """The forward inputs of ``batch`` under the pipeline contract.
 
     ``module.pipeline_inputs(batch)`` when defined, else ``batch[0]`` for a tuple/list batch,
+    else for a dict batch its entries that name ``forward``'s parameters (:func:`_named`),
     else the batch itself.
     """
     fn = getattr(module, "pipeline_inputs", None)
@@ -26,7 +28,28 @@ def model_inputs(module: nn.Module, batch: Any) -> Any:
         return fn(batch)
     if isinstance(batch, tuple | list):
         return batch[0]
+    if isinstance(batch, dict):
+        return _named(module.forward, batch)
     return batch
+
+
+def _named(forward: Any, batch: dict) -> Any:
+    """A dict batch as ``forward``'s keyword arguments: the entries naming its parameters.
+
+    Such a batch often carries the loss's targets beside the model's inputs (Hugging Face
+    style ``{"input_ids", "attention_mask", "labels"}`` for ``forward(input_ids,
+    attention_mask)``); the steps read those from the batch themselves. A forward taking
+    ``**kwargs`` gets every entry; when no entry names a parameter (``forward(self, batch)``)
+    it is the whole dict, which the strategy's check then refuses naming ``pipeline_inputs``.
+    """
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # a signature Python cannot read: every entry, as before
+        return batch
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return batch
+    named = {k: v for k, v in batch.items() if k in params}
+    return named or batch
 
 
 def as_call_args(inputs: Any) -> tuple[Any, ...] | dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 
 from lightning_autopipe.errors import InputError
 from lightning_autopipe.lightning.example import _check_forward
@@ -29,15 +30,39 @@ class PicksX(TakesX):
 DICT_BATCH = {"x": torch.randn(4, 6), "y": torch.zeros(4, dtype=torch.long)}
 
 
-def test_a_dict_batch_with_more_keys_than_forward_takes_names_pipeline_inputs():
+def test_a_dict_batch_gives_forward_the_entries_that_name_its_parameters():
+    """Hugging Face style: the targets ride in the batch beside the inputs; forward gets the
+    entries it names, the steps read the rest from the batch."""
     module = TakesX()
+    inputs = as_call_args(model_inputs(module, DICT_BATCH))
+    assert list(inputs) == ["x"]
+    assert inputs["x"] is DICT_BATCH["x"]
+    _check_forward(module, inputs, "the first batch of the dataloader")
+
+
+class TakesAnything(nn.Module):
+    def forward(self, **inputs):
+        return inputs
+
+
+def test_a_forward_taking_keywords_gets_every_entry():
+    assert list(model_inputs(TakesAnything(), DICT_BATCH)) == ["x", "y"]
+
+
+class TakesTheBatch(nn.Module):
+    def forward(self, batch):
+        return batch["x"]
+
+
+def test_a_dict_batch_naming_no_parameter_names_pipeline_inputs():
+    module = TakesTheBatch()
     with pytest.raises(InputError) as info:
         _check_forward(module, as_call_args(model_inputs(module, DICT_BATCH)),
                        "the first batch of the dataloader")
     text = str(info.value)
     assert "keyword arguments ['x', 'y']" in text
-    assert "TakesX.forward(x)" in text
-    assert "unexpected keyword argument 'y'" in text
+    assert "TakesTheBatch.forward(batch)" in text
+    assert "missing a required argument: 'batch'" in text
     assert "pipeline_inputs(self, batch)" in text
 
 

@@ -1,6 +1,6 @@
 """A Hugging Face style dict batch (inputs and labels in one dict) trains like one process.
 
-The cases of ``tests/lightning/_dict_batch_run.py`` run in the shared 2-rank world; this process
+Case ``labels`` of ``tests/lightning/_capture_run.py`` runs in the shared 2-rank world; this process
 trains the same net on the batches the ranks saw. Tolerance: the suite's float32 ``rtol=1e-5,
 atol=1e-6`` for sums in another order (the pipeline sums the units' weighted losses).
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lightning import _dict_batch_run as R
+from tests.lightning import _capture_run as R
 
 pytestmark = pytest.mark.slow
 
-MODULE = "tests.lightning._dict_batch_run"
+MODULE = "tests.lightning._capture_run"
 WORLD_CASES = {2: [f"{MODULE}:labels"]}
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -22,12 +22,12 @@ RTOL, ATOL = 1e-5, 1e-6
 def test_labels_riding_in_a_dict_batch_train_like_one_process(worlds):
     ranks = worlds.results(2, MODULE, "labels", weights_only=False)
     torch.set_num_threads(1)
-    net = R.Net()
-    opt = torch.optim.SGD(net.parameters(), lr=R.LR)
+    net = R.MaskedLM()
+    opt = torch.optim.SGD(net.parameters(), lr=R.LABELS_LR)
     losses = []
     for batch in ranks[0]["batches"]:
         opt.zero_grad()
-        loss = R.loss_of(net(batch["input_ids"], batch["attention_mask"]), batch["labels"])
+        loss = R.token_loss(net(batch["input_ids"], batch["attention_mask"]), batch["labels"])
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))

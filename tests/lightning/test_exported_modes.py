@@ -1,6 +1,7 @@
 """A model the strategy captures with torch.export trains and validates like one process.
 
-Its forward peeks at its output with ``hasattr`` (see ``tests/lightning/_exported_run.py``), so
+Its forward peeks at its output with ``hasattr`` (case ``batchnorm`` of
+``tests/lightning/_capture_run.py``), so
 torch.fx's graph fails where the model runs and the model is exported; the export holds
 BatchNorm's mode as constants, which the stages choose by their own ``train()``/``eval()``.
 The reference trains the same net in this process on the same batches and evaluates it in
@@ -17,11 +18,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tests.lightning import _exported_run as R
+from tests.lightning import _capture_run as R
 
 pytestmark = pytest.mark.slow
 
-MODULE = "tests.lightning._exported_run"
+MODULE = "tests.lightning._capture_run"
 WORLD_CASES = {2: [f"{MODULE}:batchnorm"]}
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -30,7 +31,7 @@ def _reference(batches: list[list[torch.Tensor]]) -> tuple[list[float], float, f
     """One process on the batches the ranks trained (the sampler's order); the validation
     loss in ``eval()``, and (what a graph stuck in training mode would give) in ``train()``."""
     torch.set_num_threads(1)
-    net = R.Net()
+    net = R.PeekingCNN()
     opt = torch.optim.SGD(net.parameters(), lr=R.LR)
     losses = []
     for x, y in batches:
@@ -42,8 +43,8 @@ def _reference(batches: list[list[torch.Tensor]]) -> tuple[list[float], float, f
     stuck = copy.deepcopy(net)  # batch statistics: its running ones move, the net's do not
     net.eval()
     with torch.no_grad():
-        val = [float(F.cross_entropy(net(x), y)) for x, y in R.data(R.VAL_BATCHES, seed=2)]
-        wrong = [float(F.cross_entropy(stuck(x), y)) for x, y in R.data(R.VAL_BATCHES, seed=2)]
+        val = [float(F.cross_entropy(net(x), y)) for x, y in R.images(R.VAL_BATCHES, seed=2)]
+        wrong = [float(F.cross_entropy(stuck(x), y)) for x, y in R.images(R.VAL_BATCHES, seed=2)]
     return (losses, sum(val) / len(val), sum(wrong) / len(wrong),
             {f"net.{k}": v for k, v in net.state_dict().items()})
 

@@ -1,0 +1,175 @@
+"""Launched by tests/lightning/test_exported_modes.py and test_dict_batch.py: what the strategy
+captures of a module and feeds it.
+
+    run by tests/_world.py in the shared 2-rank world: run_case(CASE, 2, OUT_DIR)
+
+Both cases train on two ranks under a fixed plan of 2 stages (:func:`plan`) and write, on every
+rank, ``OUT_DIR/<case>.rank<r>.pt``: the step losses and batches (the sampler's order, which the
+references train on), the stage's state and which stage the rank holds.
+
+* ``batchnorm``: a BatchNorm CNN whose forward peeks at its output (``out.logits if
+  hasattr(out, "logits") else out``, code written for Hugging Face outputs and tensors alike):
+  ``hasattr`` is true of every torch.fx proxy, so fx's graph fails where the model runs and the
+  strategy captures the model with torch.export, whose graph holds BatchNorm's mode as
+  constants. One micro-batch, no slices (BatchNorm normalises the whole batch, as one process
+  does), ``STEPS`` steps, then two validations; also records both validation losses and whether
+  the stage reads its own ``self.training``.
+* ``labels``: Hugging Face style batches ``{"input_ids", "attention_mask", "labels"}`` for a
+  forward taking ``(input_ids, attention_mask)``: the strategy gives forward the entries that
+  name its parameters and the steps read ``labels`` from the batch. Two micro-batches, the first
+  in two startup slices (the dict is sliced per unit), ``STEPS`` SGD steps.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_autopipe  # noqa: E402
+from lightning_autopipe.graph import split_model  # noqa: E402
+from lightning_autopipe.planner.plan import Plan, StagePlan  # noqa: E402
+
+BATCH, STEPS, LR = 8, 3, 0.1
+VAL_BATCHES = 2  # batchnorm
+SEQ, VOCAB, LABELS_LR = 6, 32, 0.5  # labels
+
+
+# ---------------------------------------------------------------------------- batchnorm
+class PeekingCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        out = self.fc(torch.relu(self.bn2(self.conv2(x))).mean((2, 3)))
+        return out.logits if hasattr(out, "logits") else out
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PeekingCNN()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def images(batches: int, seed: int) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    n = batches * BATCH
+    return DataLoader(TensorDataset(torch.randn(n, 3, 6, 6, generator=g) * 2 + 1,
+                                    torch.randint(0, 10, (n,), generator=g)), batch_size=BATCH)
+
+
+# ---------------------------------------------------------------------------- labels
+class MaskedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mix = nn.Embedding(VOCAB, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.mix(self.emb(input_ids))) * attention_mask[..., None]
+        return self.head(h)
+
+
+class LabelledLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MaskedLM()
+
+    def forward(self, input_ids, attention_mask):
+        return self.net(input_ids, attention_mask)
+
+    def training_step(self, batch, batch_idx):
+        return token_loss(self(batch["input_ids"], batch["attention_mask"]), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LABELS_LR)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def tokens(n: int) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    mask = (torch.rand(n, SEQ, generator=g) > 0.2).long()
+    return DataLoader([{"input_ids": ids[i], "attention_mask": mask[i],
+                        "labels": ids[i].roll(-1)} for i in range(n)], batch_size=BATCH)
+
+
+# ---------------------------------------------------------------------------- both
+def plan(module: pl.LightningModule, example: tuple | dict, m: int, k: int) -> Plan:
+    """2 stages cut in the middle of the module's blocks, ``m`` micro-batches, ``k`` slices."""
+    n = len(split_model(module, example))
+    return Plan("fixed", BATCH, m, k, [StagePlan((0, n // 2), ["local:0"]),
+                                       StagePlan((n // 2, n), ["local:1"])])
+
+
+class Record(pl.Callback):
+    """Each step's loss and batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.batches: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+        self.batches.append({k: v.clone() for k, v in batch.items()} if isinstance(batch, dict)
+                            else [t.clone() for t in batch])
+
+
+def run_case(case: str, world: int, out: Path) -> dict:
+    assert world == 2, "the capture cases run on the 2-rank world"
+    if case == "batchnorm":
+        task, loader = Classifier(), images(STEPS, seed=1)
+        pinned = plan(Classifier(), (torch.zeros(2, 3, 6, 6),), 1, 1)
+    else:
+        task, loader = LabelledLM(), tokens(STEPS * BATCH)
+        pinned = plan(LabelledLM(), {"input_ids": torch.zeros(2, SEQ, dtype=torch.long),
+                                     "attention_mask": torch.ones(2, SEQ, dtype=torch.long)},
+                      2, 2)
+    record = Record()
+    trainer = pl.Trainer(strategy=lightning_autopipe.AutoPipeStrategy(plan=pinned, timeout=120),
+                         accelerator="cpu", devices=2, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         default_root_dir=str(out / f"root-{case}"), callbacks=[record])
+    trainer.fit(task, loader)
+    pipe = trainer.strategy.pipeline
+    result = {"losses": record.losses, "batches": record.batches,
+              "state": {k: v.detach().clone() for k, v in task.state_dict().items()},
+              "stage": pipe.layout.stage}
+    if case == "batchnorm":
+        result["validated"] = [trainer.validate(task, images(VAL_BATCHES, seed=2),
+                                                verbose=False)[0]["val_loss"] for _ in range(2)]
+        stage = next(iter(pipe.executor.chunks.values()))
+        result["reads_its_mode"] = "self.training" in getattr(stage, "code", "")
+    return result

@@ -33,7 +33,7 @@ from lightning_autopipe.graph.stage import (
     adopt_orphans,
     build_stage,
 )
-from lightning_autopipe.graph.trace import Inputs, trace, unfaithful_fx
+from lightning_autopipe.graph.trace import Inputs, trace, unfaithful_fx, warn_kept_mode
 
 __all__ = ["BlockGraph", "split_model"]
 
@@ -68,6 +68,7 @@ def split_model(
             raise
         traced = unfaithful_fx(model, example_inputs, tracer, exc)
         info = analyze(traced, traced.flatten(example_inputs))
+    warn_kept_mode(traced)
     blocks = choose_blocks(info, granularity)
     if not blocks:
         raise TraceError(f"{type(model).__name__} has no computation to split")

@@ -38,7 +38,7 @@ from lightning_autopipe.graph.fx_guard import (
 from lightning_autopipe.graph.modes import kept_mode, mode_nodes, mode_values
 
 __all__ = ["TRACE_LOGS_ENV", "Inputs", "Traced", "buffers_kept", "has_meta", "normalize_inputs",
-           "on_meta", "trace", "unfaithful_fx"]
+           "on_meta", "trace", "unfaithful_fx", "warn_kept_mode"]
 
 Inputs = tuple[Any, ...] | dict[str, Any]
 TRACERS = ("auto", "fx", "export")
@@ -441,7 +441,7 @@ def _warn_mode(traced: Traced, model: nn.Module) -> None:
         "(validation, test and prediction included). Use modules whose behaviour follows "
         "train()/eval() (nn.Dropout rather than F.dropout(..., training=self.training)) or move "
         "the branch into training_step",
-        UserWarning, stacklevel=3)
+        UserWarning, stacklevel=4)
 
 
 @contextmanager
@@ -489,7 +489,18 @@ def _warn_export_mode(traced: Traced, model: nn.Module) -> None:
     says what that does and how to avoid it), unless :func:`_follow_mode` placed its mode."""
     nodes = [n for n in mode_nodes(traced.gm) if n not in traced.mode_values]
     if nodes and model.training:
-        warnings.warn(kept_mode(type(model).__name__, nodes), UserWarning, stacklevel=3)
+        warnings.warn(kept_mode(type(model).__name__, nodes), UserWarning, stacklevel=4)
+
+
+def warn_kept_mode(traced: Traced) -> None:
+    """Warn that the graph the stages are built from keeps the train/eval mode it was captured
+    in somewhere (fx: a Python branch on ``self.training``; export: what :func:`_follow_mode`
+    could not place). Called once that graph is settled (an fx graph may still be replaced by
+    an export, :func:`unfaithful_fx`), so the warning is of the graph that runs."""
+    if traced.tracer == "fx":
+        _warn_mode(traced, traced.model)
+    elif traced.tracer == "export":
+        _warn_export_mode(traced, traced.model)
 
 
 def _eager_check(model: nn.Module, inputs: Inputs) -> None:
@@ -531,9 +542,7 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
     if tracer in ("auto", "fx"):
         try:
             with _quiet_tracers():
-                traced = _trace_fx(model, inputs, sig)
-            _warn_mode(traced, model)
-            return traced
+                return _trace_fx(model, inputs, sig)
         except InputError:
             raise
         except Exception as exc:  # noqa: BLE001 - fx failing is the common case for HF models
@@ -553,7 +562,6 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
         with _quiet_tracers():
             traced = _trace_export(model, inputs)
         _follow_mode(traced, model, inputs)
-        _warn_export_mode(traced, model)
         return traced
     except (InputError, TraceError):
         raise

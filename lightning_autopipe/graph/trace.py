@@ -29,12 +29,7 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_autopipe.errors import GraphRunError, InputError, OptionError, TraceError
-from lightning_autopipe.graph.fx_guard import (
-    Unrecorded,
-    mode_difference,
-    plain,
-    watch_unrecorded,
-)
+from lightning_autopipe.graph.fx_guard import Unrecorded, mode_difference, plain, watch_unrecorded
 from lightning_autopipe.graph.modes import kept_mode, mode_nodes, mode_values
 
 __all__ = ["TRACE_LOGS_ENV", "Inputs", "Traced", "buffers_kept", "has_meta", "normalize_inputs",

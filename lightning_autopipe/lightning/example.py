@@ -69,10 +69,10 @@ def _check_forward(module: Any, inputs: Any, source: str) -> None:
             f"the forward inputs AutoPipeStrategy took from {source} ({given}) do not fit "
             f"{type(module).__name__}.forward{sig}: {exc}. The inputs are pipeline_inputs("
             "batch) when the module defines it, else batch[0] of a tuple or list batch, else "
-            "the batch itself, a dict batch as the keyword arguments its keys name; define "
-            "pipeline_inputs(self, "
-            "batch) returning the tensors forward takes (e.g. batch['x'], or a dict of them "
-            "keyed by forward's parameter names): only tensors cross pipeline stages"
+            "the batch itself (of a dict batch, the entries that name forward's parameters, "
+            "as keyword arguments); define pipeline_inputs(self, batch) returning the tensors "
+            "forward takes (e.g. batch['x'], or a dict of them keyed by forward's parameter "
+            "names): only tensors cross pipeline stages"
         ) from None
 
 

@@ -230,11 +230,9 @@ def _record(
             recorder.run()
     except Exception as exc:  # noqa: BLE001 - reported as an input problem with the node
         node = recorder.current
-        where = (
-            f"node {node.name} ({node.op} {node.target}) in module {_module_path(node)!r}"
-            if node is not None
-            else "the start"
-        )
+        path = _module_path(node) if node is not None else None
+        where = ("the start" if node is None else f"node {node.name} ({node.op} {node.target})"
+                 + (f" in module {path!r}" if path is not None else ""))
         shapes = ", ".join(str(s) for s in traced.example_shapes)
         raise GraphRunError(
             f"running the traced model on example_inputs (shapes {shapes}) failed at {where}: "

@@ -83,6 +83,8 @@ class BlockGraph:
         granularity: the granularity it was split at.
         tracer: the front end used: ``"fx"``, ``"export"`` or ``"graph_module"``.
         dynamic_batch: whether inputs may have another batch size than the example's.
+        notes: what the capture chose on its way and why (torch.export instead of an fx graph
+            that failed where the model runs; a static batch), for the set-up log.
     """
 
     def __init__(self, info: GraphInfo, blocks: list[Block], granularity: str):
@@ -92,6 +94,7 @@ class BlockGraph:
         self.granularity = granularity
         self.tracer = info.traced.tracer
         self.dynamic_batch = info.traced.dynamic_batch
+        self.notes = list(info.traced.notes)
         self._stages: dict[tuple[int, int], StageModule] = {}
         self._original_names = _original_names(info)
         self._needs = self._compute_needs()

@@ -22,6 +22,7 @@ from torch import nn
 from lightning_autopipe.errors import InputError
 from lightning_autopipe.graph.trace import has_meta
 from lightning_autopipe.options import AutoPipeOptions
+from lightning_autopipe.runtime import log
 from lightning_autopipe.runtime.agree import agree
 from lightning_autopipe.runtime.build import (
     LocalPipeline,
@@ -121,6 +122,8 @@ def build_local_pipeline(
         )
     # Every rank traces before any collective: an untraceable model fails everywhere alike.
     blocks = split_model(module, example, granularity=options.granularity)
+    for note in blocks.notes:  # what the capture chose on its way, said once
+        log.rank_zero_info(f"capture ({blocks.tracer}): {note}")
     check_num_stages(options.pins["num_stages"], len(blocks), world_size, options.granularity)
     measured = measure(blocks, example, options, rank=rank, world_size=world_size,
                        device=device, loss_fn=loss_fn, example_batch=example_batch,

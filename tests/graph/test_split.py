@@ -75,6 +75,9 @@ def test_an_fx_graph_that_fails_where_the_model_runs_is_captured_with_export() -
         warnings.simplefilter("error")  # the stages follow train()/eval(): nothing to warn of
         blocks = split_model(model, example)
     assert blocks.tracer == "export"
+    (note,) = blocks.notes  # for the set-up log: why the model was exported
+    assert "fails on example_inputs where PeeksAtItsOutput itself runs" in note
+    assert note.endswith("captured with torch.export instead")
     # telling the graph's fault from the inputs' ran the model: BatchNorm's statistics are kept
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name

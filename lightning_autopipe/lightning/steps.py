@@ -368,8 +368,10 @@ def _check_call(hook: str, call: Any, expected: list[Tensor]) -> None:
         raise StepContractError(
             f"{hook} called self(...) on tensors of shapes {got}, but the pipeline ran the model "
             f"on this slice's inputs of shapes {want} (pipeline_inputs(self, batch) when "
-            "defined, else batch[0] for a tuple/list batch, else the batch); define "
-            "pipeline_inputs(self, batch) to return exactly what the step passes to self(...)"
+            "defined, else the batch entries the step passed to self(...) at setup where each "
+            "was an entry of the batch itself, else batch[0] for a tuple/list batch, else the "
+            "batch); define pipeline_inputs(self, batch) to return exactly what the step "
+            "passes to self(...)"
         )
 
 

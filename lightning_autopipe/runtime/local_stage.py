@@ -8,24 +8,69 @@ original names), and the parameters of every other stage are released on this ra
 from __future__ import annotations
 
 import inspect
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["as_call_args", "bind_local_stage", "model_inputs", "restore_tensors", "tensor_names"]
+__all__ = ["InputRule", "as_call_args", "bind_local_stage", "model_inputs", "restore_tensors",
+           "set_input_rule", "tensor_names"]
+
+
+@dataclass(frozen=True)
+class InputRule:
+    """The entries of a batch that a module's own step passes to ``self(...)``.
+
+    ``entries``: tuple indices (of a tuple/list batch) or keys (of a dict batch), one per
+    argument; ``names``: the forward parameters they bind to when passed by keyword (then the
+    inputs are a keyword dict), else None (a positional tuple).
+    """
+
+    entries: tuple[int | str, ...]
+    names: tuple[str, ...] | None = None
+
+    def __call__(self, batch: Any) -> tuple[Any, ...] | dict[str, Any]:
+        values = tuple(batch[e] for e in self.entries)
+        return values if self.names is None else dict(zip(self.names, values, strict=True))
+
+    def __str__(self) -> str:
+        shown = [f"batch[{e!r}]" for e in self.entries]
+        if self.names is not None:
+            shown = [f"{n}={v}" for n, v in zip(self.names, shown, strict=True)]
+        return f"self({', '.join(shown)})"
+
+
+#: Rules read off each module's step at setup (:func:`set_input_rule`), by module.
+_RULES: weakref.WeakKeyDictionary[nn.Module, InputRule] = weakref.WeakKeyDictionary()
+
+
+def set_input_rule(module: nn.Module, rule: InputRule | None) -> None:
+    """Take ``module``'s forward inputs by ``rule`` from now on (None: the default rules)."""
+    if rule is None:
+        _RULES.pop(module, None)
+    else:
+        _RULES[module] = rule
 
 
 def model_inputs(module: nn.Module, batch: Any) -> Any:
     """The forward inputs of ``batch`` under the pipeline contract.
 
-    ``module.pipeline_inputs(batch)`` when defined, else ``batch[0]`` for a tuple/list batch,
-    else for a dict batch its entries that name ``forward``'s parameters (:func:`_named`),
-    else the batch itself.
+    ``module.pipeline_inputs(batch)`` when defined, else the entries its step was seen to pass
+    to ``self(...)`` (:func:`set_input_rule`) where the batch has them, else ``batch[0]`` for a
+    tuple/list batch, else for a dict batch its entries that name ``forward``'s parameters
+    (:func:`_named`), else the batch itself.
     """
     fn = getattr(module, "pipeline_inputs", None)
     if callable(fn):
         return fn(batch)
+    rule = _RULES.get(module)
+    if rule is not None:
+        try:
+            return rule(batch)
+        except (IndexError, KeyError, TypeError):  # a batch of another structure: the defaults
+            pass
     if isinstance(batch, tuple | list):
         return batch[0]
     if isinstance(batch, dict):

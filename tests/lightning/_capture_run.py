@@ -18,6 +18,9 @@ references train on), the stage's state and which stage the rank holds.
   forward taking ``(input_ids, attention_mask)``: the strategy gives forward the entries that
   name its parameters and the steps read ``labels`` from the batch. Two micro-batches, the first
   in two startup slices (the dict is sliced per unit), ``STEPS`` SGD steps.
+* ``tuple``: the same net and plan on tuple batches ``(input_ids, attention_mask, labels)``
+  whose step calls ``self(input_ids, attention_mask)``: no ``pipeline_inputs``; the strategy
+  reads the two entries off the step's own call at setup.
 """
 
 from __future__ import annotations
@@ -113,14 +116,22 @@ class LabelledLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LABELS_LR)
 
 
+class TupleLM(LabelledLM):
+    def training_step(self, batch, batch_idx):
+        input_ids, attention_mask, labels = batch
+        return token_loss(self(input_ids, attention_mask), labels)
+
+
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def tokens(n: int) -> DataLoader:
+def tokens(n: int, *, as_tuples: bool = False) -> DataLoader:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     mask = (torch.rand(n, SEQ, generator=g) > 0.2).long()
+    if as_tuples:
+        return DataLoader(TensorDataset(ids, mask, ids.roll(-1, dims=1)), batch_size=BATCH)
     return DataLoader([{"input_ids": ids[i], "attention_mask": mask[i],
                         "labels": ids[i].roll(-1)} for i in range(n)], batch_size=BATCH)
 
@@ -152,7 +163,9 @@ def run_case(case: str, world: int, out: Path) -> dict:
         task, loader = Classifier(), images(STEPS, seed=1)
         pinned = plan(Classifier(), (torch.zeros(2, 3, 6, 6),), 1, 1)
     else:
-        task, loader = LabelledLM(), tokens(STEPS * BATCH)
+        as_tuples = case == "tuple"
+        task = TupleLM() if as_tuples else LabelledLM()
+        loader = tokens(STEPS * BATCH, as_tuples=as_tuples)
         pinned = plan(LabelledLM(), {"input_ids": torch.zeros(2, SEQ, dtype=torch.long),
                                      "attention_mask": torch.ones(2, SEQ, dtype=torch.long)},
                       2, 2)

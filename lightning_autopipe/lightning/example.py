@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_autopipe.errors import InputError, PlanError
 
@@ -28,8 +29,12 @@ def _example(trainer: Any, module: Any) -> tuple[Any, int, Any]:
     The batch size is the dataloader's (one data-parallel replica's batch); it sizes the plan.
     The third value lets the profile include ``pipeline_loss``: the first batch when the
     example came from it, or its first samples when they match ``example_input_array``'s
-    shapes; None when no batch was drawn (a loader batch size and ``example_input_array`` need
-    none, and drawing one only for the profile would consume a one-pass stream's data).
+    shapes; None when no batch was drawn. A loader batch size and ``example_input_array`` need
+    no batch, but fitting draws one anyway from a loader that starts over at every ``iter()``
+    (a ``DataLoader`` over a map-style dataset): it lets the profile price the loss, which
+    the last stage holds from each unit's forward to its backward (a causal LM's
+    log-probabilities are the size of its logits). A one-pass stream (an iterable dataset) is
+    not drawn from, as that would consume its data.
     """
     from lightning_autopipe.runtime.local_stage import as_call_args, model_inputs
 
@@ -41,11 +46,14 @@ def _example(trainer: Any, module: Any) -> tuple[Any, int, Any]:
     batch = None
     size = getattr(loader, "batch_size", None)
     example = module.example_input_array
-    if example is None or not size:
+    if example is None or not size or (fitting and _starts_over(loader)):
+        states = _collect_rng_states()  # a shuffling sampler seeds itself from torch's stream
         try:
             batch = next(iter(loader))
         except StopIteration:
             raise PlanError("the dataloader is empty; AutoPipeStrategy needs a batch") from None
+        finally:
+            _set_rng_states(states)
         read_step_inputs(module, batch, trainer.state.fn)
         inputs = as_call_args(model_inputs(module, batch))
         _check_forward(module, inputs, "the first batch of the dataloader")
@@ -170,6 +178,12 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return set(a) == set(b) and all(a[k] is b[k] for k in a)
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _starts_over(loader: Any) -> bool:
+    """Drawing a batch leaves the epoch's data as it was: each ``iter()`` of a ``DataLoader``
+    over a map-style dataset starts from its first batch again."""
+    return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
 
 
 def _check_forward(module: Any, inputs: Any, source: str) -> None:

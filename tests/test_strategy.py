@@ -22,6 +22,7 @@ CASES = {
     2: [
         "gpt-2s-k1",
         "gpt-2s-k2",
+        "gptvocab-2s-k2-ex",
         "cnn-2s-k1",
         "cnn-2s-k2",
         "cnn_bn-2s-k2",
@@ -246,7 +247,7 @@ def _check_case(case: str, ranks: list[dict], world: int) -> None:
 
 # ----------------------------------------------------------------------------------- tests
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in CASES[2] if c.count("-") == 2])
+@pytest.mark.parametrize("case", [c for c in CASES[2] if c.count("-") == 2 or c.endswith("-ex")])
 def test_two_stages_one_replica_equals_single_process(world2, case):
     _check_case(case, world2[case], 2)
 

@@ -18,12 +18,16 @@ STEPS = 3
 VAL_BATCHES = 2
 LR = 0.1
 VOCAB, SEQ = 32, 8
+#: ``gptvocab``: the test GPT with a vocabulary wide beside its width, whose last stage's
+#: activations are mostly the loss's log-probabilities (the size of the logits)
+WIDE_VOCAB = 512
 
 
 def build_net(model: str) -> nn.Module:
     torch.manual_seed(0)
-    if model == "gpt":
-        return TinyGPT(vocab=VOCAB, seq_len=SEQ, d_model=16, n_layers=2, n_heads=2)
+    if model in ("gpt", "gptvocab"):
+        vocab = WIDE_VOCAB if model == "gptvocab" else VOCAB
+        return TinyGPT(vocab=vocab, seq_len=SEQ, d_model=16, n_layers=2, n_heads=2)
     if model == "hfgpt":  # Hugging Face GPT-2 (tied embeddings), traced with torch.export
         from lightning_autopipe.zoo.tasks import build_gpt
 
@@ -49,8 +53,9 @@ class _MaskedBert(nn.Module):
 def dataset(model: str, num: int, seed: int) -> tuple[torch.Tensor, ...]:
     """The model's inputs, then its targets (last)."""
     g = torch.Generator().manual_seed(seed)
-    if model in ("gpt", "hfgpt"):
-        tokens = torch.randint(0, VOCAB, (num, SEQ + 1), generator=g)
+    if model in ("gpt", "hfgpt", "gptvocab"):
+        vocab = WIDE_VOCAB if model == "gptvocab" else VOCAB
+        tokens = torch.randint(0, vocab, (num, SEQ + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     if model == "hfbert":  # 0-3 padded positions per sample: the mask differs between samples
         ids = torch.randint(0, VOCAB, (num, SEQ), generator=g)

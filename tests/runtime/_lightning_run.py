@@ -2,9 +2,11 @@
 
     run by tests/_world.py: run_case(CASE, WORLD, OUT_DIR)
 
-CASE is ``<model>-<stages>s-k<slices>[-j2][-zb][-bf16][-clip][-validate][-ckpt]`` (``j2``: two
-drain slices, else the planner's choice; ``zb``: the zero-bubble ZB-H1 schedule pinned, else the
-planner's choice of schedule) (model: gpt, hfgpt, hfbert, cnn, cnn_bn;
+CASE is ``<model>-<stages>s-k<slices>[-j2][-zb][-ex][-bf16][-clip][-validate][-ckpt]`` (``j2``:
+two drain slices, else the planner's choice; ``zb``: the zero-bubble ZB-H1 schedule pinned, else
+the planner's choice of schedule; ``ex``: the module sets ``example_input_array``, so the
+strategy needs no batch for the example and draws one for the loss's profile only) (model: gpt,
+gptvocab, hfgpt, hfbert, cnn, cnn_bn;
 ``validate`` runs ``Trainer.validate`` only), planned for the given local cluster,
 ``string`` (``Trainer(strategy="autopipe")`` with every option on auto: the cluster discovered)
 or ``untraceable``. Every rank runs every case in order and writes
@@ -118,6 +120,8 @@ def run_case(case: str, world: int, out: Path) -> None:
             cluster=Cluster.local(world),
         )
     task = Task(model)
+    if "ex" in parts:
+        task.example_input_array = C.dataset(model, 2, seed=0)[0]
     task.replicas = world // stages if stages else world  # only sizes the dataset
     logger = RecordingLogger()
     callbacks = []

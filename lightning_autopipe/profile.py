@@ -102,6 +102,10 @@ class BlockProfile:
             saves that as its input): one storage, counted in both blocks' ``memory_bytes``, so
             a stage holding both counts it once (``sum(memory_bytes) - shared_input_bytes`` of
             every block after its first).
+        loss_bytes: the part of ``memory_bytes`` that only the training loss on this block's
+            outputs saves (the last block, profiled with its loss: a causal LM's
+            log-probabilities, the size of its logits). A split backward's ``B`` frees it (the
+            loss's autograd nodes lie above every weight), while the rest is held until ``W``.
     """
 
     name: str
@@ -115,11 +119,12 @@ class BlockProfile:
     backward_input_ms: float | None = None
     backward_weight_ms: float | None = None
     shared_input_bytes: int = 0
+    loss_bytes: int = 0
 
     def __post_init__(self) -> None:
         for key in ("forward_ms", "backward_ms", "forward_fixed_ms", "backward_fixed_ms",
                     "backward_input_ms", "backward_weight_ms", "param_bytes",
-                    "activation_bytes", "memory_bytes", "shared_input_bytes"):
+                    "activation_bytes", "memory_bytes", "shared_input_bytes", "loss_bytes"):
             value = getattr(self, key)
             if value is not None and not (0 <= value < _MOST):
                 raise InputError(f"block {self.name!r}: {key} must be a number >= 0 and below "
@@ -131,6 +136,10 @@ class BlockProfile:
                     f"block {self.name!r}: {part}={getattr(self, part)!r} exceeds "
                     f"{whole}={getattr(self, whole)!r}; the fixed part is part of the time"
                 )
+        if self.loss_bytes > self.memory_bytes:
+            raise InputError(f"block {self.name!r}: loss_bytes={self.loss_bytes!r} exceeds "
+                             f"memory_bytes={self.memory_bytes!r}; the loss's share is part of "
+                             "the block's memory (measure the profile again)")
         if (self.backward_input_ms is None) != (self.backward_weight_ms is None):
             raise InputError(
                 f"block {self.name!r}: backward_input_ms and backward_weight_ms come together "
@@ -266,11 +275,11 @@ class Profile:
         return cls.from_json(Path(path).read_text())
 
 
-# JSON keys written only when non-zero (the fixed parts, the shared bytes) or known (the
-# backward's split)
+# JSON keys written only when non-zero (the fixed parts, the shared and loss bytes) or known
+# (the backward's split)
 _OPTIONAL = ("forward_fixed_ms", "backward_fixed_ms", "backward_input_ms", "backward_weight_ms",
-             "shared_input_bytes")
-_INTS = ("shared_input_bytes",)
+             "shared_input_bytes", "loss_bytes")
+_INTS = ("shared_input_bytes", "loss_bytes")
 
 
 def _known(data: dict[str, Any], allowed: set[str], where: str) -> None:

@@ -174,9 +174,13 @@ def test_memory_includes_what_the_loss_keeps() -> None:
 
     prof = profile_blocks(blocks, (x,), warmup=0, repeats=1, loss_fn=loss_fn)
     assert [b.memory_bytes for b in prof.blocks] == [4 * (32 + 64) * 4, 4 * (64 + 16 + 16) * 4]
+    # of it, the loss's own share (freed by a split backward's B): the sigmoid's output
+    assert [b.loss_bytes for b in prof.blocks] == [0, 4 * 16 * 4]
     # a loss that saves only what the block already keeps (pow keeps the tanh output) adds 0
     prof = profile_blocks(blocks, (x,), warmup=0, repeats=1, loss_fn=lambda o, n: o[0].pow(2).sum())
     assert prof.blocks[1].memory_bytes == 4 * (64 + 16) * 4
+    assert prof.blocks[1].loss_bytes == 0
+    assert Profile.from_json(prof.to_json()) == prof  # written and read back
 
 
 def test_profiling_with_a_loss_leaves_the_model_as_it_was() -> None:
@@ -248,6 +252,7 @@ def test_a_half_batch_probe_that_fails_prints_nothing(
     ("param_bytes", -8, "param_bytes must be a number >= 0 and below 1e"),
     ("backward_ms", 1e308, "backward_ms must be a number >= 0 and below 1e"),
     ("forward_fixed_ms", 5.0, "forward_fixed_ms=5.0 exceeds forward_ms=1.0"),
+    ("loss_bytes", 2, "loss_bytes=2 exceeds memory_bytes=1"),
 ])
 def test_a_block_of_impossible_costs_is_refused_naming_the_field(field, value, phrase):
     """A NaN, infinite, negative or overflowing cost (1e308 ms: the plan CLI printed a step of

@@ -23,6 +23,7 @@ CASES = {
         "gpt-2s-k1",
         "gpt-2s-k2",
         "gptvocab-2s-k2-ex",
+        "gptvocab-2s-k2-ex-zb",
         "cnn-2s-k1",
         "cnn-2s-k2",
         "cnn_bn-2s-k2",

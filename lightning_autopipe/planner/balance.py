@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_autopipe.planner.pricing import param_state_factor, peak_memory_bytes, stage_memory
+from lightning_autopipe.planner.pricing import (
+    activation_peak,
+    param_state_factor,
+    peak_memory_bytes,
+    stage_memory,
+)
 
 __all__ = ["StageLimits", "balanced_cuts"]
 
@@ -34,14 +39,23 @@ class StageLimits:
     shared: Sequence[int] = ()  # prefix sums of shared_input_bytes (empty: none)
     once_factor: Sequence[float] = ()  # per stage: samples scale of what it holds once
     num_microbatches: int = 1
+    loss: Sequence[int] = ()  # prefix sums of loss_bytes (empty: none)
+    # with a loss: per stage its in-flight counts (until the release, until B) x samples scale
+    # (compiled.inflight_pairs), which price the loss's bytes apart (pricing.activation_peak)
+    loss_pairs: Sequence[Sequence[tuple[float, float]]] = ()
     _kept: dict = field(default_factory=dict, compare=False, repr=False)  # tables, reaches
 
     def need(self, s: int, i: int, j: int) -> float:
         """Peak bytes of blocks ``[i, j)`` as stage ``s``."""
         held, once = stage_memory(self.mem, self.shared, i, j, self.num_microbatches)
-        return peak_memory_bytes(self.params[j] - self.params[i], held, self.act_factor[s],
-                                 self.optimizer_factor,
-                                 once * self.once_factor[s] if self.once_factor else 0.0)
+        once = once * self.once_factor[s] if self.once_factor else 0.0
+        if not self.loss_pairs:
+            return peak_memory_bytes(self.params[j] - self.params[i], held, self.act_factor[s],
+                                     self.optimizer_factor, once)
+        return peak_memory_bytes(self.params[j] - self.params[i],
+                                 activation_peak(held, self.loss[j] - self.loss[i],
+                                                 self.loss_pairs[s]),
+                                 1.0, self.optimizer_factor, once)
 
     def ok(self, s: int, i: int, j: int) -> bool:
         return self.need(s, i, j) <= self.capacity[s]
@@ -61,6 +75,8 @@ class StageLimits:
         params, act, room = self.params, self.act_factor[s], self.capacity[s]
         extra = once * self.once_factor[s] if self.once_factor and i == 0 else 0.0
         p0, h0 = params[i], start[i]
+        if self.loss_pairs:  # the loss's bytes apart (pricing.activation_peak)
+            return self._reach_with_loss(s, i, j, lo, hi, row, extra)
         if j < hi:
             if (params[j] - p0) * factor + (end[j] - h0) * act + extra <= room:
                 row[i] = (j, hi)
@@ -69,6 +85,35 @@ class StageLimits:
         while hi - lo > 1:  # the last fit lies in [lo, hi)
             mid = (lo + hi) // 2
             if (params[mid] - p0) * factor + (end[mid] - h0) * act + extra <= room:
+                lo = mid
+            else:
+                hi = mid
+        row[i] = (lo, hi)
+        return lo
+
+    def _reach_with_loss(self, s: int, i: int, j: int, lo: int, hi: int, row: dict,
+                         extra: float) -> int:
+        """:meth:`reach` where the loss's bytes count the units held until B and the rest
+        those held until the release: the need is a maximum over the stage's in-flight pairs,
+        and still grows with the end (the loss's bytes are part of the last block's)."""
+        end, start, _, factor = self._tables()
+        params, loss, pairs, room = self.params, self.loss, self.loss_pairs[s], self.capacity[s]
+        p0, h0, l0 = params[i], start[i], loss[i]
+
+        def fits(e: int) -> bool:
+            lb = loss[e] - l0
+            rest = end[e] - h0 - lb
+            return (params[e] - p0) * factor + max(rest * a + lb * b for a, b in pairs) \
+                + extra <= room
+
+        if j < hi:
+            if fits(j):
+                row[i] = (j, hi)
+                return j
+            hi = j
+        while hi - lo > 1:  # the last fit lies in [lo, hi)
+            mid = (lo + hi) // 2
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid

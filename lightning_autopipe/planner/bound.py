@@ -35,7 +35,7 @@ from lightning_autopipe.planner.compiled import (
     Compiled,
     compiled,
     extrapolation_point,
-    inflight,
+    inflight_pairs,
 )
 from lightning_autopipe.planner.costmodel import (
     Inputs,
@@ -191,8 +191,8 @@ def bound_batch(
     for x in candidate_inputs(costs, lays, cuts_list, step, recompute):
         num = x.layout.num_stages
         con = contracted(schedule, num, m, k, x.mb, j, exact)
-        fits = memory_of(costs, x, inflight(schedule, num, m, k, x.mb, j), step.optimizer_factor,
-                         recompute)[1]
+        fits = memory_of(costs, x, inflight_pairs(schedule, num, m, k, x.mb, j),
+                         step.optimizer_factor, recompute)[1]
         low = _lower(x, con, grad_bytes(costs, x.cuts)) * (1 - SLACK) if con else 0.0
         out.append((low, fits))
     return out

@@ -15,7 +15,8 @@ from lightning_autopipe.errors import ScheduleError
 from lightning_autopipe.planner.generators import SCHEDULES, splits_backward
 from lightning_autopipe.planner.schedule import Kind, unit_sizes, units
 
-__all__ = ["F", "B", "W", "Compiled", "compiled", "inflight", "lists", "inflight_of",
+__all__ = ["F", "B", "W", "Compiled", "compiled", "inflight", "inflight_pairs", "lists",
+           "inflight_of", "pairs_of",
            "extrapolation_point", "splits_backward"]  # splits_backward: from .generators
 
 @dataclass(frozen=True)
@@ -128,6 +129,60 @@ def inflight_of(lists: Sequence[Sequence[tuple[int, int]]], fracs: list[float]) 
             elif code == release:
                 cur -= fracs[u]
         out.append(peak)
+    return tuple(out)
+
+
+def pairs_of(lists: Sequence[Sequence[tuple[int, int]]], fracs: list[float]) -> tuple:
+    """Per stage, the micro-batches (fractions for slices) it holds right after each forward,
+    as pairs (held until their release, held until their backward): a split backward's B
+    frees what the loss saved (``BlockProfile.loss_bytes``), its W the rest; without a split
+    the two counts are one. Kept: the pairs no other pair exceeds in both counts, among which
+    a stage holding ``x`` bytes per unit until the release and ``y`` more until the backward
+    peaks (:func:`~.pricing.activation_peak`)."""
+    split = any(code == W for acts in lists for code, _ in acts)
+    release = W if split else B
+    out = []
+    for acts in lists:
+        a = b = 0.0
+        seen = [(0.0, 0.0)]
+        for code, u in acts:
+            if code == F:
+                a, b = a + fracs[u], b + fracs[u]
+                seen.append((a, b))
+                continue
+            if code == release:
+                a -= fracs[u]
+            if code == B:
+                b -= fracs[u]
+        frontier: list[tuple[float, float]] = []
+        for pa, pb in sorted(set(seen), key=lambda p: (-p[0], -p[1])):
+            if not frontier or pb > frontier[-1][1]:
+                frontier.append((pa, pb))
+        out.append(tuple(frontier))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def inflight_pairs(schedule: str, num_stages: int, num_microbatches: int, startup_slices: int,
+                   mb: int, drain_slices: int = 1) -> tuple:
+    """:func:`pairs_of` of ``schedule``'s lists; a step longer than the extrapolation point is
+    extended linearly from two shorter ones as :func:`inflight` is (pair by pair where both
+    have as many, else their largest counts, which bound the peak from above)."""
+    m, k, j = num_microbatches, startup_slices, drain_slices
+    m0 = extrapolation_point(num_stages)
+    if m <= m0 + num_stages + 1:
+        fracs = [sz / mb for sz in unit_sizes(mb, m, k, j)]
+        return pairs_of(lists(schedule, num_stages, m, k, j), fracs)
+    win = num_stages + 1
+    short = inflight_pairs(schedule, num_stages, m0, k, mb, j)
+    longer = inflight_pairs(schedule, num_stages, m0 + win, k, mb, j)
+    out = []
+    for x, y in zip(short, longer):
+        if len(x) != len(y):
+            x, y = ((max(p[0] for p in x), max(p[1] for p in x)),), (
+                (max(p[0] for p in y), max(p[1] for p in y)),)
+        out.append(tuple((a + (c - a) / win * (m - m0), b + (d - b) / win * (m - m0))
+                         for (a, b), (c, d) in zip(x, y)))
     return tuple(out)
 
 

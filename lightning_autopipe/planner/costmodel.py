@@ -41,7 +41,7 @@ from lightning_autopipe.planner.compiled import (
     Compiled,
     compiled,
     extrapolation_point,
-    inflight,
+    inflight_pairs,
     splits_backward,
 )
 from lightning_autopipe.planner.extrapolate import Tail, tail_of
@@ -49,6 +49,7 @@ from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.levels import replay_levels
 from lightning_autopipe.planner.memo import kept
 from lightning_autopipe.planner.pricing import (
+    activation_peak,
     peak_memory_bytes,
     recompute_memory,
     unit_parts,
@@ -272,7 +273,7 @@ def _evaluate_batch(
         first = compiled(schedule, num, m0, k, mb, j) if long else None
         tail = tail_of(schedule, num, m0, win, k, mb, j) if long else None  # None: not yet
         ends = _replay_group(comp, group, queue, critical_path, first, tail)
-        held = inflight(schedule, num, m, k, mb, j)
+        held = inflight_pairs(schedule, num, m, k, mb, j)
         for i, x, (finish, via, head) in zip(idx, group, ends):
             grads = grad_bytes(costs, x.cuts)
             if head is not None:
@@ -292,24 +293,27 @@ def grad_bytes(costs: BlockCosts, cuts: list[int]) -> list[float]:
 
 
 def memory_of(
-    costs: BlockCosts, x: Inputs, held: tuple[float, ...], optimizer_factor: float,
+    costs: BlockCosts, x: Inputs, held: tuple, optimizer_factor: float,
     recompute: Sequence[bool],
 ) -> tuple[list[float], bool]:
-    """Each stage's peak memory and whether every one fits its devices."""
+    """Each stage's peak memory and whether every one fits its devices (``held``: each
+    stage's in-flight counts, :func:`~.compiled.inflight_pairs`)."""
     layout, cuts = x.layout, x.cuts
     peaks, fits = [], True
     for s in range(layout.num_stages):
         i, j = cuts[s], cuts[s + 1]
         per_mb, once = costs.memory(i, j, x.m)  # as the simulator counts (shared inputs)
         mem, once = per_mb * x.scale[s], once * x.scale[s]
+        loss = costs.loss_share(i, j) * x.scale[s]
         if recompute and recompute[s]:
             inputs = costs.act[i - 1] * x.scale[s] if i > 0 else 0.0
             kept = ((costs.shared[i + 1] - costs.shared[i]) * x.scale[s]
                     if i > 0 and costs.shared else 0.0)
             mem, again = recompute_memory(mem, inputs, kept)
-            once = once + again
-        peak = peak_memory_bytes(costs.params[j] - costs.params[i], mem, held[s],
-                                 optimizer_factor, once)
+            once, loss = once + again, 0.0
+        peak = peak_memory_bytes(costs.params[j] - costs.params[i],
+                                 activation_peak(mem, loss, held[s]), 1.0, optimizer_factor,
+                                 once)
         peaks.append(peak)
         fits = fits and peak <= layout.capacity[s]
     return peaks, fits
@@ -317,7 +321,7 @@ def memory_of(
 
 def _estimate(
     costs: BlockCosts, x: Inputs, comp: Compiled, finish: list[float], via: list[bool] | None,
-    held: tuple[float, ...], optimizer_factor: float, recompute: Sequence[bool],
+    held: tuple, optimizer_factor: float, recompute: Sequence[bool],
 ) -> Estimate:
     """The estimate of one replayed candidate: step, memory, critical path, stage times."""
     layout, num = x.layout, x.layout.num_stages

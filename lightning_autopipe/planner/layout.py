@@ -52,6 +52,7 @@ class BlockCosts:
     bwt: tuple[float, ...] = ()
     bfix_in: tuple[float, ...] = ()
     bfix_wt: tuple[float, ...] = ()
+    loss: tuple[int, ...] = ()  # prefix sums of loss_bytes (empty: none)
     types: Mapping[str, BlockCosts] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -78,6 +79,8 @@ class BlockCosts:
             shared=tuple(accumulate((x.shared_input_bytes for x in b), initial=0)),
             ffix=tuple(accumulate((x.forward_fixed_ms for x in b), initial=0.0)),
             bfix=tuple(accumulate((x.backward_fixed_ms for x in b), initial=0.0)),
+            loss=(tuple(accumulate((x.loss_bytes for x in b), initial=0))
+                  if any(x.loss_bytes for x in b) else ()),
             **{name: tuple(accumulate((x.split_backward()[i] for x in b), initial=0.0))
                for i, name in enumerate(("bin", "bwt", "bfix_in", "bfix_wt"))},
         )
@@ -92,6 +95,10 @@ class BlockCosts:
         """Blocks ``[i, j)``'s activation memory per micro-batch in flight and held once, at
         the profile's micro-batch (:func:`~.pricing.stage_memory`)."""
         return stage_memory(self.mem, self.shared, i, j, num_microbatches)
+
+    def loss_share(self, i: int, j: int) -> int:
+        """Of blocks ``[i, j)``'s memory per micro-batch, what only the loss saves."""
+        return self.loss[j] - self.loss[i] if self.loss else 0
 
     def split(self, i: int, j: int) -> tuple[float, float, float, float]:
         """Blocks ``[i, j)``'s split backward: (input ms, weight ms, their fixed parts)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.planner.balance import StageLimits, balanced_cuts
 from lightning_autopipe.planner.bound import bound_batch
-from lightning_autopipe.planner.compiled import inflight
+from lightning_autopipe.planner.compiled import inflight, inflight_pairs
 from lightning_autopipe.planner.costmodel import Estimate, evaluate, evaluate_batch
 from lightning_autopipe.planner.layout import BlockCosts, Layout
 from lightning_autopipe.planner.scorer import Scorer
@@ -62,8 +62,13 @@ def stage_limits(costs: BlockCosts, layout: Layout, step: StepShape) -> StageLim
     held = inflight(step.schedule, num, m, step.startup_slices, mb, step.drain_slices)
     scale = [step.batch / (m * layout.replicas[s] * costs.micro_batch_size) for s in range(num)]
     act = [held[s] * scale[s] for s in range(num)]
+    pairs = []
+    if costs.loss:  # what the loss saves is held by fewer units under a split backward
+        counts = inflight_pairs(step.schedule, num, m, step.startup_slices, mb,
+                                step.drain_slices)
+        pairs = [[(a * scale[s], b * scale[s]) for a, b in counts[s]] for s in range(num)]
     return StageLimits(costs.params, costs.mem, step.optimizer_factor, act, layout.capacity,
-                       costs.shared, scale, m)
+                       costs.shared, scale, m, costs.loss, pairs)
 
 
 @dataclass

@@ -33,6 +33,7 @@ Pure functions over numbers and a :class:`~lightning_autopipe.cluster.Cluster`; 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_autopipe.cluster import BYTES_PER_MS_PER_GBPS, Cluster, DeviceSpec
@@ -186,11 +187,23 @@ def peak_memory_bytes(
 
     ``activation_bytes`` is the memory one micro-batch holds for its backward on the stage;
     ``inflight`` the most micro-batches (fractions for slices) held at once under the
-    schedule; ``once_bytes`` what is held once on top (a recomputing stage's backward, see
-    :func:`recompute_memory`). Works on numbers and on numpy arrays alike.
+    schedule (or, with ``inflight`` 1, :func:`activation_peak`); ``once_bytes`` what is held
+    once on top (a recomputing stage's backward, see :func:`recompute_memory`). Works on
+    numbers and on numpy arrays alike.
     """
     return (param_bytes * param_state_factor(optimizer_factor) + activation_bytes * inflight
             + once_bytes)
+
+
+def activation_peak(activation_bytes: float, loss_bytes: float,
+                    pairs: Sequence[tuple[float, float]]) -> float:
+    """The most activation bytes a stage holds at once: each unit holds ``activation_bytes``
+    (per micro-batch) from its forward, of which ``loss_bytes`` (what the loss saves,
+    ``BlockProfile.loss_bytes``) until its backward's B and the rest until its release (W
+    under a split backward); ``pairs`` are the stage's in-flight counts of the two
+    (:func:`~.compiled.pairs_of`), the peak lies at one of them."""
+    rest = activation_bytes - loss_bytes
+    return max(rest * a + loss_bytes * b for a, b in pairs)
 
 
 def stage_memory(mem: Any, shared: Any, i: Any, j: Any, num_microbatches: int) -> tuple[Any, Any]:

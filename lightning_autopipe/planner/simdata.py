@@ -124,6 +124,7 @@ class StageCost:
     split: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     once_bytes: int = 0  # held once at the peak (a recomputing stage's backward)
     recompute: bool = False  # the stage recomputes its activations (its backward pays F again)
+    loss_bytes: int = 0  # of memory_bytes, what the loss saves (freed by a split backward's B)
 
     def prices(self, first: bool, split: bool) -> list[tuple[float, float]]:
         """(ms, fixed ms) per action kind: :func:`~.pricing.unit_prices` of this stage."""
@@ -160,6 +161,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
                 forward_fixed_ms=sum(b.forward_fixed_ms for b in bl),
                 backward_fixed_ms=sum(b.backward_fixed_ms for b in bl),
                 split=tuple(sum(x) for x in zip(*(b.split_backward() for b in bl))),
+                loss_bytes=sum(b.loss_bytes for b in bl),
             )
         )
     for s, st in enumerate(plan.stages):
@@ -170,7 +172,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
             kept = profile.blocks[i].shared_input_bytes if i > 0 else 0
             held, once = recompute_memory(c.memory_bytes, inputs, kept)
             out[s] = replace(c, memory_bytes=held, once_bytes=once + c.once_bytes,
-                             recompute=True)
+                             recompute=True, loss_bytes=0)
     return out
 
 
@@ -280,19 +282,28 @@ def stage_peaks(
     it holds in flight (a unit's activations are held on a chunk from its forward to its
     backward, or to its weight backward when the backward is split: W still reads what the
     forward saved; a rank's chunks summed), plus what its chunks hold once (``once_bytes`` of
-    a whole micro-batch of ``whole`` global samples). With one chunk per rank: per stage."""
-    release = Kind.WEIGHT if is_split(schedule) else Kind.BACKWARD
+    a whole micro-batch of ``whole`` global samples). With one chunk per rank: per stage.
+    Under a split backward what the loss saves (``loss_bytes``) is held only until the
+    backward's B, which frees it."""
+    split = is_split(schedule)
+    release = Kind.WEIGHT if split else Kind.BACKWARD
     out = []
     for r in sorted(schedule):
         mine = sorted({a.stage for a in schedule[r]})
-        per_sample = {c: costs[c].memory_bytes / mbs / reps[c] for c in mine}
+        freed = {c: costs[c].loss_bytes if split else 0 for c in mine}  # at B, before W
+        rest = {c: (costs[c].memory_bytes - freed[c]) / mbs / reps[c] for c in mine}
+        loss = {c: freed[c] / mbs / reps[c] for c in mine}
         held = peak = 0.0
         for a in schedule[r]:
+            g = gsamples[uidx[a.unit]]
             if a.kind is Kind.FORWARD:
-                held += per_sample[a.stage] * gsamples[uidx[a.unit]]
+                held += (rest[a.stage] + loss[a.stage]) * g
                 peak = max(peak, held)
-            elif a.kind is release:
-                held -= per_sample[a.stage] * gsamples[uidx[a.unit]]
+                continue
+            if a.kind is release:
+                held -= rest[a.stage] * g
+            if a.kind is Kind.BACKWARD:
+                held -= loss[a.stage] * g
         once = sum(costs[c].once_bytes / mbs / reps[c] * whole for c in mine)
         params = sum(costs[c].param_bytes for c in mine)
         out.append(int(round(peak_memory_bytes(params, peak, 1.0, opt, once))))

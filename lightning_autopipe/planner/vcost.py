@@ -122,12 +122,22 @@ def chunk_compiled(schedule: str, p: int, v: int, m: int, k: int, mb: int,
 
 @functools.lru_cache(maxsize=512)
 def _held(schedule: str, p: int, v: int, m: int, k: int, mb: int, j: int) -> tuple:
-    """Per rank, its (chunk, +/- micro-batch fraction) steps of activations held, in order."""
+    """Per rank, its (chunk, +/- micro-batch fraction of the activations, of the loss's part)
+    steps of activations held, in order: a unit's forward takes both, its release (W under a
+    split backward, else B) gives back the activations, its B the loss's part."""
     comp = chunk_compiled(schedule, p, v, m, k, mb, j)
     release = W if comp.split else B
-    return tuple(tuple((c, comp.fracs[u] if code == F else -comp.fracs[u])
-                       for code, u, c in acts if code in (F, release))
-                 for acts in _lists(schedule, p, v, m, k, j))
+    out = []
+    for acts in _lists(schedule, p, v, m, k, j):
+        steps = []
+        for code, u, c in acts:
+            f = comp.fracs[u]
+            if code == F:
+                steps.append((c, f, f))
+            elif code in (release, B):
+                steps.append((c, -f if code == release else 0.0, -f if code == B else 0.0))
+        out.append(tuple(steps))
+    return tuple(out)
 
 
 def evaluate_chunked(
@@ -159,11 +169,13 @@ def evaluate_chunked(
     peaks, fits = [], True
     # each chunk's activations as the simulator counts them (pricing.stage_memory)
     held = [costs.memory(cuts[c], cuts[c + 1], m) for c in range(p * v)]
-    mem = [per_mb * x.scale[c] for c, (per_mb, _) in enumerate(held)]
+    loss = [costs.loss_share(cuts[c], cuts[c + 1]) * x.scale[c] if comp.split else 0.0
+            for c in range(p * v)]  # what the loss saves: freed at B (split backward only)
+    mem = [per_mb * x.scale[c] - loss[c] for c, (per_mb, _) in enumerate(held)]
     for r, steps in enumerate(_held(schedule, p, v, m, k, x.mb, j)):
         cur = top = 0.0
-        for c, d in steps:
-            cur += mem[c] * d
+        for c, d, d_loss in steps:
+            cur += mem[c] * d + loss[c] * d_loss
             top = max(top, cur)
         once = sum(held[c][1] * x.scale[c] for c in range(p * v) if owner[c] == r)
         peak = peak_memory_bytes(grads[r], top, 1.0, step.optimizer_factor, once)

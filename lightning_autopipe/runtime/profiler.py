@@ -88,26 +88,34 @@ def _run_backward(outputs: tuple[Any, ...], loss: Tensor | None) -> None:
 def _saved_bytes(
     stage: Any, inputs: tuple[Any, ...], skip: set[int], loss_fn: LossFn | None, n: int,
     storages: dict[int, int] | None = None,
-) -> tuple[int, tuple, Tensor | None]:
-    """Bytes of the distinct storages autograd saves for backward (parameters excluded).
+) -> tuple[int, tuple, Tensor | None, int]:
+    """Bytes of the distinct storages autograd saves for backward (parameters excluded), and
+    of them the bytes only the loss saves.
 
     With a loss, what the loss saves (e.g. cross-entropy's log-probabilities and targets) is
-    counted too: the last stage holds it from a micro-batch's forward until its backward.
-    ``storages`` (given) receives the saved storages, data pointer -> bytes.
+    counted too: the last stage holds it from a micro-batch's forward until its backward, or
+    under a split backward until its ``B`` (the loss's autograd nodes lie above every weight,
+    so the input-gradient pass frees them). ``storages`` (given) receives the saved storages,
+    data pointer -> bytes.
     """
     storages = {} if storages is None else storages
+    by_loss: dict[int, int] = {}
+    into = storages
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in skip:
-            storages[ptr] = storage.nbytes()
+            into[ptr] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outputs = stage(*inputs)
+        into = by_loss
         loss = _scalar_loss(loss_fn, outputs, n)
-    return sum(storages.values()), outputs, loss
+    loss_only = {ptr: nbytes for ptr, nbytes in by_loss.items() if ptr not in storages}
+    storages.update(loss_only)
+    return sum(storages.values()), outputs, loss, sum(loss_only.values())
 
 
 def _time_block(
@@ -153,6 +161,7 @@ class _BlockRun:
     b_w: float | None = None
     param_bytes: int = 0
     shared: int = 0  # of ``memory``: inputs the previous block saves too
+    loss_memory: int = 0  # of ``memory``: what only the loss saves (the last block)
 
     def __post_init__(self) -> None:
         params = {id(p): p for p in self.stage.parameters()}
@@ -405,14 +414,15 @@ def _measure_block(
     skip = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     loss = loss_fn if b == len(blocks) - 1 else None
     saved: dict[int, int] = {}
-    memory, outputs, scalar = _saved_bytes(stage, _prepare(values, grads), skip, loss, batch,
-                                           saved)
+    memory, outputs, scalar, by_loss = _saved_bytes(stage, _prepare(values, grads), skip, loss,
+                                                    batch, saved)
     shared = sum(nbytes for ptr, nbytes in saved.items() if ptr in before)
     outs = {o.untyped_storage().data_ptr() for o in outputs if isinstance(o, torch.Tensor)}
     _run_backward(outputs, scalar)  # free the graph of the memory run
     out_bytes = sum(o.numel() * o.element_size() for o in outputs if isinstance(o, torch.Tensor))
     nxt = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
-    run = _BlockRun(stage, grads, values, loss, int(memory), out_bytes, shared=int(shared))
+    run = _BlockRun(stage, grads, values, loss, int(memory), out_bytes, shared=int(shared),
+                    loss_memory=int(by_loss))
     return run, nxt, outs & set(saved)
 
 
@@ -527,6 +537,7 @@ def profile_blocks(
                     backward_input_ms=run.b_in,
                     backward_weight_ms=run.b_w,
                     shared_input_bytes=run.shared,
+                    loss_bytes=run.loss_memory,
                 )
             )
     finally:

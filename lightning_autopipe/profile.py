@@ -106,6 +106,10 @@ class BlockProfile:
             outputs saves (the last block, profiled with its loss: a causal LM's
             log-probabilities, the size of its logits). A split backward's ``B`` frees it (the
             loss's autograd nodes lie above every weight), while the rest is held until ``W``.
+        tied_to: the first earlier block that uses parameters this block uses too (a language
+            model's head tied to its embedding), or -1.
+        tied_bytes: the bytes of those shared parameters, counted in ``param_bytes`` here and
+            in the earlier block's: a stage (or a rank's chunks) holding both holds them once.
     """
 
     name: str
@@ -120,11 +124,14 @@ class BlockProfile:
     backward_weight_ms: float | None = None
     shared_input_bytes: int = 0
     loss_bytes: int = 0
+    tied_to: int = -1
+    tied_bytes: int = 0
 
     def __post_init__(self) -> None:
         for key in ("forward_ms", "backward_ms", "forward_fixed_ms", "backward_fixed_ms",
                     "backward_input_ms", "backward_weight_ms", "param_bytes",
-                    "activation_bytes", "memory_bytes", "shared_input_bytes", "loss_bytes"):
+                    "activation_bytes", "memory_bytes", "shared_input_bytes", "loss_bytes",
+                    "tied_bytes"):
             value = getattr(self, key)
             if value is not None and not (0 <= value < _MOST):
                 raise InputError(f"block {self.name!r}: {key} must be a number >= 0 and below "
@@ -140,6 +147,11 @@ class BlockProfile:
             raise InputError(f"block {self.name!r}: loss_bytes={self.loss_bytes!r} exceeds "
                              f"memory_bytes={self.memory_bytes!r}; the loss's share is part of "
                              "the block's memory (measure the profile again)")
+        if self.tied_bytes > self.param_bytes or (self.tied_bytes > 0) != (self.tied_to >= 0):
+            raise InputError(f"block {self.name!r}: tied_bytes={self.tied_bytes!r} with "
+                             f"tied_to={self.tied_to!r} (param_bytes={self.param_bytes!r}); "
+                             "shared parameters are part of the block's and name the earlier "
+                             "block that uses them (measure the profile again)")
         if (self.backward_input_ms is None) != (self.backward_weight_ms is None):
             raise InputError(
                 f"block {self.name!r}: backward_input_ms and backward_weight_ms come together "
@@ -187,6 +199,11 @@ class Profile:
             raise InputError(f"Profile of {self.model!r}: a block must be a BlockProfile or a "
                              f"mapping of its fields, got {bad[0]!r}")
         self.blocks = [b if isinstance(b, BlockProfile) else BlockProfile(**b) for b in self.blocks]
+        late = [i for i, b in enumerate(self.blocks) if b.tied_to >= i]
+        if late:
+            raise InputError(f"Profile of {self.model!r}: block {late[0]} is tied_to block "
+                             f"{self.blocks[late[0]].tied_to}, which is not an earlier block; "
+                             "measure the profile again")
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -278,8 +295,8 @@ class Profile:
 # JSON keys written only when non-zero (the fixed parts, the shared and loss bytes) or known
 # (the backward's split)
 _OPTIONAL = ("forward_fixed_ms", "backward_fixed_ms", "backward_input_ms", "backward_weight_ms",
-             "shared_input_bytes", "loss_bytes")
-_INTS = ("shared_input_bytes", "loss_bytes")
+             "shared_input_bytes", "loss_bytes", "tied_to", "tied_bytes")
+_INTS = ("shared_input_bytes", "loss_bytes", "tied_to", "tied_bytes")
 
 
 def _known(data: dict[str, Any], allowed: set[str], where: str) -> None:
@@ -294,7 +311,9 @@ def _known(data: dict[str, Any], allowed: set[str], where: str) -> None:
 def _block_dict(b: BlockProfile) -> dict[str, Any]:
     d = asdict(b)
     for k in _OPTIONAL:
-        if d[k] is None or (not d[k] and (k.endswith("fixed_ms") or k in _INTS)):
+        absent = d[k] < 0 if k == "tied_to" else (
+            d[k] is None or (not d[k] and (k.endswith("fixed_ms") or k in _INTS)))
+        if absent:
             del d[k]
     return d
 

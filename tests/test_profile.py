@@ -281,3 +281,26 @@ def test_a_malformed_profile_file_is_an_input_error(data, phrase):
     with pytest.raises(InputError, match=phrase):
         Profile.from_dict(good | data)
 
+
+
+def test_a_head_tied_to_the_embedding_names_the_block_it_shares_with() -> None:
+    """TinyGPT's head is its embedding's weight: the head's block counts it in its
+    ``param_bytes`` (a stage holding the head alone holds a copy) and names the embedding's
+    block and the shared bytes, which a stage holding both counts once."""
+    from lightning_autopipe.planner.layout import BlockCosts
+    from lightning_autopipe.zoo.tasks import build_gpt
+
+    net = build_gpt("tied", vocab_size=64, max_seq_len=8, n_layer=1, n_embd=16)
+    ids = torch.randint(0, 64, (2, 8))
+    prof = profile_blocks(split_model(net, (ids,)), (ids,), warmup=0, repeats=1)
+    shared = net.lm_head.weight.numel() * 4
+    assert net.lm_head.weight is net.wte.weight
+    assert [(b.tied_to, b.tied_bytes) for b in prof.blocks] == (
+        [(-1, 0)] * (len(prof.blocks) - 1) + [(0, shared)])
+    costs = BlockCosts.from_profile(Profile.from_json(prof.to_json()))
+    n = len(prof.blocks)
+    whole = sum(p.numel() * 4 for p in net.parameters())  # each parameter once
+    assert costs.param_bytes((0, n)) == whole
+    assert costs.param_bytes((0, 1), (n - 1, n)) == prof.blocks[0].param_bytes + (
+        prof.blocks[-1].param_bytes - shared)  # a rank holding both ends
+    assert costs.param_bytes((1, n)) == sum(b.param_bytes for b in prof.blocks[1:])

@@ -24,6 +24,7 @@ CASES = {
         "gpt-2s-k2",
         "gptvocab-2s-k2-ex",
         "gptvocab-2s-k2-ex-zb",
+        "gptvocab-1s-k1-ex",
         "cnn-2s-k1",
         "cnn-2s-k2",
         "cnn_bn-2s-k2",

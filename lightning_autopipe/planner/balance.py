@@ -43,18 +43,20 @@ class StageLimits:
     # with a loss: per stage its in-flight counts (until the release, until B) x samples scale
     # (compiled.inflight_pairs), which price the loss's bytes apart (pricing.activation_peak)
     loss_pairs: Sequence[Sequence[tuple[float, float]]] = ()
+    ties: Sequence[tuple[int, int, int]] = ()  # BlockCosts.ties: shared parameters held once
     _kept: dict = field(default_factory=dict, compare=False, repr=False)  # tables, reaches
 
     def need(self, s: int, i: int, j: int) -> float:
         """Peak bytes of blocks ``[i, j)`` as stage ``s``."""
         held, once = stage_memory(self.mem, self.shared, i, j, self.num_microbatches)
         once = once * self.once_factor[s] if self.once_factor else 0.0
+        params = self.params[j] - self.params[i] - sum(
+            n for b, to, n in self.ties if i <= to and b < j)
         if not self.loss_pairs:
-            return peak_memory_bytes(self.params[j] - self.params[i], held, self.act_factor[s],
-                                     self.optimizer_factor, once)
-        return peak_memory_bytes(self.params[j] - self.params[i],
-                                 activation_peak(held, self.loss[j] - self.loss[i],
-                                                 self.loss_pairs[s]),
+            return peak_memory_bytes(params, held, self.act_factor[s], self.optimizer_factor,
+                                     once)
+        return peak_memory_bytes(params, activation_peak(held, self.loss[j] - self.loss[i],
+                                                         self.loss_pairs[s]),
                                  1.0, self.optimizer_factor, once)
 
     def ok(self, s: int, i: int, j: int) -> bool:
@@ -75,8 +77,8 @@ class StageLimits:
         params, act, room = self.params, self.act_factor[s], self.capacity[s]
         extra = once * self.once_factor[s] if self.once_factor and i == 0 else 0.0
         p0, h0 = params[i], start[i]
-        if self.loss_pairs:  # the loss's bytes apart (pricing.activation_peak)
-            return self._reach_with_loss(s, i, j, lo, hi, row, extra)
+        if self.loss_pairs or self.ties:  # the loss's bytes apart, shared parameters once
+            return self._reach_by_need(s, i, j, lo, hi, row)
         if j < hi:
             if (params[j] - p0) * factor + (end[j] - h0) * act + extra <= room:
                 row[i] = (j, hi)
@@ -91,29 +93,19 @@ class StageLimits:
         row[i] = (lo, hi)
         return lo
 
-    def _reach_with_loss(self, s: int, i: int, j: int, lo: int, hi: int, row: dict,
-                         extra: float) -> int:
-        """:meth:`reach` where the loss's bytes count the units held until B and the rest
-        those held until the release: the need is a maximum over the stage's in-flight pairs,
-        and still grows with the end (the loss's bytes are part of the last block's)."""
-        end, start, _, factor = self._tables()
-        params, loss, pairs, room = self.params, self.loss, self.loss_pairs[s], self.capacity[s]
-        p0, h0, l0 = params[i], start[i], loss[i]
-
-        def fits(e: int) -> bool:
-            lb = loss[e] - l0
-            rest = end[e] - h0 - lb
-            return (params[e] - p0) * factor + max(rest * a + lb * b for a, b in pairs) \
-                + extra <= room
-
+    def _reach_by_need(self, s: int, i: int, j: int, lo: int, hi: int, row: dict) -> int:
+        """:meth:`reach` by :meth:`need` itself, for profiles whose loss's bytes count other
+        units than the rest (:func:`~.pricing.activation_peak`) or whose blocks share
+        parameters: the need still grows with the end."""
+        room = self.capacity[s]
         if j < hi:
-            if fits(j):
+            if self.need(s, i, j) <= room:
                 row[i] = (j, hi)
                 return j
             hi = j
         while hi - lo > 1:  # the last fit lies in [lo, hi)
             mid = (lo + hi) // 2
-            if fits(mid):
+            if self.need(s, i, mid) <= room:
                 lo = mid
             else:
                 hi = mid

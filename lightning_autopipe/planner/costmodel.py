@@ -288,7 +288,7 @@ def _evaluate_batch(
 
 def grad_bytes(costs: BlockCosts, cuts: list[int]) -> list[float]:
     """Each stage's gradient bytes (what its all-reduce moves)."""
-    return [float(costs.params[cuts[s + 1]] - costs.params[cuts[s]])
+    return [float(costs.param_bytes((cuts[s], cuts[s + 1])))
             for s in range(len(cuts) - 1)]
 
 
@@ -311,7 +311,7 @@ def memory_of(
                     if i > 0 and costs.shared else 0.0)
             mem, again = recompute_memory(mem, inputs, kept)
             once, loss = once + again, 0.0
-        peak = peak_memory_bytes(costs.params[j] - costs.params[i],
+        peak = peak_memory_bytes(costs.param_bytes((i, j)),
                                  activation_peak(mem, loss, held[s]), 1.0, optimizer_factor,
                                  once)
         peaks.append(peak)

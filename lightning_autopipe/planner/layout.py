@@ -53,6 +53,8 @@ class BlockCosts:
     bfix_in: tuple[float, ...] = ()
     bfix_wt: tuple[float, ...] = ()
     loss: tuple[int, ...] = ()  # prefix sums of loss_bytes (empty: none)
+    # (block, the earlier block it shares parameters with, their bytes): BlockProfile.tied_to
+    ties: tuple[tuple[int, int, int], ...] = ()
     types: Mapping[str, BlockCosts] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -81,6 +83,7 @@ class BlockCosts:
             bfix=tuple(accumulate((x.backward_fixed_ms for x in b), initial=0.0)),
             loss=(tuple(accumulate((x.loss_bytes for x in b), initial=0))
                   if any(x.loss_bytes for x in b) else ()),
+            ties=tuple((i, x.tied_to, x.tied_bytes) for i, x in enumerate(b) if x.tied_bytes),
             **{name: tuple(accumulate((x.split_backward()[i] for x in b), initial=0.0))
                for i, name in enumerate(("bin", "bwt", "bfix_in", "bfix_wt"))},
         )
@@ -95,6 +98,16 @@ class BlockCosts:
         """Blocks ``[i, j)``'s activation memory per micro-batch in flight and held once, at
         the profile's micro-batch (:func:`~.pricing.stage_memory`)."""
         return stage_memory(self.mem, self.shared, i, j, num_microbatches)
+
+    def param_bytes(self, *ranges: tuple[int, int]) -> int:
+        """The parameter bytes of the blocks of ``ranges`` (a stage's ``(i, j)``, or a rank's
+        chunks), a parameter that two of them use (a tied head and embedding) counted once,
+        as the device holds it."""
+        total = sum(self.params[j] - self.params[i] for i, j in ranges)
+        for b, to, nbytes in self.ties:
+            if any(i <= b < j for i, j in ranges) and any(i <= to < j for i, j in ranges):
+                total -= nbytes
+        return total
 
     def loss_share(self, i: int, j: int) -> int:
         """Of blocks ``[i, j)``'s memory per micro-batch, what only the loss saves."""

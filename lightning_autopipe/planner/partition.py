@@ -68,7 +68,7 @@ def stage_limits(costs: BlockCosts, layout: Layout, step: StepShape) -> StageLim
                                 step.drain_slices)
         pairs = [[(a * scale[s], b * scale[s]) for a, b in counts[s]] for s in range(num)]
     return StageLimits(costs.params, costs.mem, step.optimizer_factor, act, layout.capacity,
-                       costs.shared, scale, m, costs.loss, pairs)
+                       costs.shared, scale, m, costs.loss, pairs, costs.ties)
 
 
 @dataclass

@@ -8,6 +8,7 @@ step, :func:`overlaps` and :func:`peers` say which replica feeds which over whic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import accumulate
@@ -32,7 +33,7 @@ from lightning_autopipe.planner.schedule import (
 from lightning_autopipe.profile import Profile
 
 __all__ = ["CODE", "Event", "Peer", "SimResult", "StageCost", "device_scale", "overlaps",
-           "peers", "stage_costs", "stage_peaks", "unit_samples"]
+           "peers", "rank_param_bytes", "stage_costs", "stage_peaks", "unit_samples"]
 
 #: action codes of the simulator's per-stage lists and of its raw timeline records
 F, B, SF, SB, RF, RB, AR, W = range(8)
@@ -125,6 +126,10 @@ class StageCost:
     once_bytes: int = 0  # held once at the peak (a recomputing stage's backward)
     recompute: bool = False  # the stage recomputes its activations (its backward pays F again)
     loss_bytes: int = 0  # of memory_bytes, what the loss saves (freed by a split backward's B)
+    blocks: tuple[int, int] = (0, 0)  # the stage's block range
+    # (earlier block, bytes) of parameters its blocks share with blocks before the stage
+    # (BlockProfile.tied_to): held once by a rank that holds that block in another chunk
+    ties: tuple[tuple[int, int], ...] = ()
 
     def prices(self, first: bool, split: bool) -> list[tuple[float, float]]:
         """(ms, fixed ms) per action kind: :func:`~.pricing.unit_prices` of this stage."""
@@ -154,7 +159,8 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
             StageCost(
                 forward_ms=sum(b.forward_ms for b in bl),
                 backward_ms=sum(b.backward_ms for b in bl),
-                param_bytes=sum(b.param_bytes for b in bl),
+                param_bytes=sum(b.param_bytes for b in bl) - sum(
+                    b.tied_bytes for b in bl if b.tied_to >= st.blocks[0]),
                 memory_bytes=held,
                 once_bytes=once,
                 activation_bytes=bl[-1].activation_bytes,
@@ -162,6 +168,9 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
                 backward_fixed_ms=sum(b.backward_fixed_ms for b in bl),
                 split=tuple(sum(x) for x in zip(*(b.split_backward() for b in bl))),
                 loss_bytes=sum(b.loss_bytes for b in bl),
+                blocks=st.blocks,
+                ties=tuple((b.tied_to, b.tied_bytes) for b in bl
+                           if 0 <= b.tied_to < st.blocks[0]),
             )
         )
     for s, st in enumerate(plan.stages):
@@ -305,6 +314,14 @@ def stage_peaks(
             if a.kind is Kind.BACKWARD:
                 held -= loss[a.stage] * g
         once = sum(costs[c].once_bytes / mbs / reps[c] * whole for c in mine)
-        params = sum(costs[c].param_bytes for c in mine)
-        out.append(int(round(peak_memory_bytes(params, peak, 1.0, opt, once))))
+        out.append(int(round(peak_memory_bytes(rank_param_bytes(costs, mine), peak, 1.0, opt,
+                                               once))))
     return out
+
+
+def rank_param_bytes(costs: list, chunks: Sequence[int]) -> int:
+    """The parameter bytes a rank holds for its ``chunks``: a parameter two of them share (a
+    tied head and embedding on one rank) once, as the runtime holds it."""
+    ranges = [costs[c].blocks for c in chunks]
+    return sum(costs[c].param_bytes for c in chunks) - sum(
+        n for c in chunks for to, n in costs[c].ties if any(i <= to < j for i, j in ranges))

@@ -83,6 +83,7 @@ from lightning_autopipe.planner.simdata import (
     W,
     device_scale,
     peers,
+    rank_param_bytes,
     stage_costs,
     stage_peaks,
     unit_samples,
@@ -207,7 +208,7 @@ class _Simulator:
 
     def _grad_bytes(self, r: int) -> int:
         """Gradient bytes rank ``r`` all-reduces: all its chunks' parameters, in one ring."""
-        return sum(self.costs[s].param_bytes for s in self.chunks[r])
+        return rank_param_bytes(self.costs, self.chunks[r])
 
     def _start_allreduce(self, s: int, now: float) -> None:
         cluster = self.cluster

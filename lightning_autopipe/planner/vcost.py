@@ -163,8 +163,8 @@ def evaluate_chunked(
                              [0.0] * (p * v), not lay.optimistic)
     owner = layout.owner
     rank_end = [max(finish[c] for c in range(p * v) if owner[c] == r) for r in range(p)]
-    grads = [float(sum(costs.params[cuts[c + 1]] - costs.params[cuts[c]]
-                       for c in range(p * v) if owner[c] == r)) for r in range(p)]
+    grads = [float(costs.param_bytes(*[(cuts[c], cuts[c + 1]) for c in range(p * v)
+                                       if owner[c] == r])) for r in range(p)]
     done = allreduce_finish(ranks, rank_end, grads)
     peaks, fits = [], True
     # each chunk's activations as the simulator counts them (pricing.stage_memory)

@@ -398,6 +398,22 @@ def _materialized(model: Any, stage: Any, dev: torch.device) -> Iterator[None]:
             torch.utils.swap_tensors(t, here)
 
 
+def _ties(blocks: Any) -> list[tuple[int, int]]:
+    """Per block, the first earlier block using a parameter it uses too (-1: none) and the
+    bytes of the parameters it shares with earlier blocks (a head tied to the embedding),
+    read from the blocks' own stage modules before any is copied to a device."""
+    first: dict[int, int] = {}  # id(parameter) -> the first block using it
+    out = []
+    for b in range(len(blocks)):
+        params = {id(p): p for p in blocks.stage(b, b + 1).parameters()}
+        earlier = {pid: first[pid] for pid in params if pid in first}
+        nbytes = sum(params[pid].numel() * params[pid].element_size() for pid in earlier)
+        out.append((min(earlier.values()), nbytes) if earlier and nbytes else (-1, 0))
+        for pid in params:
+            first.setdefault(pid, b)
+    return out
+
+
 def _measure_block(
     blocks: Any, b: int, stage: Any, values: tuple[Any, ...], dev: torch.device, batch: int,
     loss_fn: LossFn | None, before: set[int] = frozenset(),
@@ -503,6 +519,7 @@ def profile_blocks(
     # storages of the values that the last block saved; for block 0, the model's inputs (a
     # stage holds its slices of the batch once, whatever the units in flight)
     kept: set[int] = {t.untyped_storage().data_ptr() for t in values if isinstance(t, Tensor)}
+    ties = _ties(blocks)
     try:
         for b in range(len(blocks)):
             stage = blocks.stage(b, b + 1)
@@ -538,6 +555,8 @@ def profile_blocks(
                     backward_weight_ms=run.b_w,
                     shared_input_bytes=run.shared,
                     loss_bytes=run.loss_memory,
+                    tied_to=ties[b][0],
+                    tied_bytes=ties[b][1],
                 )
             )
     finally:

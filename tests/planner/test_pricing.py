@@ -49,7 +49,10 @@ def _profile(rng: random.Random, n: int) -> Profile:
                                    forward_fixed_ms=0.2 * f, backward_fixed_ms=0.1 * b,
                                    # the last block's loss saves 40% of its memory: freed at
                                    # B where the backward is split
-                                   loss_bytes=4 * 10**5 if i == n - 1 else 0))
+                                   loss_bytes=4 * 10**5 if i == n - 1 else 0,
+                                   # ... and shares its first 10^5 parameter bytes with block 0
+                                   tied_to=0 if i == n - 1 else -1,
+                                   tied_bytes=10**5 if i == n - 1 else 0))
     return Profile("p", 4, "ref", blocks)
 
 

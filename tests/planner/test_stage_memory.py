@@ -42,7 +42,10 @@ def _profile(rng: random.Random, n: int) -> Profile:
         blocks.append(BlockProfile(f"b{i}", f, f * rng.uniform(1.5, 2.5),
                                    rng.randint(10**4, 10**8), rng.randint(10**3, 10**7), mem,
                                    shared_input_bytes=shared,
-                                   loss_bytes=mem // 2 if i == n - 1 else 0))  # freed at B
+                                   loss_bytes=mem // 2 if i == n - 1 else 0,  # freed at B
+                                   # a head sharing parameters with the first block
+                                   tied_to=0 if i == n - 1 else -1,
+                                   tied_bytes=10**4 if i == n - 1 else 0))
         prev = mem
     return Profile("shared", rng.choice([1, 2]), "test", blocks)
 

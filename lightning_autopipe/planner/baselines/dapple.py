@@ -238,7 +238,7 @@ def _dp(costs, cluster, devs, batch, m, num_stages, r_opts, use_all, opt, check_
                         b = bnd[j2]
                         fw = (own.fwd[b] - own.fwd[a]) * scale
                         bw = (own.bwd[b] - own.bwd[a]) * scale
-                        pb = costs.params[b] - costs.params[a]
+                        pb = costs.param_bytes((a, b))
                         ar = ar_lat + pb * ar_pb if r > 1 else 0.0
                         new_st = [*head, (fw, bw, ar, 0.0)]
                         lat = _latency(new_st, m)
@@ -307,7 +307,7 @@ def _fits(costs, stages, batch, m, mbs, opt, cap) -> bool:
     for s, (a, b, g) in enumerate(stages):
         scale = batch / (m * len(g) * mbs)
         held, once = costs.memory(a, b, m)
-        need = peak_memory_bytes(costs.params[b] - costs.params[a], held * scale,
+        need = peak_memory_bytes(costs.param_bytes((a, b)), held * scale,
                                  min(n - s, m), opt, once * scale)
         if need > min(cap[d] for d in g):
             return False

@@ -133,7 +133,7 @@ def model_figures(costs: BlockCosts) -> tuple[float, float, float, float, float,
     return (
         costs.compute[-1],
         max(costs.compute[i + 1] - costs.compute[i] for i in range(n)),
-        costs.params[-1],
+        costs.param_bytes((0, n)),
         costs.memory(0, n, 1)[0],
         sum(costs.act[:-1]) / max(1, n - 1),
         costs.micro_batch_size,

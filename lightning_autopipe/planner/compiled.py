@@ -189,22 +189,16 @@ def inflight_pairs(schedule: str, num_stages: int, num_microbatches: int, startu
 @functools.lru_cache(maxsize=1024)
 def inflight(schedule: str, num_stages: int, num_microbatches: int, startup_slices: int, mb: int,
              drain_slices: int = 1) -> tuple[float, ...]:
-    """Most micro-batches (slices as fractions) each stage holds in flight under ``schedule``.
+    """Most micro-batches (slices as fractions) each stage holds in flight under ``schedule``:
+    the largest first count of its :func:`inflight_pairs`.
 
     A step longer than the extrapolation point is not generated whole: as with the replay
     (:func:`evaluate`), the counts of two shorter steps past the warm-up are extended
     linearly, which is exact for schedules whose in-flight count is constant (1F1B) or grows
     by a fixed amount per micro-batch (GPipe) once they are in their steady phase.
     """
-    m, k, j = num_microbatches, startup_slices, drain_slices
-    m0 = extrapolation_point(num_stages)
-    if m <= m0 + num_stages + 1:
-        fracs = [sz / mb for sz in unit_sizes(mb, m, k, j)]
-        return inflight_of(lists(schedule, num_stages, m, k, j), fracs)
-    win = num_stages + 1
-    a = inflight(schedule, num_stages, m0, k, mb, j)
-    b = inflight(schedule, num_stages, m0 + win, k, mb, j)
-    return tuple(x + (y - x) / win * (m - m0) for x, y in zip(a, b))
+    return tuple(pairs[0][0] for pairs in inflight_pairs(
+        schedule, num_stages, num_microbatches, startup_slices, mb, drain_slices))
 
 
 def extrapolation_point(num_stages: int) -> int:

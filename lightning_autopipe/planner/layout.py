@@ -103,6 +103,9 @@ class BlockCosts:
         """The parameter bytes of the blocks of ``ranges`` (a stage's ``(i, j)``, or a rank's
         chunks), a parameter that two of them use (a tied head and embedding) counted once,
         as the device holds it."""
+        if len(ranges) == 1 and not self.ties:  # the partitioner's common case, kept short
+            i, j = ranges[0]
+            return self.params[j] - self.params[i]
         total = sum(self.params[j] - self.params[i] for i, j in ranges)
         for b, to, nbytes in self.ties:
             if any(i <= b < j for i, j in ranges) and any(i <= to < j for i, j in ranges):

@@ -202,6 +202,8 @@ def activation_peak(activation_bytes: float, loss_bytes: float,
     ``BlockProfile.loss_bytes``) until its backward's B and the rest until its release (W
     under a split backward); ``pairs`` are the stage's in-flight counts of the two
     (:func:`~.compiled.pairs_of`), the peak lies at one of them."""
+    if not loss_bytes:  # the first pair holds the most units until the release
+        return activation_bytes * pairs[0][0]
     rest = activation_bytes - loss_bytes
     return max(rest * a + loss_bytes * b for a, b in pairs)
 

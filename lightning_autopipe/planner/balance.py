@@ -17,6 +17,7 @@ from lightning_autopipe.planner.pricing import (
     activation_peak,
     param_state_factor,
     peak_memory_bytes,
+    shared_param_bytes,
     stage_memory,
 )
 
@@ -50,8 +51,7 @@ class StageLimits:
         """Peak bytes of blocks ``[i, j)`` as stage ``s``."""
         held, once = stage_memory(self.mem, self.shared, i, j, self.num_microbatches)
         once = once * self.once_factor[s] if self.once_factor else 0.0
-        params = self.params[j] - self.params[i] - sum(
-            n for b, to, n in self.ties if i <= to and b < j)
+        params = self.params[j] - self.params[i] - shared_param_bytes(self.ties, ((i, j),))
         if not self.loss_pairs:
             return peak_memory_bytes(params, held, self.act_factor[s], self.optimizer_factor,
                                      once)

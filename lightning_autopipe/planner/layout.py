@@ -19,6 +19,7 @@ from lightning_autopipe.planner.pricing import (
     replica_pairs,
     ring_costs,
     ring_resources,
+    shared_param_bytes,
     stage_memory,
     type_profiles,
 )
@@ -106,11 +107,8 @@ class BlockCosts:
         if len(ranges) == 1 and not self.ties:  # the partitioner's common case, kept short
             i, j = ranges[0]
             return self.params[j] - self.params[i]
-        total = sum(self.params[j] - self.params[i] for i, j in ranges)
-        for b, to, nbytes in self.ties:
-            if any(i <= b < j for i, j in ranges) and any(i <= to < j for i, j in ranges):
-                total -= nbytes
-        return total
+        return (sum(self.params[j] - self.params[i] for i, j in ranges)
+                - shared_param_bytes(self.ties, ranges))
 
     def loss_share(self, i: int, j: int) -> int:
         """Of blocks ``[i, j)``'s memory per micro-batch, what only the loss saves."""

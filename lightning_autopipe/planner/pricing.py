@@ -195,6 +195,16 @@ def peak_memory_bytes(
             + once_bytes)
 
 
+def shared_param_bytes(ties: Sequence[tuple[int, int, int]],
+                       ranges: Sequence[tuple[int, int]]) -> int:
+    """Of the parameter bytes of the blocks in ``ranges`` (a stage's ``(i, j)``, or a rank's
+    chunks) summed block by block, what is counted twice: each tie ``(block, earlier block,
+    bytes)`` (``BlockProfile.tied_to``) with both blocks there, whose parameters the device
+    holds once."""
+    return sum(n for b, to, n in ties
+               if any(i <= b < j for i, j in ranges) and any(i <= to < j for i, j in ranges))
+
+
 def activation_peak(activation_bytes: float, loss_bytes: float,
                     pairs: Sequence[tuple[float, float]]) -> float:
     """The most activation bytes a stage holds at once: each unit holds ``activation_bytes``

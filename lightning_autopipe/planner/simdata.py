@@ -19,6 +19,7 @@ from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.pricing import (
     peak_memory_bytes,
     recompute_memory,
+    shared_param_bytes,
     stage_memory,
     unit_prices,
 )
@@ -127,9 +128,9 @@ class StageCost:
     recompute: bool = False  # the stage recomputes its activations (its backward pays F again)
     loss_bytes: int = 0  # of memory_bytes, what the loss saves (freed by a split backward's B)
     blocks: tuple[int, int] = (0, 0)  # the stage's block range
-    # (earlier block, bytes) of parameters its blocks share with blocks before the stage
-    # (BlockProfile.tied_to): held once by a rank that holds that block in another chunk
-    ties: tuple[tuple[int, int], ...] = ()
+    # (block, earlier block, bytes) of parameters its blocks share with blocks before the
+    # stage (BlockProfile.tied_to): held once by a rank that holds both in two chunks
+    ties: tuple[tuple[int, int, int], ...] = ()
 
     def prices(self, first: bool, split: bool) -> list[tuple[float, float]]:
         """(ms, fixed ms) per action kind: :func:`~.pricing.unit_prices` of this stage."""
@@ -149,6 +150,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
         )
     mem = list(accumulate((b.memory_bytes for b in profile.blocks), initial=0))
     shared = list(accumulate((b.shared_input_bytes for b in profile.blocks), initial=0))
+    ties = [(b, x.tied_to, x.tied_bytes) for b, x in enumerate(profile.blocks) if x.tied_bytes]
     out = []
     for st in plan.stages:
         bl = profile.blocks[st.blocks[0] : st.blocks[1]]
@@ -159,8 +161,8 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
             StageCost(
                 forward_ms=sum(b.forward_ms for b in bl),
                 backward_ms=sum(b.backward_ms for b in bl),
-                param_bytes=sum(b.param_bytes for b in bl) - sum(
-                    b.tied_bytes for b in bl if b.tied_to >= st.blocks[0]),
+                param_bytes=sum(b.param_bytes for b in bl)
+                - shared_param_bytes(ties, (st.blocks,)),
                 memory_bytes=held,
                 once_bytes=once,
                 activation_bytes=bl[-1].activation_bytes,
@@ -169,8 +171,8 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
                 split=tuple(sum(x) for x in zip(*(b.split_backward() for b in bl))),
                 loss_bytes=sum(b.loss_bytes for b in bl),
                 blocks=st.blocks,
-                ties=tuple((b.tied_to, b.tied_bytes) for b in bl
-                           if 0 <= b.tied_to < st.blocks[0]),
+                ties=tuple(t for t in ties if st.blocks[0] <= t[0] < st.blocks[1]
+                           and t[1] < st.blocks[0]),
             )
         )
     for s, st in enumerate(plan.stages):
@@ -322,6 +324,5 @@ def stage_peaks(
 def rank_param_bytes(costs: list, chunks: Sequence[int]) -> int:
     """The parameter bytes a rank holds for its ``chunks``: a parameter two of them share (a
     tied head and embedding on one rank) once, as the runtime holds it."""
-    ranges = [costs[c].blocks for c in chunks]
-    return sum(costs[c].param_bytes for c in chunks) - sum(
-        n for c in chunks for to, n in costs[c].ties if any(i <= to < j for i, j in ranges))
+    return sum(costs[c].param_bytes for c in chunks) - shared_param_bytes(
+        [t for c in chunks for t in costs[c].ties], [costs[c].blocks for c in chunks])

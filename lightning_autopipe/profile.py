@@ -106,10 +106,12 @@ class BlockProfile:
             outputs saves (the last block, profiled with its loss: a causal LM's
             log-probabilities, the size of its logits). A split backward's ``B`` frees it (the
             loss's autograd nodes lie above every weight), while the rest is held until ``W``.
-        tied_to: the first earlier block that uses parameters this block uses too (a language
-            model's head tied to its embedding), or -1.
-        tied_bytes: the bytes of those shared parameters, counted in ``param_bytes`` here and
-            in the earlier block's: a stage (or a rank's chunks) holding both holds them once.
+        tied_to: the nearest earlier block that uses parameters this block uses too (a
+            language model's head tied to its embedding; the previous use of a module applied
+            in several places), or -1.
+        tied_bytes: the bytes of the parameters shared with that block, counted in
+            ``param_bytes`` here and in the earlier block's: a stage (or a rank's chunks)
+            holding both holds them once.
     """
 
     name: str

@@ -304,3 +304,37 @@ def test_a_head_tied_to_the_embedding_names_the_block_it_shares_with() -> None:
     assert costs.param_bytes((0, 1), (n - 1, n)) == prof.blocks[0].param_bytes + (
         prof.blocks[-1].param_bytes - shared)  # a rank holding both ends
     assert costs.param_bytes((1, n)) == sum(b.param_bytes for b in prof.blocks[1:])
+
+
+class _Thrice(torch.nn.Module):
+    """One linear layer applied in three places, other layers between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.shared = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.shared(self.a(x))
+        x = self.shared(self.b(x))
+        return self.shared(self.c(x))
+
+
+def test_a_module_applied_in_several_places_is_held_once_by_any_stage_of_its_uses() -> None:
+    """Each use names the one before, so any range of blocks counts the shared layer once
+    (naming the first use, a stage holding the second and third would count it twice)."""
+    from lightning_autopipe.planner.layout import BlockCosts
+
+    model, x = _Thrice(), torch.randn(2, 8)
+    prof = profile_blocks(split_model(model, (x,)), (x,), warmup=0, repeats=1)
+    layer = (8 * 8 + 8) * 4
+    assert [(b.name, b.param_bytes) for b in prof.blocks] == [
+        ("a", layer), ("shared", layer), ("b", layer), ("shared#2", layer), ("c", layer),
+        ("shared#3", layer)]
+    assert [(b.tied_to, b.tied_bytes) for b in prof.blocks] == [
+        (-1, 0), (-1, 0), (-1, 0), (1, layer), (-1, 0), (3, layer)]
+    costs = BlockCosts.from_profile(prof)
+    n = len(prof.blocks)
+    assert costs.param_bytes((0, n)) == 4 * layer  # each parameter once
+    assert costs.param_bytes((2, n)) == 3 * layer  # b, c and the shared layer once
+    assert costs.param_bytes((0, 2), (5, n)) == 2 * layer  # a rank holding a, 1st, 3rd use

@@ -128,8 +128,8 @@ class StageCost:
     recompute: bool = False  # the stage recomputes its activations (its backward pays F again)
     loss_bytes: int = 0  # of memory_bytes, what the loss saves (freed by a split backward's B)
     blocks: tuple[int, int] = (0, 0)  # the stage's block range
-    # (block, earlier block, bytes) of parameters its blocks share with blocks before the
-    # stage (BlockProfile.tied_to): held once by a rank that holds both in two chunks
+    # the profile's (block, earlier block, bytes) of shared parameters (BlockProfile.tied_to),
+    # which param_bytes counts once within the stage and rank_param_bytes within a rank
     ties: tuple[tuple[int, int, int], ...] = ()
 
     def prices(self, first: bool, split: bool) -> list[tuple[float, float]]:
@@ -150,7 +150,8 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
         )
     mem = list(accumulate((b.memory_bytes for b in profile.blocks), initial=0))
     shared = list(accumulate((b.shared_input_bytes for b in profile.blocks), initial=0))
-    ties = [(b, x.tied_to, x.tied_bytes) for b, x in enumerate(profile.blocks) if x.tied_bytes]
+    ties = tuple((b, x.tied_to, x.tied_bytes) for b, x in enumerate(profile.blocks)
+                 if x.tied_bytes)
     out = []
     for st in plan.stages:
         bl = profile.blocks[st.blocks[0] : st.blocks[1]]
@@ -171,8 +172,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
                 split=tuple(sum(x) for x in zip(*(b.split_backward() for b in bl))),
                 loss_bytes=sum(b.loss_bytes for b in bl),
                 blocks=st.blocks,
-                ties=tuple(t for t in ties if st.blocks[0] <= t[0] < st.blocks[1]
-                           and t[1] < st.blocks[0]),
+                ties=ties,
             )
         )
     for s, st in enumerate(plan.stages):
@@ -324,5 +324,7 @@ def stage_peaks(
 def rank_param_bytes(costs: list, chunks: Sequence[int]) -> int:
     """The parameter bytes a rank holds for its ``chunks``: a parameter two of them share (a
     tied head and embedding on one rank) once, as the runtime holds it."""
-    return sum(costs[c].param_bytes for c in chunks) - shared_param_bytes(
-        [t for c in chunks for t in costs[c].ties], [costs[c].blocks for c in chunks])
+    ties = costs[chunks[0]].ties if chunks else ()
+    each = sum(costs[c].param_bytes + shared_param_bytes(ties, (costs[c].blocks,))
+               for c in chunks)  # block by block: what param_bytes counted once, again
+    return each - shared_param_bytes(ties, [costs[c].blocks for c in chunks])

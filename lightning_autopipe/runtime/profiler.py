@@ -399,18 +399,20 @@ def _materialized(model: Any, stage: Any, dev: torch.device) -> Iterator[None]:
 
 
 def _ties(blocks: Any) -> list[tuple[int, int]]:
-    """Per block, the first earlier block using a parameter it uses too (-1: none) and the
-    bytes of the parameters it shares with earlier blocks (a head tied to the embedding),
-    read from the blocks' own stage modules before any is copied to a device."""
-    first: dict[int, int] = {}  # id(parameter) -> the first block using it
+    """Per block, the nearest earlier block using a parameter it uses too (-1: none) and the
+    bytes of the parameters it shares with that block (a head tied to the embedding; a
+    module applied in several places: each use names the one before, so that a stage
+    holding any run of them counts the module once), read from the blocks' own stage modules
+    before any is copied to a device."""
+    last: dict[int, int] = {}  # id(parameter) -> the latest block using it so far
     out = []
     for b in range(len(blocks)):
         params = {id(p): p for p in blocks.stage(b, b + 1).parameters()}
-        earlier = {pid: first[pid] for pid in params if pid in first}
-        nbytes = sum(params[pid].numel() * params[pid].element_size() for pid in earlier)
-        out.append((min(earlier.values()), nbytes) if earlier and nbytes else (-1, 0))
-        for pid in params:
-            first.setdefault(pid, b)
+        to = max((last[pid] for pid in params if pid in last), default=-1)
+        nbytes = sum(p.numel() * p.element_size() for pid, p in params.items()
+                     if last.get(pid) == to)
+        out.append((to, nbytes) if to >= 0 and nbytes else (-1, 0))
+        last.update(dict.fromkeys(params, b))
     return out
 
 

@@ -40,6 +40,14 @@ def _latency_only_cluster(per_server: int) -> Cluster:
     })
 
 
+def _tie(i: int, n: int) -> dict:
+    if i == n - 1:
+        return {"tied_to": 0, "tied_bytes": 10**5}
+    if i in (4, 6) and i < n - 1:
+        return {"tied_to": i - 2, "tied_bytes": 5 * 10**4}
+    return {}
+
+
 def _profile(rng: random.Random, n: int) -> Profile:
     blocks = []
     for i in range(n):
@@ -50,9 +58,9 @@ def _profile(rng: random.Random, n: int) -> Profile:
                                    # the last block's loss saves 40% of its memory: freed at
                                    # B where the backward is split
                                    loss_bytes=4 * 10**5 if i == n - 1 else 0,
-                                   # ... and shares its first 10^5 parameter bytes with block 0
-                                   tied_to=0 if i == n - 1 else -1,
-                                   tied_bytes=10**5 if i == n - 1 else 0))
+                                   # ... and shares 10^5 parameter bytes with block 0; blocks
+                                   # 2, 4 and 6 use one module (each names the use before)
+                                   **_tie(i, n)))
     return Profile("p", 4, "ref", blocks)
 
 

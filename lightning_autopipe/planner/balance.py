@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_autopipe.planner.layout import shared_param_bytes
 from lightning_autopipe.planner.pricing import (
     activation_peak,
     param_state_factor,
     peak_memory_bytes,
-    shared_param_bytes,
     stage_memory,
 )
 

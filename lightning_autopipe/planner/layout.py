@@ -8,7 +8,7 @@ speed, memory, overhead and link figures the replay needs, independent of the cu
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
@@ -19,13 +19,38 @@ from lightning_autopipe.planner.pricing import (
     replica_pairs,
     ring_costs,
     ring_resources,
-    shared_param_bytes,
     stage_memory,
     type_profiles,
 )
 from lightning_autopipe.profile import Profile
 
-__all__ = ["BlockCosts", "Layout"]
+__all__ = ["BlockCosts", "Layout", "shared_param_bytes"]
+
+
+def shared_param_bytes(ties: Sequence[tuple[int, int, int]],
+                       ranges: Sequence[tuple[int, int]]) -> int:
+    """Of the parameter bytes of the blocks in ``ranges`` (a stage's ``(i, j)``, or a rank's
+    chunks) summed block by block, what is counted twice: each tie ``(block, earlier block,
+    bytes)`` (``BlockProfile.tied_to``) whose block is there and whose earlier block, or one
+    before it along the ties (a module used in several places names its previous use), is
+    there too: the device holds those parameters once."""
+    def held(k: int) -> bool:
+        return any(i <= k < j for i, j in ranges)
+
+    if not ties:
+        return 0
+    earlier = {b: (to, n) for b, to, n in ties}
+    low = min(i for i, _ in ranges)
+    total = 0
+    for b, to, n in ties:
+        if not held(b):
+            continue
+        while to >= low and not held(to):  # along the ties, while a range may still come
+            to, more = earlier.get(to, (-1, 0))
+            n = min(n, more)
+        if to >= low:
+            total += n
+    return total
 
 
 @dataclass(frozen=True)

@@ -195,32 +195,6 @@ def peak_memory_bytes(
             + once_bytes)
 
 
-def shared_param_bytes(ties: Sequence[tuple[int, int, int]],
-                       ranges: Sequence[tuple[int, int]]) -> int:
-    """Of the parameter bytes of the blocks in ``ranges`` (a stage's ``(i, j)``, or a rank's
-    chunks) summed block by block, what is counted twice: each tie ``(block, earlier block,
-    bytes)`` (``BlockProfile.tied_to``) whose block is there and whose earlier block, or one
-    before it along the ties (a module used in several places names its previous use), is
-    there too: the device holds those parameters once."""
-    def held(k: int) -> bool:
-        return any(i <= k < j for i, j in ranges)
-
-    if not ties:
-        return 0
-    earlier = {b: (to, n) for b, to, n in ties}
-    low = min(i for i, _ in ranges)
-    total = 0
-    for b, to, n in ties:
-        if not held(b):
-            continue
-        while to >= low and not held(to):  # along the ties, while a range may still come
-            to, more = earlier.get(to, (-1, 0))
-            n = min(n, more)
-        if to >= low:
-            total += n
-    return total
-
-
 def activation_peak(activation_bytes: float, loss_bytes: float,
                     pairs: Sequence[tuple[float, float]]) -> float:
     """The most activation bytes a stage holds at once: each unit holds ``activation_bytes``

@@ -15,11 +15,11 @@ from itertools import accumulate
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import PlanError
+from lightning_autopipe.planner.layout import shared_param_bytes
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.pricing import (
     peak_memory_bytes,
     recompute_memory,
-    shared_param_bytes,
     stage_memory,
     unit_prices,
 )

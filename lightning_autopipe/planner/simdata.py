@@ -117,7 +117,7 @@ class StageCost:
 
     forward_ms: float
     backward_ms: float
-    param_bytes: int
+    param_bytes: int  # block by block: a parameter two blocks share counted twice
     memory_bytes: int
     activation_bytes: int  # output of the stage's last block: what it sends to the next stage
     forward_fixed_ms: float = 0.0  # the parts of forward_ms / backward_ms that do not scale
@@ -129,7 +129,7 @@ class StageCost:
     loss_bytes: int = 0  # of memory_bytes, what the loss saves (freed by a split backward's B)
     blocks: tuple[int, int] = (0, 0)  # the stage's block range
     # the profile's (block, earlier block, bytes) of shared parameters (BlockProfile.tied_to),
-    # which param_bytes counts once within the stage and rank_param_bytes within a rank
+    # which rank_param_bytes counts once over a rank's chunks
     ties: tuple[tuple[int, int, int], ...] = ()
 
     def prices(self, first: bool, split: bool) -> list[tuple[float, float]]:
@@ -162,8 +162,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
             StageCost(
                 forward_ms=sum(b.forward_ms for b in bl),
                 backward_ms=sum(b.backward_ms for b in bl),
-                param_bytes=sum(b.param_bytes for b in bl)
-                - shared_param_bytes(ties, (st.blocks,)),
+                param_bytes=sum(b.param_bytes for b in bl),
                 memory_bytes=held,
                 once_bytes=once,
                 activation_bytes=bl[-1].activation_bytes,
@@ -325,6 +324,5 @@ def rank_param_bytes(costs: list, chunks: Sequence[int]) -> int:
     """The parameter bytes a rank holds for its ``chunks``: a parameter two of them share (a
     tied head and embedding on one rank) once, as the runtime holds it."""
     ties = costs[chunks[0]].ties if chunks else ()
-    each = sum(costs[c].param_bytes + shared_param_bytes(ties, (costs[c].blocks,))
-               for c in chunks)  # block by block: what param_bytes counted once, again
-    return each - shared_param_bytes(ties, [costs[c].blocks for c in chunks])
+    return sum(costs[c].param_bytes for c in chunks) - shared_param_bytes(
+        ties, [costs[c].blocks for c in chunks])

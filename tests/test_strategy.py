@@ -34,6 +34,7 @@ CASES = {
         "hfgpt-2s-k2-zb",
         "gpt-2s-k2-j2-zb",
         "hfbert-2s-k2",
+        "hfalbert-2s-k2",
         "cnn-2s-k1-validate",
         "string",
         "untraceable",
@@ -271,6 +272,16 @@ def test_four_ranks_equal_single_process(world4, case):
 def test_batch_norm_with_drain_slices_equals_the_same_units_in_one_process(world2):
     assert Plan.from_json(world2["cnn_bn-2s-k2-j2"][0]["plan"]).drain_slices == 2
     _check_case("cnn_bn-2s-k2-j2", world2["cnn_bn-2s-k2-j2"], 2)
+
+
+def test_a_layer_applied_at_every_depth_is_cut_between_its_calls(world2):
+    """ALBERT applies one layer at every depth: the planner cuts between two of its calls, so
+    both ranks hold the layer (its copies equal the one process's after training, the stages'
+    gradients summed: ``test_two_stages_one_replica_equals_single_process[hfalbert-2s-k2]``)."""
+    ranks = world2["hfalbert-2s-k2"]
+    held = [{k for k in rec["state"] if ".albert_layer_groups.0." in k} for rec in ranks]
+    assert held[0]
+    assert held[0] == held[1]
 
 
 @pytest.mark.slow

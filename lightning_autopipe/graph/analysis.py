@@ -59,6 +59,10 @@ class GraphInfo:
     alias_root: dict[fx.Node, fx.Node] = field(default_factory=dict)
     #: roots whose storage an anchored node writes in place (through any of its aliases)
     mutated_roots: set[fx.Node] = field(default_factory=set)
+    #: node -> {module path: which call of that module (0 = the first) ran it}, for every
+    #: module on its stack that the trace saw called more than once (a module applied in a
+    #: loop, as ALBERT applies its one shared layer: each call can be a block of its own)
+    calls: dict[fx.Node, dict[str, int]] = field(default_factory=dict)
 
     def is_value(self, node: fx.Node) -> bool:
         """Anchored nodes and model inputs: the only values that may cross blocks."""
@@ -126,6 +130,18 @@ def _module_path(node: fx.Node) -> str | None:
         return None
     path = list(stack.values())[-1][0]
     return None if path in _NO_PATH else str(path)
+
+
+def _module_calls(node: fx.Node) -> dict[str, int]:
+    """Module path -> call number for the modules on ``node``'s stack: both tracers key a
+    module's second and later calls ``<key>@<k>`` (k = 1, 2, ...)."""
+    out: dict[str, int] = {}
+    for key, value in (node.meta.get("nn_module_stack") or {}).items():
+        head, _, count = str(key).rpartition("@")
+        path = value[0] if isinstance(value, tuple) and value else None
+        if head and count.isdigit() and isinstance(path, str) and path not in _NO_PATH:
+            out[path] = int(count)
+    return out
 
 
 def _is_dropped_kind(node: fx.Node) -> bool:
@@ -282,6 +298,7 @@ def analyze(traced: Traced, flat_inputs: tuple[torch.Tensor, ...]) -> GraphInfo:
     modules = dict(traced.model.named_modules(remove_duplicate=False))
     gm_modules = dict(gm.named_modules(remove_duplicate=False))
     path = {n: _module_path(n) for n in nodes}
+    calls = {n: c for n in nodes if (c := _module_calls(n))}
     params_of: dict[fx.Node, dict[int, int]] = {}
     for n in nodes:
         reads: dict[int, int] = {}
@@ -311,6 +328,7 @@ def analyze(traced: Traced, flat_inputs: tuple[torch.Tensor, ...]) -> GraphInfo:
         modules=modules,
         alias_root=alias_root,
         mutated_roots=mutated_roots,
+        calls=calls,
     )
 
 

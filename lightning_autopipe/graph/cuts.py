@@ -2,14 +2,18 @@
 
 Nodes are keyed by the module that ran them. A *layer* is a child of a container module (a
 ``ModuleList`` / ``Sequential`` / ``ModuleDict`` holding at least two modules of one class, or a
-module whose children are numbered): one transformer layer, one ResNet block. At ``"layer"``
-granularity each layer is one block and the runs of nodes between layers (embeddings, heads)
-form one block each. At ``"sub-block"`` granularity a layer is split at its direct children,
-and children that hold few parameters (< 8 % of the largest sibling: norms, activations,
-residual adds) are merged into a neighbour across whichever of their two boundaries carries
-*more* live values, which keeps the boundaries with the fewest live tensors: pre-LN
-transformers split into attention and MLP halves with their residual adds, ResNet blocks into
-their convolution groups.
+module whose children are numbered): one transformer layer, one ResNet block. A module with
+parameters that the model calls several times (ALBERT's one shared layer, applied once per
+depth) is a layer too, and each of its calls is a layer of its own: the calls share weights but
+not work, and a stage boundary may fall between them (stages holding calls of one module hold
+its weights as tied). At ``"layer"`` granularity each layer is one block and the runs of nodes
+between layers (embeddings, heads) form one block each. At ``"sub-block"`` granularity a layer
+is split at its direct children (below any chain of single wrappers: ALBERT's layer group
+holding one layer), and children that hold few parameters (< 8 % of the largest sibling:
+norms, activations, residual adds) are merged into a neighbour across whichever of their two
+boundaries carries *more* live values, which keeps the boundaries with the fewest live tensors:
+pre-LN transformers split into attention and MLP halves with their residual adds, ResNet blocks
+into their convolution groups.
 """
 
 from __future__ import annotations
@@ -70,13 +74,27 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _layer_paths(info: GraphInfo) -> set[str]:
+def _repeated(info: GraphInfo) -> set[str]:
+    """The outermost modules with parameters that the trace saw called more than once."""
+    seen = {p for calls in info.calls.values() for p in calls}
+    held = {p for p in seen if p in info.modules
+            and next(info.modules[p].parameters(), None) is not None}
+    return {p for p in held if not any(p.startswith(q + ".") for q in held)}
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _layer_paths(info: GraphInfo, used: set[str]) -> set[str]:
+    """The layers; ``used``: the module paths of the graph's nodes."""
     modules = info.modules
     layers = {
         _join(c, name) for c in _containers(modules) for name, _ in modules[c].named_children()
     }
-    used = {p for p in info.path.values() if p}
     layers = {lay for lay in layers if any(p == lay or p.startswith(lay + ".") for p in used)}
+    # a module with weights called several times is a layer, unless it lies in one or holds one
+    layers |= {r for r in _repeated(info) if not any(_related(r, lay) for lay in layers)}
     if not layers:  # no repeated structure: the children of the outermost real module
         layers = _children("", used)
         # a wrapper (a LightningModule's ``self.net``) holds the model as its only child:
@@ -87,6 +105,18 @@ def _layer_paths(info: GraphInfo) -> set[str]:
                 break
             layers = inner
     return layers
+
+
+def _below_wrappers(layer: str, used: set[str]) -> str:
+    """Where ``layer`` splits into sub-blocks: itself, or below a chain of modules that each
+    hold all of its work in one child (ALBERT's layer group holding its one layer)."""
+    root = layer
+    while len(kids := _children(root, used)) == 1:
+        (only,) = kids
+        if not _children(only, used):
+            break
+        root = only
+    return root
 
 
 def _children(prefix: str, used: set[str]) -> set[str]:
@@ -101,7 +131,8 @@ def _children(prefix: str, used: set[str]) -> set[str]:
 
 
 def _keys(info: GraphInfo, granularity: str) -> list[Any]:
-    layers = _layer_paths(info)
+    used = {p for p in info.path.values() if p}
+    layers = _layer_paths(info, used)
     wrappers = {""} | {lay.rsplit(".", 1)[0] for lay in layers if "." in lay}
     for w in list(wrappers):
         parts = w.split(".")
@@ -114,6 +145,7 @@ def _keys(info: GraphInfo, granularity: str) -> list[Any]:
                 return ".".join(parts[:i])
         return None
 
+    split_at = {lay: _below_wrappers(lay, used) for lay in layers}
     keys: list[Any] = []
     for n in info.anchored:
         p = info.path[n]
@@ -123,11 +155,15 @@ def _keys(info: GraphInfo, granularity: str) -> list[Any]:
         lay = layer_of(p)
         if lay is None:
             keys.append(("O", p))
-        elif granularity == "layer":
-            keys.append(("L", lay))
+            continue
+        call = info.calls.get(n, {}).get(lay, 0)
+        if granularity == "layer":
+            keys.append(("L", lay, call))
         else:
-            child = None if p == lay else lay + "." + p[len(lay) + 1 :].split(".")[0]
-            keys.append(("S", lay, child))
+            root = split_at[lay]
+            child = root + "." + p[len(root) + 1 :].split(".")[0] if p.startswith(
+                root + ".") else None
+            keys.append(("S", lay, child, call))
     known = [i for i, k in enumerate(keys) if k is not None]
     if not known:
         return [("O", "root")] * len(keys)
@@ -253,7 +289,7 @@ def choose_blocks(info: GraphInfo, granularity: str = "sub-block") -> list[Block
     group, prev_gid = 0, None
     for i, (n, key) in enumerate(zip(nodes, keys)):
         params = _node_params(info, memo, n)
-        gid = ("layer", key[1]) if key[0] in ("L", "S") else ("outside",)
+        gid = ("layer", key[1], key[-1]) if key[0] in ("L", "S") else ("outside",)
         if segs and key == segs[-1].key:
             seg = segs[-1]
             seg.stop = i + 1

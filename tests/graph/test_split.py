@@ -319,6 +319,45 @@ def test_module_shared_across_stages_is_a_tie_group() -> None:
     assert len(shared["shared.weight"]) == 2
 
 
+def _albert(layers: int = 4, groups: int = 1) -> tuple[nn.Module, dict]:
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    torch.manual_seed(0)
+    model = AlbertForMaskedLM(AlbertConfig(
+        vocab_size=64, embedding_size=8, hidden_size=16, num_hidden_layers=layers,
+        num_hidden_groups=groups, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0))
+    return model, {"input_ids": torch.randint(0, 64, (2, 8))}
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_each_call_of_a_layer_applied_at_every_depth_is_a_block_of_its_own(groups: int) -> None:
+    """ALBERT applies one layer's weights at every depth (``groups`` layers, each applied
+    ``4 / groups`` times in a row). Each call is its own layer: at ``"layer"`` granularity one
+    block, at ``"sub-block"`` its attention, feed-forward and output, so a stage boundary may
+    fall between the calls (the model was two blocks, embeddings to the last layer and the
+    head, before), and stages holding calls of one layer hold its weights as a tie group whose
+    gradients sum to the model's."""
+    model, example = _albert(groups=groups)
+    layer = split_model(model, example, granularity="layer")
+    assert layer.tracer == "export"
+    group = "albert.encoder.albert_layer_groups"
+    assert [n.split("#")[0] for n in layer.names if group in n] == [
+        f"{group}.{g}" for g in range(groups) for _ in range(4 // groups)]
+    blocks = split_model(model, example)
+    calls = [n.split("#")[0].rsplit(".", 1)[-1] for n in blocks.names if group in n]
+    assert calls == ["attention", "ffn", "ffn_output"] * 4
+    n = len(blocks)
+    between = blocks.names.index(f"{group}.0.albert_layers.0.attention#2")  # the 2nd call
+    for cuts in (list(range(n + 1)), random_cuts(n, 3, seed=n), [0, between, n]):
+        check_split(blocks, model, example, cuts)  # the ties' gradients sum to the model's
+    ties = {t.name: set(t.stages) for t in blocks.tie_groups([0, between, n])}
+    assert ties[f"{group}.0.albert_layers.0.attention.query.weight"] == {0, 1}
+    layer_cuts = [0, len(layer) // 2, len(layer)]
+    check_split(layer, model, example, layer_cuts)
+
+
 def test_export_from_a_single_sample_still_has_a_dynamic_batch() -> None:
     """A batch-1 example would be specialised by torch.export (0/1 specialisation); the
     tracer exports on a doubled batch so later micro-batches of any size still run."""

@@ -36,7 +36,26 @@ def build_net(model: str) -> nn.Module:
         return SmallCNN(widths=(4, 8), blocks_per_stage=1, batch_norm=model == "cnn_bn")
     if model == "hfbert":  # Hugging Face BERT called with a padding mask: two inputs
         return _MaskedBert(hf_bert(VOCAB, SEQ, 16, 2, 2, intermediate_size=32, dropout=0.0))
+    if model == "hfalbert":  # one layer's weights applied at every depth: the calls are blocks
+        from transformers import AlbertConfig, AlbertForMaskedLM
+
+        return _Logits(AlbertForMaskedLM(AlbertConfig(
+            vocab_size=VOCAB, embedding_size=8, hidden_size=16, num_hidden_layers=4,
+            num_attention_heads=2, intermediate_size=32, max_position_embeddings=SEQ,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            classifier_dropout_prob=0.0)))
     raise ValueError(model)
+
+
+class _Logits(nn.Module):
+    """A Hugging Face language model as ``input_ids -> logits``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
 
 
 class _MaskedBert(nn.Module):
@@ -53,7 +72,7 @@ class _MaskedBert(nn.Module):
 def dataset(model: str, num: int, seed: int) -> tuple[torch.Tensor, ...]:
     """The model's inputs, then its targets (last)."""
     g = torch.Generator().manual_seed(seed)
-    if model in ("gpt", "hfgpt", "gptvocab"):
+    if model in ("gpt", "hfgpt", "gptvocab", "hfalbert"):
         vocab = WIDE_VOCAB if model == "gptvocab" else VOCAB
         tokens = torch.randint(0, vocab, (num, SEQ + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -35,6 +35,7 @@ CASES = {
         "gpt-2s-k2-j2-zb",
         "hfbert-2s-k2",
         "hfalbert-2s-k2",
+        "hfalbert-2s-k2-zb",
         "cnn-2s-k1-validate",
         "string",
         "untraceable",

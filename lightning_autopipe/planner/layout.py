@@ -24,7 +24,7 @@ from lightning_autopipe.planner.pricing import (
 )
 from lightning_autopipe.profile import Profile
 
-__all__ = ["BlockCosts", "Layout", "shared_param_bytes"]
+__all__ = ["BlockCosts", "Layout", "shared_param_bytes", "weights_shared_within"]
 
 
 def shared_param_bytes(ties: Sequence[tuple[int, int, int]],
@@ -51,6 +51,16 @@ def shared_param_bytes(ties: Sequence[tuple[int, int, int]],
         if to >= low:
             total += n
     return total
+
+
+def weights_shared_within(ties: Sequence[tuple[int, int, int]], i: int, j: int) -> bool:
+    """Whether two of blocks ``[i, j)`` share parameters (``ties``: ``BlockProfile.tied_to``;
+    a module applied twice in one stage, as ALBERT applies its layer). The runtime runs such
+    a stage's split backward whole in ``B`` (torch's split cannot resume its ``W``:
+    ``runtime/backward.py``, ``weights_reached_twice``), so its ``B`` costs the whole backward,
+    its ``W`` nothing, and ``B`` frees all it saved (:meth:`BlockCosts.split`,
+    :meth:`BlockCosts.loss_share`, ``simdata.stage_costs``)."""
+    return any(i <= to and b < j for b, to, _ in ties)  # a tie names an earlier block
 
 
 @dataclass(frozen=True)
@@ -136,11 +146,17 @@ class BlockCosts:
                 - shared_param_bytes(self.ties, ranges))
 
     def loss_share(self, i: int, j: int) -> int:
-        """Of blocks ``[i, j)``'s memory per micro-batch, what only the loss saves."""
+        """Of blocks ``[i, j)``'s memory per micro-batch, what a split backward's ``B`` frees:
+        what only the loss saves, or all of it where the blocks share weights."""
+        if self.ties and weights_shared_within(self.ties, i, j):
+            return self.memory(i, j, 1)[0]
         return self.loss[j] - self.loss[i] if self.loss else 0
 
     def split(self, i: int, j: int) -> tuple[float, float, float, float]:
-        """Blocks ``[i, j)``'s split backward: (input ms, weight ms, their fixed parts)."""
+        """Blocks ``[i, j)``'s split backward: (input ms, weight ms, their fixed parts); where
+        the blocks share weights, the whole backward as the input part."""
+        if self.ties and weights_shared_within(self.ties, i, j):
+            return self.bwd[j] - self.bwd[i], 0.0, self.fixed(i, j)[1], 0.0
         return (self.bin[j] - self.bin[i], self.bwt[j] - self.bwt[i],
                 self.bfix_in[j] - self.bfix_in[i], self.bfix_wt[j] - self.bfix_wt[i])
 

@@ -15,7 +15,7 @@ from itertools import accumulate
 
 from lightning_autopipe.cluster import Cluster
 from lightning_autopipe.errors import PlanError
-from lightning_autopipe.planner.layout import shared_param_bytes
+from lightning_autopipe.planner.layout import shared_param_bytes, weights_shared_within
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.pricing import (
     peak_memory_bytes,
@@ -158,6 +158,13 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
         # a storage two blocks save counted once; the first stage's saved inputs are slices
         # of the replica's batch, held once (m micro-batches' worth): one formula for all
         held, once = stage_memory(mem, shared, st.blocks[0], st.blocks[1], plan.num_microbatches)
+        if weights_shared_within(ties, *st.blocks):  # the whole backward in B, which frees all
+            split = (sum(b.backward_ms for b in bl), 0.0, sum(b.backward_fixed_ms for b in bl),
+                     0.0)
+            loss_bytes = held
+        else:
+            split = tuple(sum(x) for x in zip(*(b.split_backward() for b in bl)))
+            loss_bytes = sum(b.loss_bytes for b in bl)
         out.append(
             StageCost(
                 forward_ms=sum(b.forward_ms for b in bl),
@@ -168,8 +175,8 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCost]:
                 activation_bytes=bl[-1].activation_bytes,
                 forward_fixed_ms=sum(b.forward_fixed_ms for b in bl),
                 backward_fixed_ms=sum(b.backward_fixed_ms for b in bl),
-                split=tuple(sum(x) for x in zip(*(b.split_backward() for b in bl))),
-                loss_bytes=sum(b.loss_bytes for b in bl),
+                split=split,
+                loss_bytes=loss_bytes,
                 blocks=st.blocks,
                 ties=ties,
             )

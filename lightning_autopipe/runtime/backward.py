@@ -27,6 +27,7 @@ __all__ = [
     "input_grads",
     "output_pairs",
     "splits_backward_at",
+    "weights_reached_twice",
 ]
 
 
@@ -80,9 +81,13 @@ def backward_input(
     grads: Sequence[Tensor] | None,
     inputs: Sequence[Any],
     params: Sequence[Tensor],
+    *,
+    whole: bool = False,
 ) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]]]:
     """``B`` of a split backward: the gradients of ``inputs`` from ``outputs`` (given their
     ``grads``; None: the outputs are the loss), and the state :func:`backward_weight` resumes.
+    ``whole``: the whole backward runs here and ``W`` finds nothing left to do (a stage whose
+    weights the input path reaches twice, :func:`weights_reached_twice`).
 
     torch pipelining's ``stage_backward_input`` detaches the outputs it is given in place, to
     free the graph behind them. A stage output that the stage itself also consumes (a skip
@@ -92,6 +97,9 @@ def backward_input(
     through unchanged, and only the copies are detached (the executor drops the outputs
     after ``B`` anyway).
     """
+    if whole:
+        torch.autograd.backward(list(outputs), list(grads) if grads is not None else None)
+        return tuple(input_grads(inputs)), []
     outs = [o.clone() for o in outputs] if grads is not None else list(outputs)
     return _split_backward().stage_backward_input(outs, list(grads) if grads is not None
                                                   else None, list(inputs), iter(params))
@@ -101,6 +109,32 @@ def backward_weight(params: Sequence[Tensor], state: list[dict[str, Any]]) -> No
     """``W`` of a split backward: accumulate the weight gradients from :func:`backward_input`'s
     state into ``.grad``."""
     _split_backward().stage_backward_weight(iter(params), state)
+
+
+def weights_reached_twice(
+    outputs: Sequence[Tensor], inputs: Sequence[Any], params: Sequence[Tensor]
+) -> bool:
+    """Whether some weight feeds the path from ``outputs`` back to ``inputs`` at two points: a
+    module applied twice in one stage (ALBERT's shared layer), a weight used twice.
+
+    torch's split computes ``W`` one group of weights at a time, each from the points where
+    its weights feed the input path; from the later point its pass runs back along the input
+    path to the earlier one and frees what that path saved, so the next group's pass fails
+    ("backward through the graph a second time"); kept, every group's pass redoes that part
+    of ``B`` (a layer applied 4 times: ``W`` took 3.4x ``B``). Such a stage runs its whole
+    backward in ``B`` and its ``W`` is empty (``backward_input(..., whole=True)``), as the
+    planner prices a stage holding two blocks that share weights."""
+    split = _split_backward()
+    grad_fn = split._get_grad_fn_or_grad_acc
+    ends = [f for f in map(grad_fn, outputs) if f is not None]
+    starts = [f for f in (grad_fn(t) for t in inputs if isinstance(t, Tensor)) if f is not None]
+    reverse = split.construct_reverse_graph(ends)
+    path, _ = split.reverse_closure(starts, set(), reverse)
+    for p in params:
+        node = grad_fn(p)
+        if node is not None and len(split.reverse_closure([node], path, reverse)[1]) > 1:
+            return True
+    return False
 
 
 def _split_backward() -> Any:

@@ -30,6 +30,11 @@ from torch import Tensor
 
 from lightning_autopipe.errors import InputError, OptionError
 from lightning_autopipe.profile import BlockProfile, Profile, fit_affine
+from lightning_autopipe.runtime.backward import (
+    backward_input,
+    backward_weight,
+    weights_reached_twice,
+)
 from lightning_autopipe.runtime.clock import now
 
 __all__ = ["LossFn", "profile_blocks"]
@@ -173,24 +178,25 @@ def _split_backward(
     dev: torch.device,
 ) -> tuple[float, float]:
     """Milliseconds of the backward's input part (B) and weight part (W), timed one after the
-    other as a zero-bubble schedule runs them (the runtime's split, ``stage_backward_input`` /
-    ``stage_backward_weight``). A block whose inputs take no gradient (the model's first) has
-    no input part: its whole backward is the weight part, as on the pipeline's first stage."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
+    other as a zero-bubble schedule runs them (the runtime's split, :mod:`.backward`). A block
+    whose inputs take no gradient (the model's first) has no input part: its whole backward is
+    the weight part, as on the pipeline's first stage; one whose weights feed its input path
+    twice runs its whole backward as the input part, as a stage does."""
     params = [p for p in stage.parameters() if p.requires_grad]
     wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    t0 = now(dev)
     if not wants:
+        t0 = now(dev)
         _run_backward(outputs, loss)
         return 0.0, (now(dev) - t0) * 1e3
     if loss is not None:
         outs = [loss]
     else:  # backward of ones, from one scalar: an output that is a view cannot be detached
         outs = [torch.stack([t.sum() for t in _grad_targets(outputs)]).sum()]
-    _, groups = stage_backward_input(outs, None, list(args), iter(params))
+    whole = weights_reached_twice(outs, args, params)
+    t0 = now(dev)
+    _, groups = backward_input(outs, None, list(args), params, whole=whole)
     t1 = now(dev)
-    stage_backward_weight(iter(params), groups)
+    backward_weight(params, groups)
     return (t1 - t0) * 1e3, (now(dev) - t1) * 1e3
 
 

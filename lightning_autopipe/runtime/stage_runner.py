@@ -36,6 +36,7 @@ from lightning_autopipe.runtime.backward import (
     input_grads,
     output_pairs,
     splits_backward_at,
+    weights_reached_twice,
 )
 from lightning_autopipe.runtime.groups import ChunkLayout
 from lightning_autopipe.runtime.outbox import Outbox
@@ -82,6 +83,9 @@ class StageRunner:
         self._deferral = getattr(module, "deferral", None)
         # without an input gradient (the first stage) a split backward's W is the whole one
         self._splits = splits_backward_at(layout.stage, split=True)
+        # whether this chunk's weights feed its input path twice (the whole backward in B),
+        # found at its first split backward
+        self._whole_in_b: bool | None = None
         # the runners of the neighbour chunks on this rank (set by the executor), if local
         self.local_prev: StageRunner | None = None
         self.local_next: StageRunner | None = None
@@ -209,7 +213,10 @@ class StageRunner:
                 outs, out_grads = [result], None
             else:
                 outs, out_grads = output_pairs(a, result, grads)
-            dinputs, pending = backward_input(outs, out_grads, inputs, self.params)
+            if self._whole_in_b is None:
+                self._whole_in_b = weights_reached_twice(outs, inputs, self.params)
+            dinputs, pending = backward_input(outs, out_grads, inputs, self.params,
+                                              whole=self._whole_in_b)
         self._hand_back(a.unit, list(dinputs))
         self._weight_state[a.unit] = (None, None, pending)
 

@@ -157,3 +157,24 @@ def test_the_vector_replay_prices_every_candidate_as_the_scalar_one(schedule):
             one = evaluate(fresh, layout, c, step, critical_path=False)
             assert ms == one.iteration_ms
             assert fits == one.fits
+
+
+def test_a_stage_whose_blocks_share_weights_runs_its_whole_backward_in_b():
+    """Blocks 2, 4 and 6 use one module: a split backward cannot resume W on a stage holding
+    two of them (runtime/backward.py, ``weights_reached_twice``), so its B is the whole
+    backward and frees everything; a stage holding one of them keeps the split."""
+    prof = _profile(random.Random(0), 8)
+    costs = BlockCosts.from_profile(prof)
+    b = prof.blocks
+    whole = sum(x.backward_ms for x in b[2:5])
+    assert costs.split(2, 5) == pytest.approx(
+        (whole, 0.0, sum(x.backward_fixed_ms for x in b[2:5]), 0.0))
+    assert costs.loss_share(2, 5) == costs.memory(2, 5, 1)[0]
+    assert costs.split(3, 6)[1] == pytest.approx(sum(x.split_backward()[1] for x in b[3:6]))
+    assert costs.loss_share(3, 6) == 0
+    plan = Plan("t", 48, 4, 1, [StagePlan((0, 2), ["a:0"]), StagePlan((2, 5), ["b:0"]),
+                                StagePlan((5, 8), ["a:1"])], schedule="zb-h1")
+    sim = simulate(plan, prof, _latency_only_cluster(2))
+    weights = [e for e in sim.events if e.kind == "W" and e.stage == 1]
+    assert weights  # each only the runtime's cost of an action (device b's overhead_ms)
+    assert all(e.end_ms - e.start_ms == pytest.approx(0.1) for e in weights)

@@ -11,7 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_autopipe.runtime.backward import backward_input, backward_weight
+from lightning_autopipe.runtime.backward import (
+    backward_input,
+    backward_weight,
+    weights_reached_twice,
+)
 
 
 class SkipOut(nn.Module):
@@ -55,3 +59,55 @@ def test_split_backward_equals_the_whole_backward_when_an_output_is_saved_inside
     for p, w in zip(params, want):
         torch.testing.assert_close(p.grad, w)
     assert outs[0].grad_fn is not None, "the stage's own outputs are not detached"
+
+
+class AppliedThrice(nn.Module):
+    """One layer applied three times in a row (ALBERT's shared layer in one stage), its output
+    scaled by a weight that its input also reads: every weight feeds the input path twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(6, 12), nn.LayerNorm(12), nn.ReLU(), nn.Linear(12, 6))
+        self.scale = nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        x = x * self.scale
+        for _ in range(3):
+            x = x + self.layer(x)
+        return x * self.scale
+
+
+def _grads(stage, x, g, split):
+    """Input and weight gradients of ``stage`` at ``x`` for output gradient ``g``: one whole
+    backward, or B then W as a stage runner runs them."""
+    params = [p for p in stage.parameters()]
+    for p in params:
+        p.grad = None
+    inp = x.clone().requires_grad_(True)
+    out = stage(inp)
+    if not split:
+        out.backward(g)
+        return inp.grad, [p.grad for p in params]
+    whole = weights_reached_twice([out], [inp], params)
+    dinputs, state = backward_input([out], [g], [inp], params, whole=whole)
+    backward_weight(params, state)
+    return dinputs[0], [p.grad for p in params]
+
+
+def test_a_stage_whose_weights_feed_its_input_path_twice_runs_its_whole_backward_in_b():
+    """torch's split computes W one group of weights at a time, each pass freeing the part of
+    the input path it ran back along: on such a stage the second group's pass failed ("backward
+    through the graph a second time", a zero-bubble run of ALBERT). The stage is found and runs
+    its whole backward in B; a stage that uses each weight once keeps the split."""
+    torch.manual_seed(0)
+    stage, x, g = AppliedThrice(), torch.randn(8, 6), torch.randn(8, 6)
+    want_x, want = _grads(stage, x, g, split=False)
+    got_x, got = _grads(stage, x, g, split=True)
+    torch.testing.assert_close(got_x, want_x)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+    once = SkipOut(norm=False)
+    inp = torch.randn(8, 6, requires_grad=True)
+    assert weights_reached_twice(list(once(inp)), [inp], list(once.parameters())) is False
+    assert weights_reached_twice([stage(inp)], [inp], list(stage.parameters())) is True

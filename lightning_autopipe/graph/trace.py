@@ -554,17 +554,28 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
                 f"at {_user_frame(fx_error)}. {_REMEDIES}"
             ) from _cause(fx_error)
     try:
-        with _quiet_tracers():
-            traced = _trace_export(model, inputs)
-        _follow_mode(traced, model, inputs)
-        return traced
+        return _export_following_mode(model, inputs)
     except (InputError, TraceError):
         raise
     except Exception as exc:  # noqa: BLE001 - converted into a TraceError naming both failures
         export_error = exc
+    cache = _returns_cache(export_error) and _cache_configs(model)
+    if cache:  # training never reads the cache: capture the model without it
+        try:
+            with _without_cache(cache):
+                traced = _export_following_mode(model, inputs)
+            traced.notes.append(
+                f"{type(model).__name__} returns a Hugging Face key/value "
+                "cache, which torch.export cannot return; captured with use_cache=False (the "
+                "split model's outputs hold no past_key_values; the model's config is as it was)")
+            return traced
+        except (InputError, TraceError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - as above
+            export_error = exc
     _eager_check(model, inputs)
     parts = [f"torch.export failed: {_short(export_error)} at {_user_frame(export_error)}"]
-    if "cache_utils" in str(export_error) or "DynamicCache" in str(export_error):
+    if _returns_cache(export_error):
         parts.append("the model returns a Hugging Face key/value cache: build or call it "
                      "with use_cache=False (model.config.use_cache = False)")
     if fx_error is not None:
@@ -572,6 +583,40 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
     raise TraceError(
         f"cannot capture {type(model).__name__} as a graph. {'; '.join(parts)}. {_REMEDIES}"
     ) from _cause(export_error)
+
+
+def _export_following_mode(model: nn.Module, inputs: Inputs) -> Traced:
+    with _quiet_tracers():
+        traced = _trace_export(model, inputs)
+    _follow_mode(traced, model, inputs)
+    return traced
+
+
+def _returns_cache(error: BaseException) -> bool:
+    """Whether torch.export failed on a Hugging Face key/value cache among the outputs."""
+    return "cache_utils" in str(error) or "DynamicCache" in str(error)
+
+
+def _cache_configs(model: nn.Module) -> list[Any]:
+    """The Hugging Face configs under ``model`` that make it return a key/value cache."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+@contextmanager
+def _without_cache(configs: list[Any]) -> Iterator[None]:
+    """``use_cache=False`` on ``configs`` while a capture runs, then as they were."""
+    try:
+        for config in configs:
+            config.use_cache = False
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True
 
 
 def unfaithful_fx(model: nn.Module, example_inputs: Any, tracer: str,

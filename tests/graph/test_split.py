@@ -358,6 +358,27 @@ def test_each_call_of_a_layer_applied_at_every_depth_is_a_block_of_its_own(group
     check_split(layer, model, example, layer_cuts)
 
 
+def test_a_language_model_that_returns_its_key_value_cache_is_captured_without_it() -> None:
+    """Hugging Face causal LMs built from a default config (``use_cache=True``) return a
+    key/value cache object that torch.export cannot return: such a model used to be refused
+    with the fix (``use_cache=False``), which DDP never asks for. It is captured with the cache
+    off (training never reads it), says so, and leaves the model's config as it was."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=16))
+    assert model.config.use_cache
+    example = {"input_ids": torch.randint(0, 64, (2, 8))}
+    blocks = split_model(model, example)
+    assert model.config.use_cache
+    assert any("use_cache=False" in note for note in blocks.notes), blocks.notes
+    n = len(blocks)
+    for cuts in (list(range(n + 1)), random_cuts(n, 3, seed=n)):
+        check_split(blocks, model, example, cuts)
+
+
 def test_export_from_a_single_sample_still_has_a_dynamic_batch() -> None:
     """A batch-1 example would be specialised by torch.export (0/1 specialisation); the
     tracer exports on a doubled batch so later micro-batches of any size still run."""

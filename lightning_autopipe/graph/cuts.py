@@ -75,10 +75,16 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _repeated(info: GraphInfo) -> set[str]:
-    """The outermost modules with parameters that the trace saw called more than once."""
+    """The outermost modules that the trace saw called more than once and that hold a
+    layer's share of the model's parameters (not a small norm applied in several places,
+    which would otherwise take the place of the layers around it)."""
+    def size(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    total = size(info.modules[""]) if "" in info.modules else 0
     seen = {p for calls in info.calls.values() for p in calls}
     held = {p for p in seen if p in info.modules
-            and next(info.modules[p].parameters(), None) is not None}
+            and size(info.modules[p]) > 0 and size(info.modules[p]) >= _LIGHT * total}
     return {p for p in held if not any(p.startswith(q + ".") for q in held)}
 
 

@@ -358,6 +358,65 @@ def test_each_call_of_a_layer_applied_at_every_depth_is_a_block_of_its_own(group
     check_split(layer, model, example, layer_cuts)
 
 
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1) @ self.v(x))
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class _Encoder(nn.Module):
+    """Attention and an MLP, each followed by a norm: one norm applied twice (``shared``) or
+    two norms."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.attn = _Attention()
+        self.mlp = _Mlp()
+        self.norm = nn.LayerNorm(16)
+        self.norm2 = self.norm if shared else nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x + self.attn(x))
+        return self.norm2(x + self.mlp(x))
+
+
+class _Encoded(nn.Module):
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.emb, self.enc, self.head = nn.Linear(8, 16), _Encoder(shared), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(x)))
+
+
+def test_a_small_module_applied_in_two_places_splits_like_two_modules() -> None:
+    """Only a module applied several times that holds a layer's share of the weights becomes
+    per-call layers: a norm applied twice leaves the layers around it as two norms do (taken
+    for layers, it broke the encoder into its projections, with cuts between q, k and v)."""
+    example = (torch.randn(2, 5, 8),)
+    names = []
+    for shared in (False, True):
+        torch.manual_seed(0)
+        model = _Encoded(shared)
+        blocks = split_model(model, example)
+        check_split(blocks, model, example, list(range(len(blocks) + 1)))
+        names.append([n.split("#")[0].replace("norm2", "norm") for n in blocks.names])
+    assert names[1] == names[0]
+    assert "enc.attn" in names[0]
+
+
 def test_a_language_model_that_returns_its_key_value_cache_is_captured_without_it() -> None:
     """Hugging Face causal LMs built from a default config (``use_cache=True``) return a
     key/value cache object that torch.export cannot return: such a model used to be refused

@@ -167,6 +167,8 @@ class _BlockRun:
     param_bytes: int = 0
     shared: int = 0  # of ``memory``: inputs the previous block saves too
     loss_memory: int = 0  # of ``memory``: what only the loss saves (the last block)
+    # its weights feed its input path twice (its split backward runs whole in B), once known
+    whole_in_b: bool | None = None
 
     def __post_init__(self) -> None:
         params = {id(p): p for p in self.stage.parameters()}
@@ -174,7 +176,7 @@ class _BlockRun:
 
 
 def _split_backward(
-    stage: Any, args: tuple[Any, ...], outputs: tuple[Any, ...], loss: Tensor | None,
+    run: _BlockRun, args: tuple[Any, ...], outputs: tuple[Any, ...], loss: Tensor | None,
     dev: torch.device,
 ) -> tuple[float, float]:
     """Milliseconds of the backward's input part (B) and weight part (W), timed one after the
@@ -182,7 +184,7 @@ def _split_backward(
     whose inputs take no gradient (the model's first) has no input part: its whole backward is
     the weight part, as on the pipeline's first stage; one whose weights feed its input path
     twice runs its whole backward as the input part, as a stage does."""
-    params = [p for p in stage.parameters() if p.requires_grad]
+    params = [p for p in run.stage.parameters() if p.requires_grad]
     wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     if not wants:
         t0 = now(dev)
@@ -192,9 +194,10 @@ def _split_backward(
         outs = [loss]
     else:  # backward of ones, from one scalar: an output that is a view cannot be detached
         outs = [torch.stack([t.sum() for t in _grad_targets(outputs)]).sum()]
-    whole = weights_reached_twice(outs, args, params)
+    if run.whole_in_b is None:
+        run.whole_in_b = weights_reached_twice(outs, args, params)
     t0 = now(dev)
-    _, groups = backward_input(outs, None, list(args), params, whole=whole)
+    _, groups = backward_input(outs, None, list(args), params, whole=run.whole_in_b)
     t1 = now(dev)
     backward_weight(params, groups)
     return (t1 - t0) * 1e3, (now(dev) - t1) * 1e3
@@ -210,7 +213,7 @@ def _split_pass(runs: list[_BlockRun], dev: torch.device, n: int) -> list[tuple[
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(runs)
     for b in range(len(runs) - 1, -1, -1):
         args, outputs, loss = held[b]
-        out[b] = _split_backward(runs[b].stage, args, outputs, loss, dev)
+        out[b] = _split_backward(runs[b], args, outputs, loss, dev)
         held[b] = None  # type: ignore[call-overload]
     return out
 

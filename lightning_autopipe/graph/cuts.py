@@ -2,18 +2,18 @@
 
 Nodes are keyed by the module that ran them. A *layer* is a child of a container module (a
 ``ModuleList`` / ``Sequential`` / ``ModuleDict`` holding at least two modules of one class, or a
-module whose children are numbered): one transformer layer, one ResNet block. A module with
-parameters that the model calls several times (ALBERT's one shared layer, applied once per
-depth) is a layer too, and each of its calls is a layer of its own: the calls share weights but
-not work, and a stage boundary may fall between them (stages holding calls of one module hold
-its weights as tied). At ``"layer"`` granularity each layer is one block and the runs of nodes
-between layers (embeddings, heads) form one block each. At ``"sub-block"`` granularity a layer
-is split at its direct children (below any chain of single wrappers: ALBERT's layer group
-holding one layer), and children that hold few parameters (< 8 % of the largest sibling:
-norms, activations, residual adds) are merged into a neighbour across whichever of their two
-boundaries carries *more* live values, which keeps the boundaries with the fewest live tensors:
-pre-LN transformers split into attention and MLP halves with their residual adds, ResNet blocks
-into their convolution groups.
+module whose children are numbered): one transformer layer, one ResNet block. A module that
+the model calls several times and that holds a layer's share of its weights (ALBERT's one
+shared layer, applied once per depth) is a layer too, and each call of a layer is a layer of
+its own: the calls share weights but not work, and a stage boundary may fall between them
+(stages holding calls of one module hold its weights as tied). At ``"layer"`` granularity
+each layer is one block and the runs of nodes between layers (embeddings, heads) form one
+block each. At ``"sub-block"`` granularity a layer is split at its direct children (below
+any chain of single wrappers: ALBERT's layer group holding one layer), and children that hold
+few parameters (< 8 % of the largest sibling: norms, activations, residual adds) are merged
+into a neighbour across whichever of their two boundaries carries *more* live values, which
+keeps the boundaries with the fewest live tensors: pre-LN transformers split into attention and
+MLP halves with their residual adds, ResNet blocks into their convolution groups.
 """
 
 from __future__ import annotations

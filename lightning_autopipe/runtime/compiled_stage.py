@@ -31,6 +31,9 @@ profile's sample count and at half of it, splits both into a fixed and a per-sam
 the profiler does, and scales every block's fixed and per-sample parts by the compiled/eager
 ratios (forward and backward apart): the planner prices the stages as they will run. The loss
 on the last block (eager in training too) is scaled with it; it is a small part of that block.
+Memory the same way: what the whole model saves for backward compiled over what it saves
+eagerly (a compiled graph keeps what its partitioner chooses, recomputing cheap intermediates)
+scales what every block saves, the loss's share apart (it runs eagerly).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from lightning_autopipe.profile import Profile, fit_affine
 from lightning_autopipe.runtime.backward import splits_backward_at
 from lightning_autopipe.runtime.clock import now
 from lightning_autopipe.runtime.compiled_split import Deferral, split_backend
+from lightning_autopipe.runtime.profiler import saved_activation_bytes
 
 __all__ = ["CompileCorrection", "CompiledStage", "check_backend", "compiled_profile",
            "compiled_stage", "with_ratios"]
@@ -206,7 +210,8 @@ class CompileCorrection:
             f"compile ({self.backend}): block costs scaled by the whole model's compiled/eager "
             f"time, forward x{r['forward']:.2f} (fixed x{r['forward_fixed']:.2f}, per sample "
             f"x{r['forward_per_sample']:.2f}), backward x{r['backward']:.2f} (fixed "
-            f"x{r['backward_fixed']:.2f}, per sample x{r['backward_per_sample']:.2f})"
+            f"x{r['backward_fixed']:.2f}, per sample x{r['backward_per_sample']:.2f}); saved "
+            f"activations x{r['memory']:.2f}"
         )
         return corrected
 
@@ -251,11 +256,18 @@ def compiled_profile(
             (c_full - c_fix) / (e_full - e_fix) if e_full > e_fix else whole_ratio
         )
         ratios[part] = whole_ratio
+    # what a unit in flight holds: a compiled graph saves what its partitioner keeps for the
+    # backward (it recomputes cheap intermediates and fuses), not what each eager op saves
+    eager_saved = saved_activation_bytes(whole, flat)
+    ratios["memory"] = (saved_activation_bytes(compiled, flat) / eager_saved
+                        if eager_saved else 1.0)
     return with_ratios(profile, ratios), ratios
 
 
 def with_ratios(profile: Profile, ratios: dict[str, float]) -> Profile:
-    """``profile`` with :func:`compiled_profile`'s ``ratios`` applied to every block."""
+    """``profile`` with :func:`compiled_profile`'s ``ratios`` applied to every block: times,
+    and what the blocks save for backward (the loss's share stays: the loss runs eagerly)."""
+    kept = ratios.get("memory", 1.0)
     out = [
         replace(
             b,
@@ -263,6 +275,8 @@ def with_ratios(profile: Profile, ratios: dict[str, float]) -> Profile:
             **_scaled(b.backward_ms, b.backward_fixed_ms, ratios, "backward"),
             backward_input_ms=_times(b.backward_input_ms, ratios["backward"]),
             backward_weight_ms=_times(b.backward_weight_ms, ratios["backward"]),
+            memory_bytes=b.loss_bytes + round((b.memory_bytes - b.loss_bytes) * kept),
+            shared_input_bytes=round(b.shared_input_bytes * kept),
         )
         for b in profile.blocks
     ]

@@ -37,7 +37,7 @@ from lightning_autopipe.runtime.backward import (
 )
 from lightning_autopipe.runtime.clock import now
 
-__all__ = ["LossFn", "profile_blocks"]
+__all__ = ["LossFn", "profile_blocks", "saved_activation_bytes"]
 
 LossFn = Callable[[tuple[Any, ...], int], Tensor]
 """``loss_fn(last_block_outputs, n) -> scalar``: the training loss of the first ``n`` samples."""
@@ -121,6 +121,15 @@ def _saved_bytes(
     loss_only = {ptr: nbytes for ptr, nbytes in by_loss.items() if ptr not in storages}
     storages.update(loss_only)
     return sum(storages.values()), outputs, loss, sum(loss_only.values())
+
+
+def saved_activation_bytes(stage: Any, inputs: tuple[Any, ...]) -> int:
+    """Bytes of the distinct storages ``stage`` saves for backward on ``inputs``, its
+    parameters excluded (what a unit in flight holds, as the memory meter counts it)."""
+    skip = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    total, outputs, _, _ = _saved_bytes(stage, inputs, skip, None, 0)
+    del outputs
+    return total
 
 
 def _time_block(

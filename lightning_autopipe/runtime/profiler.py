@@ -127,9 +127,7 @@ def saved_activation_bytes(stage: Any, inputs: tuple[Any, ...]) -> int:
     """Bytes of the distinct storages ``stage`` saves for backward on ``inputs``, its
     parameters excluded (what a unit in flight holds, as the memory meter counts it)."""
     skip = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-    total, outputs, _, _ = _saved_bytes(stage, inputs, skip, None, 0)
-    del outputs
-    return total
+    return _saved_bytes(stage, inputs, skip, None, 0)[0]
 
 
 def _time_block(

@@ -280,9 +280,17 @@ def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_war
         margin = 1 + (SLOWER - 1) / 2
         return all(1 / margin < t < margin for t in r["timing_ratios"])
 
+    def warned(r: dict) -> bool:
+        # rank 1 is declared at half speed: its line says so (a core that stalled during this
+        # second, one-repeat discovery may add a line for rank 0 before it)
+        return any("contradicts the measurement" in w and "rank 1 " in w
+                   and "declared relative speed 0.50, measured" in w for w in r["warnings"])
+
     r = run()
-    for _ in range(2):  # a busy machine: a core slowed while profiling (up to three runs)
-        if len(r["types"]) == 1 and alike(r):
+    for _ in range(2):  # a busy machine: a core slowed while profiling (up to three runs);
+        # the second discovery profiles once, so a transient there can make rank 1 measure
+        # near the declared half speed
+        if len(r["types"]) == 1 and alike(r) and warned(r):
             break
         r = run()
     if not alike(r):  # e.g. a VM whose second vCPU shares its physical core with other guests
@@ -293,11 +301,7 @@ def test_alike_ranks_are_one_type_and_plan_as_today_and_a_contradicting_file_war
                                   f"after discovery {r['timing_ratios']}")
     assert r["cuts"] == r["today"]
     assert r["same"]
-    said = [w for w in r["warnings"] if "contradicts the measurement" in w]
-    # rank 1 is declared at half speed: its line says so (a core that stalled during this
-    # second, one-repeat discovery may add a line for rank 0 before it)
-    assert any("rank 1 " in w and "declared relative speed 0.50, measured" in w
-               for w in said), r["warnings"]
+    assert warned(r), r["warnings"]
 
 
 def _failing_worker(rank: int, port: int, out: str) -> None:

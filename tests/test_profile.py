@@ -338,3 +338,23 @@ def test_a_module_applied_in_several_places_is_held_once_by_any_stage_of_its_use
     assert costs.param_bytes((0, n)) == 4 * layer  # each parameter once
     assert costs.param_bytes((2, n)) == 3 * layer  # b, c and the shared layer once
     assert costs.param_bytes((0, 2), (5, n)) == 2 * layer  # a rank holding a, 1st, 3rd use
+
+
+@pytest.mark.parametrize("in_chain", [True, False], ids=["in-chain", "isolated"])
+def test_a_model_returning_a_named_tuple_is_profiled_with_its_last_blocks_backward(
+        in_chain: bool) -> None:
+    """Without a loss the last block back-propagates ones from the tensors inside the model's
+    own output (torch.fx keeps a named tuple's construction, as in torchvision's GoogLeNet):
+    its backward runs, whole and split, and is timed, not skipped or failed on the tuple."""
+    from tests.runtime._cases import build_net
+
+    model = build_net("cnnaux")
+    blocks = split_model(model, (torch.randn(4, 3, 8, 8),))
+    assert blocks.tracer == "fx"
+    last = profile_blocks(blocks, (torch.randn(4, 3, 8, 8),), repeats=1, in_chain=in_chain,
+                          fit_fixed=False).blocks[-1]
+    assert last.backward_ms > 0
+    assert last.backward_input_ms is not None
+    assert last.backward_input_ms > 0
+    assert last.backward_weight_ms is not None
+    assert last.backward_weight_ms > 0

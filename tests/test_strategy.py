@@ -29,6 +29,7 @@ CASES = {
         "cnn-2s-k2",
         "cnn_bn-2s-k2",
         "cnn_bn-2s-k2-j2",
+        "cnnaux-2s-k2-zb",
         "gpt-2s-k2-bf16",
         "hfgpt-2s-k2",
         "hfgpt-2s-k2-zb",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lightning_autopipe.errors import InputError, OptionError
@@ -62,7 +63,11 @@ def _prepare(values: tuple[Any, ...], grads: list[bool]) -> tuple[Any, ...]:
 
 
 def _grad_targets(outputs: tuple[Any, ...]) -> list[torch.Tensor]:
-    return [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    """The tensors of ``outputs`` that take a gradient, inside any structure the model returns
+    (the last block's output is the model's: a named tuple such as torchvision GoogLeNet's
+    ``GoogLeNetOutputs``, a dict, a Hugging Face ``ModelOutput``)."""
+    leaves = pytree.tree_leaves(outputs)
+    return [o for o in leaves if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
 def _scalar_loss(loss_fn: LossFn | None, outputs: tuple[Any, ...], n: int) -> Tensor | None:
@@ -200,7 +205,10 @@ def _split_backward(
     if loss is not None:
         outs = [loss]
     else:  # backward of ones, from one scalar: an output that is a view cannot be detached
-        outs = [torch.stack([t.sum() for t in _grad_targets(outputs)]).sum()]
+        targets = _grad_targets(outputs)
+        if not targets:  # nothing it returns takes a gradient: it has no backward to split
+            return 0.0, 0.0
+        outs = [torch.stack([t.sum() for t in targets]).sum()]
     if run.whole_in_b is None:
         run.whole_in_b = weights_reached_twice(outs, args, params)
     t0 = now(dev)

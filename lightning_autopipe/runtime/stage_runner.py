@@ -24,6 +24,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from lightning_autopipe.errors import PipelineRuntimeError
@@ -159,8 +160,9 @@ class StageRunner:
         with self._saving():  # what the forward saves for backward
             outs = self.module(*inputs)
         outs = tuple(outs) if isinstance(outs, list | tuple) else (outs,)
-        for o in outs:
-            if o.is_floating_point():
+        # the last stage's outputs are the model's own structure (a named tuple, a dict)
+        for o in outs if not self.layout.is_last else pytree.tree_leaves(outs):
+            if isinstance(o, Tensor) and o.is_floating_point():
                 wide = o.dtype == torch.float64
                 self.output_sum += o.detach().sum(dtype=torch.float64 if wide else torch.float32)
         if not self.layout.is_last:

@@ -6,6 +6,8 @@ torch from the same seeds and the same per-replica batches the DistributedSample
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -34,6 +36,8 @@ def build_net(model: str) -> nn.Module:
         return build_gpt("hfgpt", arch="hf", vocab_size=VOCAB, max_seq_len=SEQ, n_embd=16)
     if model in ("cnn", "cnn_bn"):
         return SmallCNN(widths=(4, 8), blocks_per_stage=1, batch_norm=model == "cnn_bn")
+    if model == "cnnaux":
+        return _AuxCNN()
     if model == "hfbert":  # Hugging Face BERT called with a padding mask: two inputs
         return _MaskedBert(hf_bert(VOCAB, SEQ, 16, 2, 2, intermediate_size=32, dropout=0.0))
     if model == "hfalbert":  # one layer's weights applied at every depth: the calls are blocks
@@ -56,6 +60,27 @@ class _Logits(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits
+
+
+class Heads(NamedTuple):
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+class _AuxCNN(nn.Module):
+    """A CNN returning a named tuple with an auxiliary head that the loss leaves out, as
+    torchvision's GoogLeNet and Inception do in training: torch.fx traces the tuple's
+    construction, so the last stage returns the tuple itself, not its tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cnn = SmallCNN(widths=(4, 8), blocks_per_stage=1)
+        self.aux = nn.Linear(8, 3)
+
+    def forward(self, images: torch.Tensor) -> Heads:
+        c = self.cnn
+        pooled = torch.flatten(c.pool(c.layers(c.stem(images))), 1)
+        return Heads(c.fc(pooled), self.aux(pooled))
 
 
 class _MaskedBert(nn.Module):
@@ -84,8 +109,10 @@ def dataset(model: str, num: int, seed: int) -> tuple[torch.Tensor, ...]:
     return torch.randn(num, 3, 8, 8, generator=g), torch.randint(0, 10, (num,), generator=g)
 
 
-def loss_fn(outputs: torch.Tensor, batch) -> torch.Tensor:
+def loss_fn(outputs: torch.Tensor | Heads, batch) -> torch.Tensor:
     targets = batch[-1]
+    if isinstance(outputs, Heads):
+        outputs = outputs.logits
     return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
 
 

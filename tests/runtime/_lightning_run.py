@@ -6,7 +6,7 @@ CASE is ``<model>-<stages>s-k<slices>[-j2][-zb][-ex][-bf16][-clip][-validate][-c
 two drain slices, else the planner's choice; ``zb``: the zero-bubble ZB-H1 schedule pinned, else
 the planner's choice of schedule; ``ex``: the module sets ``example_input_array``, so the
 strategy needs no batch for the example and draws one for the loss's profile only) (model: gpt,
-gptvocab, hfgpt, hfbert, hfalbert, cnn, cnn_bn;
+gptvocab, hfgpt, hfbert, hfalbert, cnn, cnn_bn, cnnaux;
 ``validate`` runs ``Trainer.validate`` only), planned for the given local cluster,
 ``string`` (``Trainer(strategy="autopipe")`` with every option on auto: the cluster discovered)
 or ``untraceable``. Every rank runs every case in order and writes

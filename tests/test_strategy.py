@@ -25,6 +25,7 @@ CASES = {
         "gptvocab-2s-k2-ex",
         "gptvocab-2s-k2-ex-zb",
         "gptvocab-1s-k1-ex",
+        "gptvocab-2s-k2-ord",
         "cnn-2s-k1",
         "cnn-2s-k2",
         "cnn_bn-2s-k2",
@@ -252,7 +253,8 @@ def _check_case(case: str, ranks: list[dict], world: int) -> None:
 
 # ----------------------------------------------------------------------------------- tests
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in CASES[2] if c.count("-") == 2 or c.endswith("-ex")])
+@pytest.mark.parametrize("case", [c for c in CASES[2] if c.count("-") == 2
+                                  or c.endswith(("-ex", "-ord"))])
 def test_two_stages_one_replica_equals_single_process(world2, case):
     _check_case(case, world2[case], 2)
 

@@ -2,10 +2,12 @@
 
     run by tests/_world.py: run_case(CASE, WORLD, OUT_DIR)
 
-CASE is ``<model>-<stages>s-k<slices>[-j2][-zb][-ex][-bf16][-clip][-validate][-ckpt]`` (``j2``:
-two drain slices, else the planner's choice; ``zb``: the zero-bubble ZB-H1 schedule pinned, else
-the planner's choice of schedule; ``ex``: the module sets ``example_input_array``, so the
-strategy needs no batch for the example and draws one for the loss's profile only) (model: gpt,
+CASE is ``<model>-<stages>s-k<slices>[-j2][-zb][-ex][-ord][-bf16][-clip][-validate][-ckpt]``
+(``j2``: two drain slices, else the planner's choice; ``zb``: the zero-bubble ZB-H1 schedule
+pinned, else the planner's choice of schedule; ``ex``: the module sets
+``example_input_array``, so the strategy needs no batch for the example and draws one for the
+loss's profile only; ``ord``: an ordinary module, no ``pipeline_loss``, so the loss is not
+profiled) (model: gpt,
 gptvocab, hfgpt, hfbert, hfalbert, cnn, cnn_bn, cnnaux;
 ``validate`` runs ``Trainer.validate`` only), planned for the given local cluster,
 ``string`` (``Trainer(strategy="autopipe")`` with every option on auto: the cluster discovered)
@@ -58,15 +60,18 @@ class Task(pl.LightningModule):
         return self(**inputs) if isinstance(inputs, dict) else self(inputs)
 
     def pipeline_loss(self, outputs, batch):
+        return self._loss(outputs, batch)
+
+    def _loss(self, outputs, batch):
         if self.kind == "untraceable":
             return outputs.pow(2).mean()
         return C.loss_fn(outputs, batch)
 
     def training_step(self, batch, batch_idx):
-        return self.pipeline_loss(self._forward_batch(batch), batch)
+        return self._loss(self._forward_batch(batch), batch)
 
     def validation_step(self, batch, batch_idx):
-        loss = self.pipeline_loss(self._forward_batch(batch), batch)
+        loss = self._loss(self._forward_batch(batch), batch)
         self.log("val_loss", loss)
         return loss
 
@@ -120,6 +125,8 @@ def run_case(case: str, world: int, out: Path) -> None:
             cluster=Cluster.local(world),
         )
     task = Task(model)
+    if "ord" in parts:  # no pipeline_loss: Lightning's loop runs training_step, loss and all
+        task.pipeline_loss = None
     if "ex" in parts:
         task.example_input_array = C.dataset(model, 2, seed=0)[0]
     task.replicas = world // stages if stages else world  # only sizes the dataset

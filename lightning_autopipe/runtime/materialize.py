@@ -248,8 +248,11 @@ class Materializer:
         names = self._names.get(id(t))
         if not names:
             raise PlanError(
-                "internal: a stage tensor is not reachable from the traced model; build the "
-                "model's parameters as attributes of its modules"
+                f"a stage holds a tensor of shape {tuple(t.shape)} on the meta device that no "
+                "module of the model holds (a constant the forward creates, which the trace "
+                "keeps, or a parameter kept outside the modules), so it cannot be "
+                "initialised or loaded by name; register it as a buffer of its module, or "
+                "build the model outside configure_model (eagerly)"
             )
         return names[0]
 
@@ -266,6 +269,12 @@ class Materializer:
                 initialiser writes (``strict``); a meta buffer no initialiser re-creates.
         """
         todo = _unique(t for t in tensors if t.device.type == "meta")
+        # a constant the trace lifted out of the forward (torch.export's ``lifted_tensor_k``:
+        # an empty ``torch.tensor([])`` that Hugging Face attention makes per call, made on
+        # the meta device while tracing a meta model) belongs to no module and has no values
+        for t in [t for t in todo if id(t) not in self._names and t.numel() == 0]:
+            _swap(t, self._empty_like(t, device))
+        todo = [t for t in todo if t.device.type == "meta"]
         todo.sort(key=lambda t: self.name_of(t))
         ready: dict[int, Tensor] = {id(t): self._empty_like(t, device) for t in todo}
         loaded = self._load(todo, ready)

@@ -36,6 +36,13 @@ def build_net(model: str) -> nn.Module:
         return build_gpt("hfgpt", arch="hf", vocab_size=VOCAB, max_seq_len=SEQ, n_embd=16)
     if model in ("cnn", "cnn_bn"):
         return SmallCNN(widths=(4, 8), blocks_per_stage=1, batch_norm=model == "cnn_bn")
+    if model == "hfllama":  # rotary positions, grouped-query attention; its attention makes
+        # an empty tensor per call, which torch.export lifts out of the forward as a constant
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return _Logits(LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, intermediate_size=32, max_position_embeddings=SEQ)))
     if model == "cnnaux":
         return _AuxCNN()
     if model == "hfbert":  # Hugging Face BERT called with a padding mask: two inputs
@@ -97,7 +104,7 @@ class _MaskedBert(nn.Module):
 def dataset(model: str, num: int, seed: int) -> tuple[torch.Tensor, ...]:
     """The model's inputs, then its targets (last)."""
     g = torch.Generator().manual_seed(seed)
-    if model in ("gpt", "hfgpt", "gptvocab", "hfalbert"):
+    if model in ("gpt", "hfgpt", "gptvocab", "hfalbert", "hfllama"):
         vocab = WIDE_VOCAB if model == "gptvocab" else VOCAB
         tokens = torch.randint(0, vocab, (num, SEQ + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

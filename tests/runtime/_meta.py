@@ -55,7 +55,7 @@ def gpt(d: int = 16, layers: int = 2, seq: int = C.SEQ) -> nn.Module:
 
 
 def build(kind: str, d: int = 16, layers: int = 2, seq: int = C.SEQ) -> nn.Module:
-    """The test model of ``kind`` (``gpt``, ``hfgpt``, ``hfbert``)."""
+    """The test model of ``kind``: ``gpt``, or a model of ``tests.runtime._cases.build_net``."""
     if kind == "gpt":
         return gpt(d, layers, seq)
     return C.build_net(kind)
@@ -227,10 +227,10 @@ def stage_state_names(cuts: list[int], stage: int) -> set[str]:
 
 
 def _hf(rank: int, world: int, arg: Any) -> dict[str, Any]:
-    """Hugging Face GPT-2 and BERT from configs on the meta device: traced, split (planned on
-    2 stages), initialised by their own ``_init_weights``, trained 2 steps."""
+    """Hugging Face GPT-2, BERT and Llama from configs on the meta device: traced, split
+    (planned on 2 stages), initialised by their own ``_init_weights``, trained 2 steps."""
     out: dict[str, Any] = {}
-    for kind in ("hfgpt", "hfbert"):
+    for kind in HF_KINDS:
         torch.manual_seed(arg["seed"])
         module = deferred(kind)
         module.net.eval()  # export keeps train/eval; dropout is off in these configs anyway
@@ -242,6 +242,10 @@ def _hf(rank: int, world: int, arg: Any) -> dict[str, Any]:
                      "stage": pipe.layout.stage, "tracer": "export"}
         close(pipe)
     return out
+
+
+#: the Hugging Face models of the ``hf`` case
+HF_KINDS = ("hfgpt", "hfbert", "hfllama")
 
 
 def _local(world: int) -> Any:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_autopipe.cluster import Cluster
+from lightning_autopipe.errors import PlanError
 from lightning_autopipe.graph import split_model
 from lightning_autopipe.planner.plan import Proposal
 from lightning_autopipe.planner.search import finish_plan, make_plan
@@ -96,11 +97,13 @@ def test_training_from_a_checkpoint_loaded_into_the_meta_model_equals_one_proces
             torch.testing.assert_close(r[source]["losses"], want, rtol=1e-5, atol=0)
 
 
-def test_hugging_face_gpt2_and_bert_built_on_meta_train_as_built_eagerly(tmp_path, spawn_case):
-    """Traced with torch.export on the meta device, split on 2 stages (planned), initialised by
-    their own _init_weights: 2 steps equal the eagerly built model given the same weights."""
+def test_hugging_face_models_built_on_meta_train_as_built_eagerly(tmp_path, spawn_case):
+    """GPT-2, BERT and Llama, traced with torch.export on the meta device, split on 2 stages
+    (planned), initialised by their own _init_weights: 2 steps equal the eagerly built model
+    given the same weights. Llama's attention makes an empty tensor per call, a constant of
+    the traced graph that no module holds: it gets storage with its stage."""
     ranks = spawn_case("hf", 2, tmp_path, {"seed": 3})
-    for kind in ("hfgpt", "hfbert"):
+    for kind in M.HF_KINDS:
         state: dict[str, torch.Tensor] = {}
         for r in ranks:
             state.update(r[kind]["state"])
@@ -188,3 +191,16 @@ def test_recomputation_is_chosen_only_when_memory_requires_it_and_equals_one_pro
         torch.testing.assert_close(r["losses"], reference, rtol=1e-5, atol=0)
         stage = r["stage"]
         assert r["recomputed"] == ("Recomputed" if tight.recomputes(stage) else "StageModule")
+
+
+def test_a_meta_tensor_that_no_module_holds_is_refused_naming_the_fix() -> None:
+    """An empty one (a constant the trace lifted out of the forward) just gets storage; one
+    with values to give cannot be initialised or loaded by name, and the error says so."""
+    module = M.deferred("gpt")
+    lifted = torch.empty(0, device="meta")
+    stray = torch.empty(3, device="meta")
+    materializer = Materializer(module, seed=0)
+    assert materializer.materialize([lifted], torch.device("cpu")) == 0
+    assert lifted.device.type == "cpu"
+    with pytest.raises(PlanError, match="register it as a buffer of its module"):
+        materializer.materialize([stray], torch.device("cpu"))

@@ -27,6 +27,7 @@ __all__ = [
     "input_grads",
     "output_pairs",
     "splits_backward_at",
+    "weights_off_the_input_path",
     "weights_reached_twice",
 ]
 
@@ -83,11 +84,14 @@ def backward_input(
     params: Sequence[Tensor],
     *,
     whole: bool = False,
+    off_path: Sequence[Tensor] = (),
 ) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]]]:
     """``B`` of a split backward: the gradients of ``inputs`` from ``outputs`` (given their
     ``grads``; None: the outputs are the loss), and the state :func:`backward_weight` resumes.
     ``whole``: the whole backward runs here and ``W`` finds nothing left to do (a stage whose
-    weights the input path reaches twice, :func:`weights_reached_twice`).
+    weights the input path reaches twice, :func:`weights_reached_twice`). ``off_path``: those
+    of ``params`` whose gradients ``B`` computes with the input gradients, as if inputs
+    (:func:`weights_off_the_input_path`: ``W`` would not compute them).
 
     torch pipelining's ``stage_backward_input`` detaches the outputs it is given in place, to
     free the graph behind them. A stage output that the stage itself also consumes (a skip
@@ -101,8 +105,11 @@ def backward_input(
         torch.autograd.backward(list(outputs), list(grads) if grads is not None else None)
         return tuple(input_grads(inputs)), []
     outs = [o.clone() for o in outputs] if grads is not None else list(outputs)
-    return _split_backward().stage_backward_input(outs, list(grads) if grads is not None
-                                                  else None, list(inputs), iter(params))
+    off = {id(p) for p in off_path}
+    dinputs, groups = _split_backward().stage_backward_input(
+        outs, list(grads) if grads is not None else None, [*inputs, *off_path],
+        iter([p for p in params if id(p) not in off]))
+    return dinputs[:len(inputs)], groups
 
 
 def backward_weight(params: Sequence[Tensor], state: list[dict[str, Any]]) -> None:
@@ -124,17 +131,40 @@ def weights_reached_twice(
     of ``B`` (a layer applied 4 times: ``W`` took 3.4x ``B``). Such a stage runs its whole
     backward in ``B`` and its ``W`` is empty (``backward_input(..., whole=True)``), as the
     planner prices a stage holding two blocks that share weights."""
+    return any(n > 1 for n in _meetings(outputs, inputs, params))
+
+
+def weights_off_the_input_path(
+    outputs: Sequence[Tensor], inputs: Sequence[Any], params: Sequence[Tensor]
+) -> list[Tensor]:
+    """The weights whose gradient path from ``outputs`` never meets the path back to
+    ``inputs``: a branch of the stage fed only by values that take no gradient (a later
+    stage's decoder embedding in an encoder-decoder model, fed by token ids; a position bias).
+
+    torch's split groups each weight with the points where its path meets the input path and
+    ``W`` computes each group from there, so such a weight is in no group and ``W`` dropped its
+    gradient (BART under ZB-V trained its decoder embeddings on no gradient). ``B`` computes
+    theirs with the input gradients (``backward_input(..., off_path=...)``): the weight work
+    of that branch moves into ``B``, where the profiler times it too."""
+    return [p for p, n in zip(params, _meetings(outputs, inputs, params)) if n == 0]
+
+
+def _meetings(
+    outputs: Sequence[Tensor], inputs: Sequence[Any], params: Sequence[Tensor]
+) -> list[int]:
+    """Per weight, at how many points its gradient path from ``outputs`` meets the path back
+    to ``inputs`` (torch's closure helpers; -1: the weight takes no gradient)."""
     split = _split_backward()
     grad_fn = split._get_grad_fn_or_grad_acc
     ends = [f for f in map(grad_fn, outputs) if f is not None]
     starts = [f for f in (grad_fn(t) for t in inputs if isinstance(t, Tensor)) if f is not None]
     reverse = split.construct_reverse_graph(ends)
     path, _ = split.reverse_closure(starts, set(), reverse)
+    out = []
     for p in params:
         node = grad_fn(p)
-        if node is not None and len(split.reverse_closure([node], path, reverse)[1]) > 1:
-            return True
-    return False
+        out.append(-1 if node is None else len(split.reverse_closure([node], path, reverse)[1]))
+    return out
 
 
 def _split_backward() -> Any:

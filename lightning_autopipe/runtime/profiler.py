@@ -22,7 +22,7 @@ import io
 import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, redirect_stderr
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from lightning_autopipe.profile import BlockProfile, Profile, fit_affine
 from lightning_autopipe.runtime.backward import (
     backward_input,
     backward_weight,
+    weights_off_the_input_path,
     weights_reached_twice,
 )
 from lightning_autopipe.runtime.clock import now
@@ -179,8 +180,10 @@ class _BlockRun:
     param_bytes: int = 0
     shared: int = 0  # of ``memory``: inputs the previous block saves too
     loss_memory: int = 0  # of ``memory``: what only the loss saves (the last block)
-    # its weights feed its input path twice (its split backward runs whole in B), once known
+    # its weights feed its input path twice (its split backward runs whole in B), and its
+    # weights off that path (their gradients in B), once known
     whole_in_b: bool | None = None
+    off_path: list[Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         params = {id(p): p for p in self.stage.parameters()}
@@ -211,8 +214,10 @@ def _split_backward(
         outs = [torch.stack([t.sum() for t in targets]).sum()]
     if run.whole_in_b is None:
         run.whole_in_b = weights_reached_twice(outs, args, params)
+        run.off_path = weights_off_the_input_path(outs, args, params)
     t0 = now(dev)
-    _, groups = backward_input(outs, None, list(args), params, whole=run.whole_in_b)
+    _, groups = backward_input(outs, None, list(args), params, whole=run.whole_in_b,
+                               off_path=run.off_path)
     t1 = now(dev)
     backward_weight(params, groups)
     return (t1 - t0) * 1e3, (now(dev) - t1) * 1e3

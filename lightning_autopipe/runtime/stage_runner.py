@@ -37,6 +37,7 @@ from lightning_autopipe.runtime.backward import (
     input_grads,
     output_pairs,
     splits_backward_at,
+    weights_off_the_input_path,
     weights_reached_twice,
 )
 from lightning_autopipe.runtime.groups import ChunkLayout
@@ -85,8 +86,10 @@ class StageRunner:
         # without an input gradient (the first stage) a split backward's W is the whole one
         self._splits = splits_backward_at(layout.stage, split=True)
         # whether this chunk's weights feed its input path twice (the whole backward in B),
-        # found at its first split backward
+        # and its weights off that path (their gradients in B), found at its first split
+        # backward
         self._whole_in_b: bool | None = None
+        self._off_path: list[Tensor] = []
         # the runners of the neighbour chunks on this rank (set by the executor), if local
         self.local_prev: StageRunner | None = None
         self.local_next: StageRunner | None = None
@@ -217,8 +220,9 @@ class StageRunner:
                 outs, out_grads = output_pairs(a, result, grads)
             if self._whole_in_b is None:
                 self._whole_in_b = weights_reached_twice(outs, inputs, self.params)
+                self._off_path = weights_off_the_input_path(outs, inputs, self.params)
             dinputs, pending = backward_input(outs, out_grads, inputs, self.params,
-                                              whole=self._whole_in_b)
+                                              whole=self._whole_in_b, off_path=self._off_path)
         self._hand_back(a.unit, list(dinputs))
         self._weight_state[a.unit] = (None, None, pending)
 

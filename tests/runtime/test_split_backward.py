@@ -14,6 +14,7 @@ from torch import nn
 from lightning_autopipe.runtime.backward import (
     backward_input,
     backward_weight,
+    weights_off_the_input_path,
     weights_reached_twice,
 )
 
@@ -111,3 +112,46 @@ def test_a_stage_whose_weights_feed_its_input_path_twice_runs_its_whole_backward
     inp = torch.randn(8, 6, requires_grad=True)
     assert weights_reached_twice(list(once(inp)), [inp], list(once.parameters())) is False
     assert weights_reached_twice([stage(inp)], [inp], list(stage.parameters())) is True
+
+
+class TwoBranches(nn.Module):
+    """A later stage of an encoder-decoder (BART's second chunk under ZB-V): it carries on the
+    encoder's output ``x``, which takes a gradient, and starts the decoder from its token ids,
+    which take none; the two leave the stage apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(6, 6)
+        self.embed, self.norm, self.dec = nn.Embedding(10, 6), nn.LayerNorm(6), nn.Linear(6, 6)
+
+    def forward(self, x, ids):
+        return self.enc(x), self.dec(self.norm(self.embed(ids)))
+
+
+def test_weights_off_the_input_path_get_their_gradients_in_b():
+    """torch's split groups each weight with the points where its path meets the input path;
+    the decoder's weights meet it nowhere, so W computed nothing for them and their gradients
+    were dropped (BART under ZB-V). B computes them with the input gradients."""
+    torch.manual_seed(0)
+    stage = TwoBranches()
+    params = list(stage.parameters())
+    x, ids = torch.randn(4, 6), torch.randint(0, 10, (4,))
+    gs = [torch.randn(4, 6), torch.randn(4, 6)]
+    want_x = x.clone().requires_grad_(True)
+    torch.autograd.backward(list(stage(want_x, ids)), gs)
+    want = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    inp = x.clone().requires_grad_(True)
+    outs = list(stage(inp, ids))
+    off = weights_off_the_input_path(outs, [inp, ids], params)
+    assert {id(p) for p in off} == {id(p) for m in (stage.embed, stage.norm, stage.dec)
+                                    for p in m.parameters()}
+    dinputs, state = backward_input(outs, gs, [inp, ids], params, off_path=off)
+    assert all(p.grad is not None for p in off)  # in B, before W
+    assert stage.enc.weight.grad is None
+    backward_weight(params, state)
+    torch.testing.assert_close(dinputs[0], want_x.grad)
+    assert dinputs[1] is None
+    for p, w in zip(params, want, strict=True):
+        torch.testing.assert_close(p.grad, w)

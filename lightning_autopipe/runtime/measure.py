@@ -361,8 +361,9 @@ def _loss_assumed(profile: Profile) -> Profile:
     ``pipeline_loss``: an ordinary ``training_step`` cannot be run while profiling without its
     side effects (a torchmetrics update, a list it appends to, its logs), so its loss is
     assumed. Without the assumption a language model's last stage, trained by an ordinary
-    step, peaked at 1.42x its predicted memory (vocabulary 8192, logits 4x larger than what
-    the stage's blocks save); a loss that saves less is over-counted, on the safe side.
+    step, peaked at 1.42x its predicted memory (vocabulary 8192: the log-probabilities
+    outweighed everything else the stage saved); a loss that saves less is over-counted, on
+    the safe side.
     """
     last = profile.blocks[-1]
     extra = last.activation_bytes

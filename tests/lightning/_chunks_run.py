@@ -3,7 +3,8 @@
     run by tests/_world.py in the shared worlds (tests._worlds): run_case(CASE, WORLD, OUT_DIR)
 
 CASE is ``<schedule>-<p>x<replicas>`` with schedule ``zbv`` (V placement, two chunks per rank,
-split backward), ``interleaved`` (interleaved 1F1B, looped placement, two chunks per rank):
+split backward), ``interleaved`` (interleaved 1F1B, looped placement, two chunks per rank),
+``zbvside`` (ZB-V on :class:`SideGPT`, whose side branch starts in a middle chunk):
 a fixed plan over the tiny GPT whose LM head is tied to its embedding (the first and the last
 chunk), four micro-batches of two samples, micro-batch 0 in two startup slices and (ZB-V) the
 last in two drain slices, Adam. ``auto-2x1`` plans instead (``schedule="auto"``, two pipeline
@@ -46,20 +47,46 @@ REPLICA_BATCH, MICROBATCHES, STEPS, RESUME_STEPS = 8, 4, 3, 2
 AUTO_MICROBATCHES = 2  # pinned in the auto-2x1 case (the planner must keep it)
 LR, EPS = 1e-2, 1e-6  # the key bias's gradient is zero up to rounding: Adam's default eps
 # (1e-8) would turn that rounding noise into steps of the full learning rate
-SCHEDULES = {"zbv": ("zbv", "v", 2, 2), "interleaved": ("interleaved-1f1b", "looped", 2, 1)}
+SCHEDULES = {"zbv": ("zbv", "v", 2, 2), "interleaved": ("interleaved-1f1b", "looped", 2, 1),
+             "zbvside": ("zbv", "v", 2, 2)}
 
 
-def build_net() -> TinyGPT:
+def build_net(side: bool = False) -> torch.nn.Module:
     """In float64: Adam's step divides by the root of each gradient's square, so an element
     whose gradient cancels to near zero turns the rounding of a sum taken in another order
     (units, chunks) into a different step; in float64 that noise stays far below the
-    tolerance, and a wrong gradient still fails by orders of magnitude."""
+    tolerance, and a wrong gradient still fails by orders of magnitude. ``side``:
+    :class:`SideGPT`."""
     torch.manual_seed(0)
-    return TinyGPT(vocab=VOCAB, seq_len=SEQ, d_model=16, n_layers=LAYERS, n_heads=2).double()
+    gpt = TinyGPT(vocab=VOCAB, seq_len=SEQ, d_model=16, n_layers=LAYERS, n_heads=2)
+    return (SideGPT(gpt) if side else gpt).double()
 
 
-def num_blocks() -> int:
-    return len(split_model(build_net(), (torch.zeros(2, SEQ, dtype=torch.long),)))
+class SideGPT(torch.nn.Module):
+    """The tiny GPT with a second embedding of the token ids, computed half-way through the
+    layers and added before the head, as an encoder-decoder's decoder embedding beside its
+    encoder: the chunk that starts it carries the hidden state (which takes a gradient) and
+    starts the side branch from the ids (which take none), so the side's weights meet no
+    input path there (their gradients come in ``B``)."""
+
+    def __init__(self, gpt: TinyGPT) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.side = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.LayerNorm(16))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        g, half = self.gpt, LAYERS // 2
+        x = g.drop(g.wte(input_ids) + g.wpe(torch.narrow(g.pos, 0, 0, input_ids.size(1))))
+        for block in g.h[:half]:
+            x = block(x)
+        side = self.side(input_ids)
+        for block in g.h[half:]:
+            x = block(x)
+        return g.lm_head(g.ln_f(x + side))
+
+
+def num_blocks(side: bool = False) -> int:
+    return len(split_model(build_net(side), (torch.zeros(2, SEQ, dtype=torch.long),)))
 
 
 def loss_fn(logits: torch.Tensor, batch) -> torch.Tensor:
@@ -75,7 +102,7 @@ def dataset(num: int, seed: int) -> TensorDataset:
 def chunk_plan(schedule: str, p: int, replicas: int) -> Plan:
     """``p`` ranks x ``replicas``, two chunks per rank cut evenly over the blocks."""
     name, placement, v, j = SCHEDULES[schedule]
-    n, S = num_blocks(), p * v
+    n, S = num_blocks(side=schedule == "zbvside"), p * v
     cuts = [round(n * c / S) for c in range(S + 1)]
     rows = [[f"local:{s * replicas + r}" for r in range(replicas)] for s in range(p)]
     owner = chunk_ranks(p, v, placement)
@@ -85,8 +112,8 @@ def chunk_plan(schedule: str, p: int, replicas: int) -> Plan:
 
 
 class Task(TaskWithLoss):
-    def __init__(self) -> None:
-        super().__init__(build_net(), loss_fn, partial(torch.optim.Adam, lr=LR, eps=EPS))
+    def __init__(self, side: bool = False) -> None:
+        super().__init__(build_net(side), loss_fn, partial(torch.optim.Adam, lr=LR, eps=EPS))
 
 
 class Record(pl.Callback):
@@ -146,7 +173,7 @@ def run_case(case: str, world: int, out: Path) -> dict:
                       batch_size=REPLICA_BATCH)
     ckpt = out.parent.parent / "w2" / out.name / "zbv-2x1.ckpt" if resume else None
     try:
-        trainer.fit(Task(), data, ckpt_path=ckpt)
+        trainer.fit(Task(side=schedule == "zbvside"), data, ckpt_path=ckpt)
     finally:
         measure._profile = _MEASURED
     if case == "zbv-2x1":

@@ -8,6 +8,9 @@ trains the same model on the same global batches. Losses and every rank's weight
 suite's float32 tolerance for sums taken in another order. In V placement the tied weight
 lives on rank 0 in both the first and the last chunk, as one Parameter; in looped placement
 the first and the last chunk are on different ranks and the tie group sums the copies.
+``zbvside-2x1`` adds a branch that a middle chunk starts from the token ids (as an
+encoder-decoder's decoder embedding): its weights meet no input path in that chunk, and their
+gradients must still be computed (``B`` does it).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_autopipe.graph import split_model
 from lightning_autopipe.planner.generators import build_schedule
 from lightning_autopipe.planner.plan import Plan
 from lightning_autopipe.planner.schedule import lower_communication
@@ -23,7 +27,7 @@ from tests.lightning import _chunks_run as R
 # weights in float64 (see _chunks_run.build_net): sums in another order only; the step loss is
 # summed in float32 by the executor
 RTOL, ATOL, LOSS_RTOL = 1e-9, 1e-11, 1e-6
-CASES = {2: ["zbv-2x1", "interleaved-2x1", "auto-2x1"],
+CASES = {2: ["zbv-2x1", "interleaved-2x1", "auto-2x1", "zbvside-2x1"],
          4: ["zbv-4x1", "interleaved-4x1", "zbv-2x2", "interleaved-2x2", "resume-4x1"]}
 
 MODULE = "tests.lightning._chunks_run"
@@ -90,7 +94,13 @@ def test_chunks_per_rank_through_the_trainer_equal_one_process(worlds, case):
     if plan.placement == "v":  # the tied embedding and head: both on the first row
         assert all({0, plan.num_stages - 1} <= set(r["chunks"]) for r in ranks
                    if r["stage"] == 0)
-    losses, states, _, _ = _reference(_global_batches(ranks))
+    side = case.startswith("zbvside")
+    if side:  # the side branch starts inside a middle chunk (one whose inputs take gradients)
+        names = split_model(R.build_net(side=True),
+                            (torch.zeros(2, R.SEQ, dtype=torch.long),)).names
+        first = next(i for i, n in enumerate(names) if n.startswith("side"))
+        assert plan.cuts[1] <= first < plan.cuts[-2], (plan.cuts, names)
+    losses, states, _, _ = _reference(_global_batches(ranks), R.build_net(side=side))
     _check(ranks, losses, states)
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "backward_whole",
     "input_grads",
     "output_pairs",
+    "split_needs",
     "splits_backward_at",
     "weights_off_the_input_path",
     "weights_reached_twice",
@@ -131,7 +132,17 @@ def weights_reached_twice(
     of ``B`` (a layer applied 4 times: ``W`` took 3.4x ``B``). Such a stage runs its whole
     backward in ``B`` and its ``W`` is empty (``backward_input(..., whole=True)``), as the
     planner prices a stage holding two blocks that share weights."""
-    return any(n > 1 for n in _meetings(outputs, inputs, params))
+    return split_needs(outputs, inputs, params)[0]
+
+
+def split_needs(
+    outputs: Sequence[Tensor], inputs: Sequence[Any], params: Sequence[Tensor]
+) -> tuple[bool, list[Tensor]]:
+    """What a stage's split backward needs to know, found once from its first unit's graph:
+    whether its weights feed the input path twice (:func:`weights_reached_twice`) and which
+    weights are off that path (:func:`weights_off_the_input_path`)."""
+    meetings = _meetings(outputs, inputs, params)
+    return any(n > 1 for n in meetings), [p for p, n in zip(params, meetings) if n == 0]
 
 
 def weights_off_the_input_path(
@@ -146,7 +157,7 @@ def weights_off_the_input_path(
     gradient (BART under ZB-V trained its decoder embeddings on no gradient). ``B`` computes
     theirs with the input gradients (``backward_input(..., off_path=...)``): the weight work
     of that branch moves into ``B``, where the profiler times it too."""
-    return [p for p, n in zip(params, _meetings(outputs, inputs, params)) if n == 0]
+    return split_needs(outputs, inputs, params)[1]
 
 
 def _meetings(

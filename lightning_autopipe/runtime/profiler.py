@@ -34,8 +34,7 @@ from lightning_autopipe.profile import BlockProfile, Profile, fit_affine
 from lightning_autopipe.runtime.backward import (
     backward_input,
     backward_weight,
-    weights_off_the_input_path,
-    weights_reached_twice,
+    split_needs,
 )
 from lightning_autopipe.runtime.clock import now
 
@@ -213,8 +212,7 @@ def _split_backward(
             return 0.0, 0.0
         outs = [torch.stack([t.sum() for t in targets]).sum()]
     if run.whole_in_b is None:
-        run.whole_in_b = weights_reached_twice(outs, args, params)
-        run.off_path = weights_off_the_input_path(outs, args, params)
+        run.whole_in_b, run.off_path = split_needs(outs, args, params)
     t0 = now(dev)
     _, groups = backward_input(outs, None, list(args), params, whole=run.whole_in_b,
                                off_path=run.off_path)

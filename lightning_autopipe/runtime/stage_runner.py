@@ -36,9 +36,8 @@ from lightning_autopipe.runtime.backward import (
     backward_whole,
     input_grads,
     output_pairs,
+    split_needs,
     splits_backward_at,
-    weights_off_the_input_path,
-    weights_reached_twice,
 )
 from lightning_autopipe.runtime.groups import ChunkLayout
 from lightning_autopipe.runtime.outbox import Outbox
@@ -219,8 +218,7 @@ class StageRunner:
             else:
                 outs, out_grads = output_pairs(a, result, grads)
             if self._whole_in_b is None:
-                self._whole_in_b = weights_reached_twice(outs, inputs, self.params)
-                self._off_path = weights_off_the_input_path(outs, inputs, self.params)
+                self._whole_in_b, self._off_path = split_needs(outs, inputs, self.params)
             dinputs, pending = backward_input(outs, out_grads, inputs, self.params,
                                               whole=self._whole_in_b, off_path=self._off_path)
         self._hand_back(a.unit, list(dinputs))

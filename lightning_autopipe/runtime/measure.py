@@ -324,29 +324,27 @@ def _profile(
     ``pipeline_loss`` fail here (e.g. it logs, which Lightning refuses before the loop runs),
     the blocks are profiled without the loss, as before it was profiled, with a warning.
     """
-    if example_batch is None:
-        return _loss_assumed(
-            profiler.profile_blocks(blocks, example, device=str(device), repeats=repeats))
-    flat = blocks.flatten_inputs(example)
-    size = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
-    batch = apply_to_collection(example_batch, torch.Tensor, lambda t: t.to(device))
+    if example_batch is not None:
+        flat = blocks.flatten_inputs(example)
+        size = next((int(t.shape[0]) for t in flat if t.dim() > 0), 1)
+        batch = apply_to_collection(example_batch, torch.Tensor, lambda t: t.to(device))
 
-    def loss(outputs: tuple[Any, ...], n: int) -> torch.Tensor:
+        def loss(outputs: tuple[Any, ...], n: int) -> torch.Tensor:
+            try:
+                return loss_fn(blocks.unflatten_outputs(outputs), slice_batch(batch, 0, n, size))
+            except Exception as exc:
+                raise _LossProfileError(f"{type(exc).__name__}: {exc}") from exc
+
         try:
-            return loss_fn(blocks.unflatten_outputs(outputs), slice_batch(batch, 0, n, size))
-        except Exception as exc:
-            raise _LossProfileError(f"{type(exc).__name__}: {exc}") from exc
-
-    try:
-        return profiler.profile_blocks(
-            blocks, example, device=str(device), repeats=repeats, loss_fn=loss
-        )
-    except _LossProfileError as exc:
-        warnings.warn(
-            f"pipeline_loss failed on the example batch while profiling ({exc}); profiling "
-            "without the loss, so the plan underestimates the last stage's time",
-            stacklevel=3,
-        )
+            return profiler.profile_blocks(
+                blocks, example, device=str(device), repeats=repeats, loss_fn=loss
+            )
+        except _LossProfileError as exc:
+            warnings.warn(
+                f"pipeline_loss failed on the example batch while profiling ({exc}); "
+                "profiling without the loss, so the plan underestimates the last stage's time",
+                stacklevel=3,
+            )
     return _loss_assumed(
         profiler.profile_blocks(blocks, example, device=str(device), repeats=repeats))
 

@@ -15,6 +15,13 @@ backend):
 * every later step, of any unit sizes: none. A stage whose code branches on the batch size
   graph-breaks there and compiles its pieces once per branch taken (still bounded).
 
+Some graphs fail with an unbacked batch: the backward of ``p.repeat(x.size(0), 1)`` (DeBERTa's
+relative attention, learned queries or tokens repeated per sample) must know whether the batch
+is 0 or 1, and AOTAutograd fails on that guard while it traces the joint graph; and torch 2.14's
+inductor fails its own stride check on a convolution's output at the graph's first run. Such a
+stage compiles again with a backed dynamic batch (one warning per stage): one graph for sizes
+of 2 and more, and one each for the sizes 0 and 1 that it meets.
+
 Zero bubble: a compiled stage's backward is one autograd node that computes the input and the
 weight gradients together, so ZB-H1's split into ``B`` and ``W`` has no autograd nodes to
 split at. Under a schedule that splits, the stage compiles through
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -47,6 +55,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from lightning_autopipe.errors import OptionError, PlanError
 from lightning_autopipe.options import SPLIT_BACKENDS
@@ -55,6 +64,7 @@ from lightning_autopipe.profile import Profile, fit_affine
 from lightning_autopipe.runtime.backward import splits_backward_at
 from lightning_autopipe.runtime.clock import now
 from lightning_autopipe.runtime.compiled_split import Deferral, split_backend
+from lightning_autopipe.runtime.log import global_rank
 from lightning_autopipe.runtime.profiler import saved_activation_bytes
 
 __all__ = ["CompileCorrection", "CompiledStage", "check_backend", "compiled_profile",
@@ -77,6 +87,8 @@ class CompiledStage(nn.Module):
         compilations: graphs compiled so far (Dynamo's first compile and every recompile).
         compiled_shapes: the input shapes each graph was compiled for (``u``-symbols print as
             the sizes seen first).
+        unbacked: the batch dimension is unbacked (one graph for every size); False once the
+            graph guarded on it and the stage compiled with a dynamic batch instead.
         deferral: with ``split_backward``, where the deferred weight halves wait, and how many
             backward graphs were split (``split``) or had to stay whole (``unsplit``).
     """
@@ -106,12 +118,38 @@ class CompiledStage(nn.Module):
                 return inner(gm, example_inputs)
 
         # kept out of the module tree: its parameters are the stage's, registered once
+        object.__setattr__(self, "_compiler", compiler)
         object.__setattr__(self, "_compiled", torch.compile(stage, backend=compiler))
+        self.unbacked = True
 
     def forward(self, *inputs: Any) -> Any:
-        for t in inputs:
-            if isinstance(t, Tensor) and t.dim() > 0:
-                torch._dynamo.decorators.mark_unbacked(t, 0)
+        if not self.unbacked:
+            return self._compiled(*inputs)
+        batched = [t for t in inputs if isinstance(t, Tensor) and t.dim() > 0]
+        for t in batched:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        # a compile can fail after a graph break has run the graph before it (also when a size
+        # met later recompiles): the running statistics it updated are undone before the stage
+        # runs again (cheap copies: a norm layer's statistics are a few vectors)
+        stats = [(b, b.detach().clone()) for b in _running_statistics(self.stage)]
+        try:
+            return self._compiled(*inputs)
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is the batch guard
+            failure = _unbacked_failure(exc)
+            if failure is None:
+                raise
+        with torch.no_grad():
+            for b, value in stats:
+                b.copy_(value)
+        for t in batched:
+            t._dynamo_unbacked_indices.discard(0)
+        self.unbacked = False
+        object.__setattr__(self, "_compiled",
+                           torch.compile(self.stage, backend=self._compiler, dynamic=True))
+        warnings.warn(
+            f"rank {global_rank()}: compile ({self.backend}): this stage's graph cannot serve "
+            f"every batch size at once ({failure}); it is compiled with a dynamic batch "
+            "instead (units of 0 or 1 samples compile a graph of their own)", stacklevel=2)
         return self._compiled(*inputs)
 
     @contextmanager
@@ -153,6 +191,35 @@ def check_backend(compile: bool | str) -> None:
         raise OptionError(f"compile={compile!r} names no torch.compile backend"
                           + (f" (did you mean {close[0]!r}?)" if close else "")
                           + f"; the backends are {backends}, or compile=True (inductor)")
+
+
+def _running_statistics(stage: nn.Module) -> list[Tensor]:
+    """The buffers a forward of ``stage`` in training updates: its norm layers' statistics."""
+    if not stage.training:
+        return []
+    return [b for m in stage.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+            for b in m.buffers(recurse=False) if b is not None]
+
+
+def _unbacked_failure(exc: BaseException) -> str | None:
+    """What failed, when ``exc`` (or what it wraps) is one of the two ways torch fails a graph
+    for its unbacked batch (the only size marked so), else None: the tracer cannot guard on
+    the size (``GuardOnDataDependentSymNode``), or an inductor graph's first run fails its
+    own check of an output's strides (torch 2.14, a convolution's output)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        message = str(exc)
+        if isinstance(exc, GuardOnDataDependentSymNode):
+            expression = message.splitlines()[0].removeprefix(
+                "Could not guard on data-dependent expression ")
+            return "it guards on " + expression.split(" (unhinted")[0].strip()
+        if (isinstance(exc, AssertionError) and message.startswith("expected size ")
+                and " stride " in message):
+            return "inductor's stride check failed: " + message.split(";")[0]
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
 
 
 def compiled_stage(stage: nn.Module, schedule: str, backend: str, *,

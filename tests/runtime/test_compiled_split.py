@@ -127,12 +127,7 @@ def _eager(stage: nn.Module, units) -> tuple[list[torch.Tensor], list[torch.Tens
                                    _conv_skip],
                          ids=["gpt-layer", "gpt-head", "gpt-layer-recomputed", "skip-out-bn",
                               "conv-skip"])
-def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend, request):
-    if build is _conv_skip and backend == "inductor":
-        request.applymarker(pytest.mark.xfail(
-            raises=AssertionError, strict=True,
-            reason="torch 2.14's inductor fails its own stride assertion on a forward "
-                   "convolution with an unbacked batch dimension, split or not"))
+def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend):
     eager, shape, out_shapes = build()
     inner = copy.deepcopy(eager)
     # BatchNorm's check of its batch size reads the (symbolic) size: Dynamo breaks the graph
@@ -142,6 +137,12 @@ def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend, reque
     pieces, graphs, eager_params = 1, 1, set()
     if isinstance(inner, SkipOut):
         pieces, graphs, eager_params = 2, 4, {id(p) for p in inner.norm.parameters()}
+    # torch 2.14's inductor fails its own stride check on the convolution's output with an
+    # unbacked batch: the stage compiles again with a dynamic one (one graph that failed, one
+    # for 2 samples and more, one for 1; compiled_stage says why)
+    fallback = build is _conv_skip and backend == "inductor"
+    if fallback:
+        graphs = 3
     stage = CompiledStage(inner, backend, split_backward=True)
     units = _units(shape, out_shapes)
     want_dx, want_w = _eager(eager, units)
@@ -175,6 +176,7 @@ def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend, reque
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     assert pieces <= stage.compilations <= graphs, stage.compiled_shapes
     assert (stage.deferral.split, stage.deferral.unsplit) == (stage.compilations, 0)
+    assert stage.unbacked is not fallback
 
 
 def _assert_weights_are_computed_in_w(b: fx.GraphModule, w: fx.GraphModule) -> None:

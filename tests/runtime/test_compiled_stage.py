@@ -12,6 +12,7 @@ inductor.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -90,6 +91,63 @@ def test_a_backed_batch_would_compile_one_sample_slices_again():
         torch._dynamo.mark_dynamic(x, 0)
         backed(x)
     assert len(seen) == 2
+
+
+class _Repeats(nn.Module):
+    """A learned row repeated per sample (DeBERTa's relative attention, learned queries): the
+    backward of ``repeat`` guards on whether the batch is 0 or 1, so no graph serves an
+    unbacked batch. Here the compile fails at the first one-sample unit (a graph of its own,
+    for BatchNorm's check of its batch), after a graph has updated the running statistics."""
+
+    def __init__(self, graph_break: bool) -> None:
+        super().__init__()
+        self.graph_break = graph_break
+        self.bn = nn.BatchNorm1d(8)
+        self.row = nn.Parameter(torch.randn(1, 8, 3))
+
+    def forward(self, x):
+        h = self.bn(x)
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return h * self.row.repeat(x.size(0), 1, 1)
+
+
+def _run_split(stage: CompiledStage, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """:func:`_run` as a zero-bubble stage runs: B defers the weight halves, W adds them."""
+    x = x.clone().requires_grad_(True)
+    out = stage(x)
+    with stage.deferring_weights() as pending:
+        out.pow(2).mean().backward()
+    stage.backward_weight(pending)
+    grads = [x.grad, *(p.grad.clone() for p in stage.parameters())]
+    for p in stage.parameters():
+        p.grad = None
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize(("split", "graph_break"), [(False, False), (False, True), (True, False)],
+                         ids=["whole", "whole-after-a-break", "split"])
+def test_a_stage_guarding_on_its_batch_compiles_with_a_dynamic_batch_and_equals_eager(
+        split, graph_break):
+    torch.manual_seed(0)
+    eager = _Repeats(graph_break)
+    compiled = CompiledStage(copy.deepcopy(eager), "aot_eager", split_backward=split)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for size in (4, 2, 1, 3):
+            x = torch.randn(size, 8, 3, generator=g)
+            want, want_grads = _run(eager, x)
+            got, got_grads = (_run_split if split else _run)(compiled, x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            for a, b in zip(got_grads, want_grads, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    said = [w for w in warned if "cannot serve every batch size" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in warned]
+    assert not compiled.unbacked
+    # the running statistics saw each batch once: the failed attempt's update was undone
+    for name, value in eager.bn.state_dict().items():
+        torch.testing.assert_close(compiled.stage.bn.state_dict()[name], value)
 
 
 def test_the_compile_option_names_a_backend():

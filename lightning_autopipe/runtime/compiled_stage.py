@@ -87,8 +87,8 @@ class CompiledStage(nn.Module):
         compilations: graphs compiled so far (Dynamo's first compile and every recompile).
         compiled_shapes: the input shapes each graph was compiled for (``u``-symbols print as
             the sizes seen first).
-        unbacked: the batch dimension is unbacked (one graph for every size); False once the
-            graph guarded on it and the stage compiled with a dynamic batch instead.
+        unbacked: the batch dimension is unbacked (one graph for every size); False once a
+            graph failed so and the stage compiled with a dynamic batch (module docstring).
         deferral: with ``split_backward``, where the deferred weight halves wait, and how many
             backward graphs were split (``split``) or had to stay whole (``unsplit``).
     """
@@ -121,6 +121,10 @@ class CompiledStage(nn.Module):
         object.__setattr__(self, "_compiler", compiler)
         object.__setattr__(self, "_compiled", torch.compile(stage, backend=compiler))
         self.unbacked = True
+        # the layers whose forward in training updates buffers (their running statistics)
+        object.__setattr__(self, "_norms", [
+            m for m in stage.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats])
 
     def forward(self, *inputs: Any) -> Any:
         if not self.unbacked:
@@ -131,7 +135,8 @@ class CompiledStage(nn.Module):
         # a compile can fail after a graph break has run the graph before it (also when a size
         # met later recompiles): the running statistics it updated are undone before the stage
         # runs again (cheap copies: a norm layer's statistics are a few vectors)
-        stats = [(b, b.detach().clone()) for b in _running_statistics(self.stage)]
+        stats = [(b, b.detach().clone()) for m in self._norms if m.training
+                 for b in m.buffers(recurse=False)]
         try:
             return self._compiled(*inputs)
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is the batch guard
@@ -191,15 +196,6 @@ def check_backend(compile: bool | str) -> None:
         raise OptionError(f"compile={compile!r} names no torch.compile backend"
                           + (f" (did you mean {close[0]!r}?)" if close else "")
                           + f"; the backends are {backends}, or compile=True (inductor)")
-
-
-def _running_statistics(stage: nn.Module) -> list[Tensor]:
-    """The buffers a forward of ``stage`` in training updates: its norm layers' statistics."""
-    if not stage.training:
-        return []
-    return [b for m in stage.modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-            for b in m.buffers(recurse=False) if b is not None]
 
 
 def _unbacked_failure(exc: BaseException) -> str | None:

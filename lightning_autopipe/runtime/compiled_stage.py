@@ -134,18 +134,18 @@ class CompiledStage(nn.Module):
             torch._dynamo.decorators.mark_unbacked(t, 0)
         # a compile can fail after a graph break has run the graph before it (also when a size
         # met later recompiles): the running statistics it updated are undone before the stage
-        # runs again (cheap copies: a norm layer's statistics are a few vectors)
-        stats = [(b, b.detach().clone()) for m in self._norms if m.training
-                 for b in m.buffers(recurse=False)]
+        # runs again (copied in one multi-tensor operation: a few vectors per norm layer)
+        stats = [b for m in self._norms if m.training for b in m.buffers(recurse=False)]
+        kept = torch._foreach_mul(stats, 1) if stats else []
         try:
             return self._compiled(*inputs)
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is the batch guard
             failure = _unbacked_failure(exc)
             if failure is None:
                 raise
-        with torch.no_grad():
-            for b, value in stats:
-                b.copy_(value)
+        if stats:
+            with torch.no_grad():
+                torch._foreach_copy_(stats, kept)
         for t in batched:
             t._dynamo_unbacked_indices.discard(0)
         self.unbacked = False

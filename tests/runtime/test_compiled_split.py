@@ -138,8 +138,8 @@ def test_deferred_weight_halves_sum_to_the_eager_gradients(build, backend):
     if isinstance(inner, SkipOut):
         pieces, graphs, eager_params = 2, 4, {id(p) for p in inner.norm.parameters()}
     # torch 2.14's inductor fails its own stride check on the convolution's output with an
-    # unbacked batch: the stage compiles again with a dynamic one (one graph that failed, one
-    # for 2 samples and more, one for 1; compiled_stage says why)
+    # unbacked batch: the stage compiles again with a dynamic one (the graph whose first run
+    # failed, one for 2 samples and more, one for 1; compiled_stage says why)
     fallback = build is _conv_skip and backend == "inductor"
     if fallback:
         graphs = 3

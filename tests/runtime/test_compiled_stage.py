@@ -1,6 +1,7 @@
-"""``CompiledStage``: one graph for every unit size, eager numerics, bounded compiles; a backend
-that cannot split a backward is refused a zero-bubble plan; the compiled profile scales each
-block as the whole model sped up (split backwards: ``test_compiled_split.py``).
+"""``CompiledStage``: one graph for every unit size (a dynamic batch where a graph cannot take an
+unbacked one), eager numerics, bounded compiles; a backend that cannot split a backward is
+refused a zero-bubble plan; the compiled profile scales each block as the whole model sped up
+(split backwards: ``test_compiled_split.py``).
 
 Graph counts are Dynamo's (which graphs it traces and when its guards force a recompile) and do
 not depend on the backend that compiles each graph, so these in-process tests use

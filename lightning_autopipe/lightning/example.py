@@ -8,6 +8,7 @@ batch whose samples match the example so the profile can include ``pipeline_loss
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ def read_step_inputs(module: Any, batch: Any, fn: TrainerFn) -> None:
     set_input_rule(module, None)
     hook = _STEPS.get(fn)
     if (callable(getattr(module, "pipeline_inputs", None)) or hook is None
-            or not isinstance(batch, tuple | list | dict)
+            or not isinstance(batch, tuple | list | Mapping)
             or not is_overridden(hook, module, LightningModule)):
         return
     call = _record_call(module, getattr(module, hook), batch)
@@ -150,7 +151,7 @@ def _rule_of(module: Any, batch: Any, args: tuple, kwargs: dict) -> Any:
     argument is not one of the batch's own entries."""
     from lightning_autopipe.runtime.local_stage import InputRule
 
-    entries = list(batch.items()) if isinstance(batch, dict) else list(enumerate(batch))
+    entries = list(batch.items()) if isinstance(batch, Mapping) else list(enumerate(batch))
 
     def where(value: Any) -> Any:
         if not isinstance(value, Tensor):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,8 @@ def model_inputs(module: nn.Module, batch: Any) -> Any:
     ``module.pipeline_inputs(batch)`` when defined, else the entries its step was seen to pass
     to ``self(...)`` (:func:`set_input_rule`) where the batch has them, else ``batch[0]`` for a
     tuple/list batch, else for a dict batch its entries that name ``forward``'s parameters
-    (:func:`_named`), else the batch itself.
+    (:func:`_named`), else the batch itself. A dict batch is any mapping: a tokenizer's
+    ``BatchEncoding`` (a ``UserDict``) is what Hugging Face collators return.
     """
     fn = getattr(module, "pipeline_inputs", None)
     if callable(fn):
@@ -73,12 +75,12 @@ def model_inputs(module: nn.Module, batch: Any) -> Any:
             pass
     if isinstance(batch, tuple | list):
         return batch[0]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return _named(module.forward, batch)
     return batch
 
 
-def _named(forward: Any, batch: dict) -> Any:
+def _named(forward: Any, batch: Mapping) -> dict:
     """A dict batch as ``forward``'s keyword arguments: the entries naming its parameters.
 
     Such a batch often carries the loss's targets beside the model's inputs (Hugging Face
@@ -90,16 +92,16 @@ def _named(forward: Any, batch: dict) -> Any:
     try:
         params = inspect.signature(forward).parameters
     except (TypeError, ValueError):  # a signature Python cannot read: every entry, as before
-        return batch
+        return dict(batch)
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return batch
+        return dict(batch)
     named = {k: v for k, v in batch.items() if k in params}
-    return named or batch
+    return named or dict(batch)
 
 
 def as_call_args(inputs: Any) -> tuple[Any, ...] | dict[str, Any]:
     """Forward inputs as the graph layer takes them: positional tuple or keyword dict."""
-    if isinstance(inputs, dict):
+    if isinstance(inputs, Mapping):
         return dict(inputs)
     if isinstance(inputs, tuple | list):
         return tuple(inputs)

@@ -18,6 +18,8 @@ references train on), the stage's state and which stage the rank holds.
   forward taking ``(input_ids, attention_mask)``: the strategy gives forward the entries that
   name its parameters and the steps read ``labels`` from the batch. Two micro-batches, the first
   in two startup slices (the dict is sliced per unit), ``STEPS`` SGD steps.
+* ``mapping``: the ``labels`` batches collated into a mapping that is not a ``dict`` (a
+  ``UserDict``, as a tokenizer's ``BatchEncoding`` is, which Hugging Face collators return).
 * ``tuple``: the same net and plan on tuple batches ``(input_ids, attention_mask, labels)``
   whose step calls ``self(input_ids, attention_mask)``: no ``pipeline_inputs``; the strategy
   reads the two entries off the step's own call at setup.
@@ -26,6 +28,8 @@ references train on), the stage's state and which stage the rank holds.
 from __future__ import annotations
 
 import sys
+from collections import UserDict
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -37,7 +41,7 @@ torch.set_num_threads(1)
 import lightning.pytorch as pl  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset, default_collate  # noqa: E402
 
 import lightning_autopipe  # noqa: E402
 from lightning_autopipe.graph import split_model  # noqa: E402
@@ -126,14 +130,20 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def tokens(n: int, *, as_tuples: bool = False) -> DataLoader:
+class Encoding(UserDict):
+    """A batch that is a mapping but not a ``dict``, like Hugging Face's ``BatchEncoding``."""
+
+
+def tokens(n: int, *, as_tuples: bool = False, as_mapping: bool = False) -> DataLoader:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     mask = (torch.rand(n, SEQ, generator=g) > 0.2).long()
     if as_tuples:
         return DataLoader(TensorDataset(ids, mask, ids.roll(-1, dims=1)), batch_size=BATCH)
+    collate = (lambda rows: Encoding(default_collate(rows))) if as_mapping else None
     return DataLoader([{"input_ids": ids[i], "attention_mask": mask[i],
-                        "labels": ids[i].roll(-1)} for i in range(n)], batch_size=BATCH)
+                        "labels": ids[i].roll(-1)} for i in range(n)], batch_size=BATCH,
+                      collate_fn=collate)
 
 
 # ---------------------------------------------------------------------------- both
@@ -153,8 +163,8 @@ class Record(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
-        self.batches.append({k: v.clone() for k, v in batch.items()} if isinstance(batch, dict)
-                            else [t.clone() for t in batch])
+        self.batches.append({k: v.clone() for k, v in batch.items()}
+                            if isinstance(batch, Mapping) else [t.clone() for t in batch])
 
 
 def run_case(case: str, world: int, out: Path) -> dict:
@@ -165,7 +175,7 @@ def run_case(case: str, world: int, out: Path) -> dict:
     else:
         as_tuples = case == "tuple"
         task = TupleLM() if as_tuples else LabelledLM()
-        loader = tokens(STEPS * BATCH, as_tuples=as_tuples)
+        loader = tokens(STEPS * BATCH, as_tuples=as_tuples, as_mapping=case == "mapping")
         pinned = plan(LabelledLM(), {"input_ids": torch.zeros(2, SEQ, dtype=torch.long),
                                      "attention_mask": torch.ones(2, SEQ, dtype=torch.long)},
                       2, 2)

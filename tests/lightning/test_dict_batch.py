@@ -1,11 +1,12 @@
 """Batches whose model inputs are several of their entries train like one process: a Hugging
-Face style dict batch (inputs and labels in one dict), and a tuple batch ``(input_ids,
-attention_mask, labels)`` whose step calls ``self(input_ids, attention_mask)``.
+Face style dict batch (inputs and labels in one dict), the same batch as a mapping that is not
+a ``dict`` (a tokenizer's ``BatchEncoding`` is a ``UserDict``), and a tuple batch
+``(input_ids, attention_mask, labels)`` whose step calls ``self(input_ids, attention_mask)``.
 
-Cases ``labels`` and ``tuple`` of ``tests/lightning/_capture_run.py`` run in the shared 2-rank
-world; this process trains the same net on the batches the ranks saw. Tolerance: the suite's
-float32 ``rtol=1e-5, atol=1e-6`` for sums in another order (the pipeline sums the units'
-weighted losses).
+Cases ``labels``, ``mapping`` and ``tuple`` of ``tests/lightning/_capture_run.py`` run in the
+shared 2-rank world; this process trains the same net on the batches the ranks saw.
+Tolerance: the suite's float32 ``rtol=1e-5, atol=1e-6`` for sums in another order (the
+pipeline sums the units' weighted losses).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from tests.lightning import _capture_run as R
 pytestmark = pytest.mark.slow
 
 MODULE = "tests.lightning._capture_run"
-WORLD_CASES = {2: [f"{MODULE}:labels", f"{MODULE}:tuple"]}
+CASES = ["labels", "mapping", "tuple"]
+WORLD_CASES = {2: [f"{MODULE}:{case}" for case in CASES]}
 RTOL, ATOL = 1e-5, 1e-6
 
 
-@pytest.mark.parametrize("case", ["labels", "tuple"])
+@pytest.mark.parametrize("case", CASES)
 def test_inputs_and_labels_riding_in_one_batch_train_like_one_process(worlds, case):
     ranks = worlds.results(2, MODULE, case, weights_only=False)
     torch.set_num_threads(1)

@@ -4,6 +4,8 @@ to ``self(...)`` are read off the step itself (no processes)."""
 
 from __future__ import annotations
 
+from collections import UserDict
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -174,3 +176,29 @@ def test_a_step_that_fails_or_a_module_that_picks_its_inputs_keeps_its_rule(modu
     expected = TUPLE_BATCH[0] if isinstance(module, FailingNet) else TUPLE_BATCH[:2]
     got = model_inputs(module, TUPLE_BATCH)
     assert got is expected if isinstance(module, FailingNet) else tuple(got) == tuple(expected)
+
+
+class Encoding(UserDict):
+    """A mapping that is not a ``dict``, as a tokenizer's ``BatchEncoding`` is."""
+
+
+def test_a_mapping_batch_that_is_not_a_dict_is_read_as_a_dict_batch():
+    """What Hugging Face collators return: forward gets the entries naming its parameters (a
+    plain dict, as the graph layer takes keyword inputs), a step's keyword call is read off it,
+    and ``pipeline_inputs`` may return such a mapping too."""
+    batch = Encoding(DICT_BATCH)
+    inputs = as_call_args(model_inputs(TakesX(), batch))
+    assert type(inputs) is dict
+    assert list(inputs) == ["x"]
+    assert inputs["x"] is batch["x"]
+    assert type(model_inputs(TakesAnything(), batch)) is dict
+    module = KeywordNet()
+    batch = Encoding(features=TUPLE_BATCH[0], m=TUPLE_BATCH[1], y=TUPLE_BATCH[2])
+    read_step_inputs(module, batch, TrainerFn.FITTING)
+    inputs = model_inputs(module, batch)
+    assert set(inputs) == {"x", "mask"}
+    assert inputs["x"] is batch["features"]
+    assert inputs["mask"] is batch["m"]
+    picked = as_call_args(Encoding(x=batch["features"]))  # what a pipeline_inputs may return
+    assert type(picked) is dict
+    assert picked["x"] is batch["features"]

@@ -29,6 +29,7 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_autopipe.errors import GraphRunError, InputError, OptionError, TraceError
+from lightning_autopipe.graph.checkpointing import reentrant_checkpoints_traced_plain
 from lightning_autopipe.graph.fx_guard import Unrecorded, mode_difference, plain, watch_unrecorded
 from lightning_autopipe.graph.modes import kept_mode, mode_nodes, mode_values
 
@@ -514,11 +515,19 @@ def _eager_check(model: nn.Module, inputs: Inputs) -> None:
 def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced:
     """Capture ``model`` as a graph, trying ``torch.fx`` first and ``torch.export`` second.
 
+    The model's own reentrant activation checkpointing is captured as plain computation
+    (:mod:`~.checkpointing`: traced as it runs, it would compute without gradients).
+
     Raises:
         TraceError: neither front end could capture the model; the message names the failing
             construct and the remedies.
         InputError: ``example_inputs`` do not fit the model's forward signature or shapes.
     """
+    with reentrant_checkpoints_traced_plain(type(model).__name__):
+        return _trace(model, example_inputs, tracer)
+
+
+def _trace(model: nn.Module, example_inputs: Any, tracer: str) -> Traced:
     if tracer not in TRACERS:
         raise OptionError(f"tracer must be one of {TRACERS}, got {tracer!r}; pass one of them "
                           "(\"auto\" tries torch.fx, then torch.export)")

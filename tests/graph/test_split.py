@@ -540,3 +540,40 @@ def test_the_last_stage_holds_what_no_block_reads_under_its_names():
         names = set(blocks.stage(0, n - 1).param_names.values()) | set(last.param_names.values())
         assert names | {"alias.weight", "alias.bias"} == set(original)
         blocks.keep_stages([])  # built again next round
+
+
+class _CheckpointedStack(nn.Module):
+    """Layers run under the reentrant ``torch.utils.checkpoint``, as fine-tuning code asks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=True)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("name", ["torch", "gpt2"])
+def test_reentrant_activation_checkpointing_is_captured_with_its_gradients(name: str) -> None:
+    """Traced as it runs, a reentrant checkpoint's forward computes without gradients (its
+    layers' weights would never learn, or the backward fails); the split model's gradients
+    equal the model's own, which recomputes those layers in its backward, and a warning says
+    what was met."""
+    torch.manual_seed(0)
+    if name == "torch":
+        model, example = _CheckpointedStack(), (torch.randn(4, 6),)
+    else:
+        model, example = build_model("gpt2", "tiny")
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    with pytest.warns(UserWarning, match=r"checkpoint\(use_reentrant=True\)"):
+        blocks = split_model(model, example)
+    for cuts in _cut_sets(len(blocks)):
+        check_split(blocks, model, example, cuts)
+    assert "apply" not in vars(torch.utils.checkpoint.CheckpointFunction)  # restored

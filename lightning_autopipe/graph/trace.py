@@ -29,7 +29,12 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_autopipe.errors import GraphRunError, InputError, OptionError, TraceError
-from lightning_autopipe.graph.checkpointing import reentrant_checkpoints_traced_plain
+from lightning_autopipe.graph.autograd_calls import (
+    gradient_difference,
+    own_functions_as_calls,
+    own_functions_met,
+    reentrant_checkpoints_traced_plain,
+)
 from lightning_autopipe.graph.fx_guard import Unrecorded, mode_difference, plain, watch_unrecorded
 from lightning_autopipe.graph.modes import kept_mode, mode_nodes, mode_values
 
@@ -291,7 +296,8 @@ def _trace_fx(model: nn.Module, inputs: Inputs, sig: inspect.Signature) -> Trace
         if n not in provided and sig.parameters[n].default is not inspect.Parameter.empty
     }
     def capture() -> fx.GraphModule:
-        return fx.symbolic_trace(model, concrete_args=concrete or None)
+        with own_functions_as_calls():
+            return fx.symbolic_trace(model, concrete_args=concrete or None)
 
     with watch_unrecorded(model):
         gm = capture()
@@ -311,7 +317,40 @@ def _batch_size(inputs: Inputs) -> int | None:
     return dims[0] if dims else None
 
 
+@contextmanager
+def _all_on_meta(model: nn.Module) -> Iterator[None]:
+    """A model built deferred (parameters on the meta device, buffers real) with its buffers on
+    the meta device too, for the block: torch.export's fake tensors keep their devices, so a
+    meta weight meeting a real input, or a real BatchNorm statistic meeting a meta activation,
+    fails the export. The graph needs shapes only; the real buffers are back after it."""
+    real = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
+            if b is not None and b.device.type != "meta"]
+    for m, name, b in real:
+        m._buffers[name] = b.to("meta")
+    try:
+        yield
+    finally:
+        for m, name, b in real:
+            m._buffers[name] = b
+
+
 def _export(model: nn.Module, inputs: Inputs, dynamic: bool) -> Any:
+    if not has_meta(model):
+        return _export_as_given(model, inputs, dynamic)
+    with _all_on_meta(model):
+        meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), inputs)
+        ep = _export_as_given(model, meta, dynamic)
+    # the graph holds the model's own buffers again, as an export of it would
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if buffer.device.type == "meta":
+            continue
+        for held in (ep.state_dict, ep.constants):
+            if name in held:
+                held[name] = buffer
+    return ep
+
+
+def _export_as_given(model: nn.Module, inputs: Inputs, dynamic: bool) -> Any:
     from torch.export import Dim, export
 
     batch = _batch_size(inputs)
@@ -359,14 +398,17 @@ def _forget_real_tensors(gm: fx.GraphModule) -> None:
 
 def _trace_export(model: nn.Module, inputs: Inputs) -> Traced:
     notes = []
-    try:
-        ep = _export(model, inputs, dynamic=True)
-        dynamic = True
-    except Exception as exc:  # noqa: BLE001 - retried statically, reported if that fails too
-        notes.append(f"dynamic batch export failed ({_short(exc, 150)}); exported statically")
-        ep = _export(model, inputs, dynamic=False)
-        dynamic = False
+    with own_functions_met() as functions:
+        try:
+            ep = _export(model, inputs, dynamic=True)
+            dynamic = True
+        except Exception as exc:  # noqa: BLE001 - retried statically, reported if that fails too
+            notes.append(f"dynamic batch export failed ({_short(exc, 150)}); exported statically")
+            ep = _export(model, inputs, dynamic=False)
+            dynamic = False
     gm = ep.module()
+    if functions:
+        notes.extend(_check_own_functions(model, gm, inputs, functions))
     if has_meta(model):
         _forget_real_tensors(gm)
     in_spec = gm._in_spec
@@ -423,6 +465,32 @@ def _trace_export(model: nn.Module, inputs: Inputs) -> Traced:
     )
 
 
+def _check_own_functions(model: nn.Module, gm: fx.GraphModule, inputs: Inputs,
+                         functions: list[str]) -> list[str]:
+    """Refuse an exported graph that drops the backward of the model's own autograd functions
+    (:mod:`~.autograd_calls`); a model on the meta device cannot be run: the capture's note
+    says so (returned)."""
+    what = (f"{type(model).__name__} applies its own torch.autograd.Function "
+            f"({', '.join(functions)}), whose backward a torch.export graph cannot keep")
+    fixes = ("Make the model traceable by torch.fx, which keeps such a call as one node with its "
+             "backward (split_model(..., tracer='fx') shows why it fails now), or register the "
+             "operation as a torch.library custom op with register_autograd, which torch.export "
+             "keeps")
+    if has_meta(model):
+        return [f"{what}; on the meta device the split model's gradients cannot be checked "
+                f"against the model's. {fixes}"]
+
+    def run(module: nn.Module) -> Any:
+        return module(**inputs) if isinstance(inputs, dict) else module(*inputs)
+
+    with buffers_kept(model, gm):
+        where = gradient_difference(model, gm, run)
+    if where is not None:
+        raise TraceError(f"{what}: the split model would train with the gradient of the "
+                         f"function's forward operations instead ({where}). {fixes}")
+    return []
+
+
 def _warn_mode(traced: Traced, model: nn.Module) -> None:
     """Warn that the graph computes as in the mode it was traced in, whatever the mode later
     (:func:`~.fx_guard.mode_difference`): validation, test and prediction would run the
@@ -470,6 +538,8 @@ def _follow_mode(traced: Traced, model: nn.Module, inputs: Inputs) -> None:
         with buffers_kept(model), _quiet_tracers():
             model.eval()
             other = _export(model, inputs, traced.dynamic_batch).module()
+            if has_meta(model):
+                _forget_real_tensors(other)
     except Exception:  # noqa: BLE001 - the graph keeps its mode, and the warning says so
         return
     finally:
@@ -515,8 +585,9 @@ def _eager_check(model: nn.Module, inputs: Inputs) -> None:
 def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced:
     """Capture ``model`` as a graph, trying ``torch.fx`` first and ``torch.export`` second.
 
-    The model's own reentrant activation checkpointing is captured as plain computation
-    (:mod:`~.checkpointing`: traced as it runs, it would compute without gradients).
+    The model's own reentrant activation checkpointing is captured as plain computation, its
+    own autograd functions as calls (:mod:`~.autograd_calls`: traced as they run, their
+    backward would be lost).
 
     Raises:
         TraceError: neither front end could capture the model; the message names the failing

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_autopipe import split_model
+from lightning_autopipe.errors import TraceError
 from lightning_autopipe.zoo.models import build_model
 from tests.graph._reference import call, check_split, main_output, random_cuts
 
@@ -577,3 +578,91 @@ def test_reentrant_activation_checkpointing_is_captured_with_its_gradients(name:
     for cuts in _cut_sets(len(blocks)):
         check_split(blocks, model, example, cuts)
     assert "apply" not in vars(torch.utils.checkpoint.CheckpointFunction)  # restored
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounds in forward, passes the gradient through unchanged (quantisation-aware training)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _ReverseGradient(torch.autograd.Function):
+    """The identity in forward, the gradient scaled by -0.5 in backward (domain adaptation)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -0.5 * grad
+
+
+class _OwnFunctions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _StraightThrough.apply(torch.tanh(self.a(x)))
+        h = _ReverseGradient.apply(torch.tanh(self.b(h)))
+        return self.c(h)
+
+
+def test_a_models_own_autograd_functions_keep_their_backward() -> None:
+    """torch.fx keeps each call as one node, so the split model's gradients are the model's
+    (traced as it runs, the rounding's zero gradient and the identity's would be used); a
+    torch.export capture cannot keep them and is refused naming them and the fixes."""
+    torch.manual_seed(0)
+    model, example = _OwnFunctions(), (torch.randn(4, 6),)
+    blocks = split_model(model, example)
+    assert blocks.tracer == "fx"
+    for cuts in _cut_sets(len(blocks)):
+        check_split(blocks, model, example, cuts)
+    with pytest.raises(TraceError, match=r"_StraightThrough, .*_ReverseGradient\).*torch\.fx.*"
+                                         r"register_autograd"):
+        split_model(model, example, tracer="export")
+    with torch.device("meta"):
+        unbuilt = _OwnFunctions()
+    notes = split_model(unbuilt, example, tracer="export").notes
+    assert any("on the meta device the split model's gradients cannot be checked" in note
+               for note in notes), notes
+    assert vars(torch.autograd.Function)["apply"] is _FUNCTION_APPLY  # restored
+
+
+_FUNCTION_APPLY = vars(torch.autograd.Function)["apply"]
+
+
+class _Tanh(torch.autograd.Function):
+    """A function whose backward is the gradient of its forward (a hand-written fused op)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.tanh(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * (1 - out * out)
+
+
+class _ExactFunction(_OwnFunctions):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(_Tanh.apply(self.b(torch.relu(self.a(x)))))
+
+
+def test_an_own_function_whose_backward_is_its_forwards_gradient_is_exported() -> None:
+    """What torch.export's graph computes is then what the model trains with: it is kept."""
+    torch.manual_seed(0)
+    model, example = _ExactFunction(), (torch.randn(4, 6),)
+    blocks = split_model(model, example, tracer="export")
+    for cuts in _cut_sets(len(blocks)):
+        check_split(blocks, model, example, cuts)

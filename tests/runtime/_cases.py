@@ -45,6 +45,12 @@ def build_net(model: str) -> nn.Module:
             num_key_value_heads=1, intermediate_size=32, max_position_embeddings=SEQ)))
     if model == "cnnaux":
         return _AuxCNN()
+    if model == "hfresnet":  # Hugging Face ResNet: BatchNorm, image inputs, traced by export
+        from transformers import ResNetConfig, ResNetForImageClassification
+
+        return _Pixels(ResNetForImageClassification(ResNetConfig(
+            num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+            num_labels=10)))
     if model == "hfbert":  # Hugging Face BERT called with a padding mask: two inputs
         return _MaskedBert(hf_bert(VOCAB, SEQ, 16, 2, 2, intermediate_size=32, dropout=0.0))
     if model == "hfalbert":  # one layer's weights applied at every depth: the calls are blocks
@@ -67,6 +73,13 @@ class _Logits(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits
+
+
+class _Pixels(_Logits):
+    """A Hugging Face image classifier as ``pixel_values -> logits``."""
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixel_values).logits
 
 
 class Heads(NamedTuple):

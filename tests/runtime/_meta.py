@@ -227,7 +227,7 @@ def stage_state_names(cuts: list[int], stage: int) -> set[str]:
 
 
 def _hf(rank: int, world: int, arg: Any) -> dict[str, Any]:
-    """Hugging Face GPT-2, BERT and Llama from configs on the meta device: traced, split
+    """Hugging Face GPT-2, BERT, Llama and ResNet from configs on the meta device: traced, split
     (planned on 2 stages), initialised by their own ``_init_weights``, trained 2 steps."""
     out: dict[str, Any] = {}
     for kind in HF_KINDS:
@@ -245,7 +245,7 @@ def _hf(rank: int, world: int, arg: Any) -> dict[str, Any]:
 
 
 #: the Hugging Face models of the ``hf`` case
-HF_KINDS = ("hfgpt", "hfbert", "hfllama")
+HF_KINDS = ("hfgpt", "hfbert", "hfllama", "hfresnet")
 
 
 def _local(world: int) -> Any:

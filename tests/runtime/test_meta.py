@@ -98,10 +98,12 @@ def test_training_from_a_checkpoint_loaded_into_the_meta_model_equals_one_proces
 
 
 def test_hugging_face_models_built_on_meta_train_as_built_eagerly(tmp_path, spawn_case):
-    """GPT-2, BERT and Llama, traced with torch.export on the meta device, split on 2 stages
-    (planned), initialised by their own _init_weights: 2 steps equal the eagerly built model
-    given the same weights. Llama's attention makes an empty tensor per call, a constant of
-    the traced graph that no module holds: it gets storage with its stage."""
+    """GPT-2, BERT, Llama and ResNet, traced with torch.export on the meta device, split on 2
+    stages (planned), initialised by their own _init_weights: 2 steps equal the eagerly built
+    model given the same weights. Llama's attention makes an empty tensor per call, a constant
+    of the traced graph that no module holds: it gets storage with its stage. ResNet takes
+    images (a meta weight meets a real input) and holds BatchNorm statistics (real buffers
+    meet meta activations): both are on the meta device while it is exported."""
     ranks = spawn_case("hf", 2, tmp_path, {"seed": 3})
     for kind in M.HF_KINDS:
         state: dict[str, torch.Tensor] = {}

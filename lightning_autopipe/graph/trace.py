@@ -370,8 +370,23 @@ def _export_as_given(model: nn.Module, inputs: Inputs, dynamic: bool) -> Any:
     def spec(v: torch.Tensor) -> dict[int, Any] | None:
         return {0: dim} if v.dim() > 0 and v.shape[0] == batch else None
 
-    shapes: Any = {k: spec(v) for k, v in kwargs.items()} if kwargs else tuple(map(spec, args))
+    shapes: Any = {k: spec(v) for k, v in kwargs.items()} if kwargs else _positional_shapes(
+        model, tuple(map(spec, args)))
     return export(model, args, kwargs or None, strict=False, dynamic_shapes=shapes)
+
+
+def _positional_shapes(model: nn.Module, specs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The positional inputs' specs shaped like ``forward``'s signature: torch.export matches
+    the specs to its parameters, so the inputs a ``*args`` parameter takes are one tuple
+    there (``forward(self, *args)``, a wrapper's signature)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return specs
+    for i, p in enumerate(params):
+        if p.kind is p.VAR_POSITIONAL:
+            return (*specs[:i], specs[i:])
+    return specs
 
 
 def _forget_real_tensors(gm: fx.GraphModule) -> None:

@@ -666,3 +666,31 @@ def test_an_own_function_whose_backward_is_its_forwards_gradient_is_exported() -
     blocks = split_model(model, example, tracer="export")
     for cuts in _cut_sets(len(blocks)):
         check_split(blocks, model, example, cuts)
+
+
+class _TakesAnyArguments(nn.Module):
+    """A wrapper whose forward passes on whatever it gets (``forward(self, *args)``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.model(*args).logits
+
+
+def test_a_forward_taking_star_args_is_exported_with_a_dynamic_batch() -> None:
+    """torch.export matches the batch dimension's specs to forward's parameters: the inputs
+    of ``*args`` are one tuple there. Given flat, the dynamic export failed and the static
+    one fixed the batch, so micro-batches of another size failed in the stage."""
+    torch.manual_seed(0)
+    model, example = build_model("gpt2", "tiny")
+    wrapper = _TakesAnyArguments(model)
+    ids = example["input_ids"]
+    blocks = split_model(wrapper, (ids,))
+    assert blocks.tracer == "export"
+    assert blocks.dynamic_batch
+    assert not any("exported statically" in note for note in blocks.notes), blocks.notes
+    for batch in (1, 3):
+        check_split(blocks, wrapper, (torch.cat([ids, ids])[:batch],),
+                    random_cuts(len(blocks), 3, seed=batch))

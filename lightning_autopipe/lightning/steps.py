@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_autopipe.errors import OptionError, PipelineRuntimeError, StepContractError
+from lightning_autopipe.lightning.step_calls import check_call, check_constants, tensors_in
 from lightning_autopipe.lightning.step_logs import WAY_OUT, LoggedValue, SliceLogs, bind_log
 from lightning_autopipe.lightning.step_outputs import join_slices
 from lightning_autopipe.runtime.failure import describe
@@ -190,7 +191,7 @@ class StepRunner:
 
     def _slice(self, hook: str, outputs: Any, part: Any) -> Tensor:
         module = self.module
-        expected = _tensors(as_call_args(model_inputs(module, part)))
+        expected = tensors_in(as_call_args(model_inputs(module, part)))
         n = int(expected[0].shape[0]) if expected and expected[0].dim() else 1
         if hook == "predict_step" and not is_overridden("predict_step", module, LightningModule):
             self._sizes.append(n)  # Lightning's default predict_step returns self(batch)
@@ -209,7 +210,8 @@ class StepRunner:
                     "with that slice's outputs of the last stage, so a step may call it exactly "
                     f"once (compute everything else from those outputs), {WAY_OUT}"
                 )
-            _check_call(hook, (args, kwargs), expected)
+            check_call(hook, (args, kwargs), expected)
+            check_constants(hook, type(module).forward, args, kwargs)
             return outputs
 
         def log(*args: Any, **kwargs: Any) -> None:
@@ -304,7 +306,7 @@ class StepRunner:
         outputs over :data:`SHIP_MAX_BYTES` (a language model's logits) stay on the last stage:
         the other stages get ``None`` rather than gigabytes every step."""
         if not predicting:
-            size = sum(t.numel() * t.element_size() for t in _tensors(self._joined))
+            size = sum(t.numel() * t.element_size() for t in tensors_in(self._joined))
             if size > SHIP_MAX_BYTES:
                 self._unjoinable(f"{self._hook} returned {size / 2**20:.0f} MiB of tensors per "
                                  "batch, too much to send to the other stages every step; only "
@@ -343,7 +345,7 @@ def _stand_in(outputs: Any, training: bool) -> Tensor:
     In training it is tied to the outputs, so the schedule's backward still runs (and sends
     zero gradients upstream); the step is raised before the optimizer sees them.
     """
-    found = [t for t in _tensors(outputs) if t.is_floating_point()]
+    found = [t for t in tensors_in(outputs) if t.is_floating_point()]
     device = found[0].device if found else None
     zero = torch.zeros((), device=device)
     if not training:
@@ -352,27 +354,6 @@ def _stand_in(outputs: Any, training: bool) -> Tensor:
     if not tied:
         return zero.requires_grad_()
     return sum((t.sum() * 0.0 for t in tied), zero)
-
-
-def _tensors(obj: Any) -> list[Tensor]:
-    found: list[Tensor] = []
-    apply_to_collection(obj, Tensor, found.append)
-    return found
-
-
-def _check_call(hook: str, call: Any, expected: list[Tensor]) -> None:
-    """``self(...)`` must be called on the slice's model inputs (their shapes, at least)."""
-    got = sorted(tuple(t.shape) for t in _tensors(call))
-    want = sorted(tuple(t.shape) for t in expected)
-    if got != want:
-        raise StepContractError(
-            f"{hook} called self(...) on tensors of shapes {got}, but the pipeline ran the model "
-            f"on this slice's inputs of shapes {want} (pipeline_inputs(self, batch) when "
-            "defined, else the batch entries the step passed to self(...) at setup where each "
-            "was an entry of the batch itself, else batch[0] for a tuple/list batch, else the "
-            "batch); define pipeline_inputs(self, batch) to return exactly what the step "
-            "passes to self(...)"
-        )
 
 
 def _loss_of(out: Any) -> Any:

@@ -307,6 +307,37 @@ def test_self_must_be_called_on_the_slice_inputs():
         runner.finish(LAYOUT, None, CPU)
 
 
+class Scaled(Module):
+    def forward(self, x, scale=1.0, mask=None):
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize(("call", "refused"), [
+    ({"scale": 2.0}, "scale=2.0"),  # the graph computes scale=1.0
+    ({"scale": 1}, None),  # equal to the default it was traced with
+    ({"mask": None}, None),
+])
+def test_a_non_tensor_argument_other_than_the_traced_default_is_refused(call, refused):
+    """Only tensors reach the stages: ``self(x, scale=2.0)`` would be answered with outputs
+    computed at ``forward``'s default ``scale=1.0`` and train another model, silently."""
+    module = Scaled()
+    runner = StepRunner(module)
+    runner.begin("training_step", (0,))
+    x, y = _batch(4)
+
+    def step(batch, batch_idx):
+        return F.cross_entropy(module(batch[0], **call), batch[1])
+
+    module.training_step = step
+    runner(module.lin(x), (x, y))
+    if refused is None:
+        runner.finish(LAYOUT, None, CPU)
+        return
+    with pytest.raises(StepContractError, match=rf"self\(...\) with {refused}, .* forward's "
+                                                r"default scale=1.0.*attribute"):
+        runner.finish(LAYOUT, None, CPU)
+
+
 def test_a_pipeline_loss_module_keeps_its_pipeline_loss():
     module = Module()
     module.pipeline_loss = lambda outputs, batch: F.cross_entropy(outputs, batch[1])

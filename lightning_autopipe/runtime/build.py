@@ -53,6 +53,7 @@ from lightning_autopipe.runtime.local_stage import (
 )
 from lightning_autopipe.runtime.materialize import Materializer, retarget_devices
 from lightning_autopipe.runtime.memory import MemoryMeter
+from lightning_autopipe.runtime.modes import ModeFollower
 from lightning_autopipe.runtime.recompute import Recomputed
 
 __all__ = ["LocalPipeline", "StageSource", "build_pipeline", "rebuild_pipeline"]
@@ -242,6 +243,7 @@ def build_pipeline(
         timeout_s=timeout.total_seconds(),
         memory=meter,
         replica_batches=plan.replica_batches,
+        modes=ModeFollower(module, parts),
     )
     return LocalPipeline(
         plan=plan,
@@ -350,3 +352,4 @@ def _tie_locals(tie: Any) -> dict[int, str]:
         int(s): str(names[0] if isinstance(names, tuple | list) else names)
         for s, names in tie.stages.items()
     }
+

@@ -96,6 +96,8 @@ class PipelineExecutor:
         drain_slices: slices of the last micro-batch (the plan's ``j``).
         memory: measures this rank's peak memory in a training step
             (:class:`~lightning_autopipe.runtime.memory.MemoryMeter`); None measures nothing.
+        modes: runs each training step's ``stage.train()`` keeping the user's modules' own
+            modes on the stage's (:class:`~lightning_autopipe.runtime.modes.ModeFollower`).
 
     Attributes:
         loss_scale: None, or ``loss -> scaled loss`` applied to each unit's weighted loss on
@@ -127,6 +129,7 @@ class PipelineExecutor:
         drain_slices: int = 1,
         memory: Any = None,
         replica_batches: Sequence[int] = (),
+        modes: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         if layout.world_size > 1 and groups is None:
             raise PipelineRuntimeError("a multi-rank pipeline needs its process groups")
@@ -159,6 +162,7 @@ class PipelineExecutor:
         self._schedules: dict[tuple[bool, int, int, int], list[Action]] = {}
         self._params = [p for p in self.stage.parameters() if p.requires_grad]
         self.memory = memory
+        self.modes = modes  # the user's modules' modes onto the stage (:mod:`.modes`)
         self._runners = {
             c: StageRunner(mod, layout.chunk(c), [p for p in mod.parameters() if p.requires_grad],
                            loss_fn, unflatten_outputs, device, memory)
@@ -186,7 +190,10 @@ class PipelineExecutor:
         ``step`` only labels failure messages.
         """
         self.step, self._training = step, True
-        self.stage.train()
+        if self.modes is not None:
+            self.modes(self.stage.train)
+        else:
+            self.stage.train()
         if self.memory is not None:
             self.memory.begin_step()
         with step_gradients_only(t.param for t in self.tied):  # ties sum this step's alone

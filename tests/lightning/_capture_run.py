@@ -18,6 +18,9 @@ references train on), the stage's state and which stage the rank holds.
   forward taking ``(input_ids, attention_mask)``: the strategy gives forward the entries that
   name its parameters and the steps read ``labels`` from the batch. Two micro-batches, the first
   in two startup slices (the dict is sliced per unit), ``STEPS`` SGD steps.
+* ``frozen``: a BatchNorm CNN that torch.fx captures, fine-tuned with its first BatchNorm put
+  in evaluation mode in ``on_train_epoch_start``; ``frozen-export``: the same with the peeking
+  net, which torch.export captures. One micro-batch, no slices; also records the warnings.
 * ``mapping``: the ``labels`` batches collated into a mapping that is not a ``dict`` (a
   ``UserDict``, as a tokenizer's ``BatchEncoding`` is, which Hugging Face collators return).
 * ``tuple``: the same net and plan on tuple batches ``(input_ids, attention_mask, labels)``
@@ -28,6 +31,7 @@ references train on), the stage's state and which stage the rank holds.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections import UserDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -83,6 +87,25 @@ class Classifier(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class PlainCNN(PeekingCNN):
+    """The same net without the peek: torch.fx captures it, its stages call its modules."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        return self.fc(torch.relu(self.bn2(self.conv2(x))).mean((2, 3)))
+
+
+class FrozenStem(Classifier):
+    """Fine-tuning with the first BatchNorm frozen: put in evaluation mode every epoch."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def on_train_epoch_start(self) -> None:
+        self.net.bn1.eval()
 
 
 def images(batches: int, seed: int) -> DataLoader:
@@ -172,6 +195,10 @@ def run_case(case: str, world: int, out: Path) -> dict:
     if case == "batchnorm":
         task, loader = Classifier(), images(STEPS, seed=1)
         pinned = plan(Classifier(), (torch.zeros(2, 3, 6, 6),), 1, 1)
+    elif case.startswith("frozen"):
+        net = PlainCNN if case == "frozen" else PeekingCNN
+        task, loader = FrozenStem(net()), images(STEPS, seed=1)
+        pinned = plan(FrozenStem(net()), (torch.zeros(2, 3, 6, 6),), 1, 1)
     else:
         as_tuples = case == "tuple"
         task = TupleLM() if as_tuples else LabelledLM()
@@ -185,11 +212,14 @@ def run_case(case: str, world: int, out: Path) -> dict:
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
                          default_root_dir=str(out / f"root-{case}"), callbacks=[record])
-    trainer.fit(task, loader)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        trainer.fit(task, loader)
     pipe = trainer.strategy.pipeline
     result = {"losses": record.losses, "batches": record.batches,
               "state": {k: v.detach().clone() for k, v in task.state_dict().items()},
-              "stage": pipe.layout.stage}
+              "stage": pipe.layout.stage,
+              "warnings": [str(w.message) for w in warned]}
     if case == "batchnorm":
         result["validated"] = [trainer.validate(task, images(VAL_BATCHES, seed=2),
                                                 verbose=False)[0]["val_loss"] for _ in range(2)]

@@ -1,0 +1,64 @@
+"""A module put in evaluation mode while the model trains (a frozen BatchNorm, as fine-tuning
+code freezes a backbone's) keeps that mode in the pipeline's stages.
+
+Cases ``frozen`` and ``frozen-export`` of ``tests/lightning/_capture_run.py`` run in the shared
+2-rank world: a BatchNorm CNN whose ``on_train_epoch_start`` puts its first BatchNorm in
+evaluation mode. Captured by torch.fx, the stages call the model's modules and follow their
+modes: the run equals one process doing the same (the frozen statistics unchanged, the other
+BatchNorm's updated); before, the stage's ``train()`` put the module back in training mode at
+every step. Captured by torch.export, the graph follows the whole model's mode only, and the
+rank holding that BatchNorm warns so. Tolerance: the suite's float32 ``rtol=1e-5, atol=1e-6``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tests.lightning import _capture_run as R
+
+pytestmark = pytest.mark.slow
+
+MODULE = "tests.lightning._capture_run"
+WORLD_CASES = {2: [f"{MODULE}:frozen", f"{MODULE}:frozen-export"]}
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def test_a_module_in_evaluation_mode_stays_so_in_a_torch_fx_stage(worlds):
+    ranks = worlds.results(2, MODULE, "frozen", weights_only=False)
+    torch.set_num_threads(1)
+    net = R.PlainCNN()
+    start = {k: v.clone() for k, v in net.bn1.named_buffers()}  # its running statistics
+    opt = torch.optim.SGD(net.parameters(), lr=R.LR)
+    losses = []
+    for x, y in ranks[0]["batches"]:
+        net.bn1.eval()
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    state = {f"net.{k}": v for k, v in net.state_dict().items()}
+    for name, value in start.items():  # the reference did freeze it
+        assert torch.equal(state[f"net.bn1.{name}"], value), name
+    assert int(state["net.bn2.num_batches_tracked"]) == len(losses)
+    last = next(r for r in ranks if r["stage"] == 1)
+    torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(losses),
+                               rtol=RTOL, atol=ATOL)
+    for rank in ranks:
+        assert not any("evaluation mode" in w for w in rank["warnings"]), rank["warnings"]
+        for name, value in rank["state"].items():
+            torch.testing.assert_close(value, state[name], rtol=RTOL, atol=ATOL,
+                                       msg=lambda s, n=name: f"{n}: {s}")
+
+
+def test_a_torch_export_stage_that_cannot_keep_it_warns_on_the_rank_holding_it(worlds):
+    ranks = worlds.results(2, MODULE, "frozen-export", weights_only=False)
+    for rank in ranks:
+        said = [w for w in rank["warnings"] if "in evaluation mode while the model trains" in w]
+        holds = "net.bn1.running_mean" in rank["state"]  # its stage holds the BatchNorm
+        assert bool(said) == holds, (rank["stage"], said)
+        if said:
+            assert said[0].startswith("net.bn1 is in evaluation mode")
+            assert "torch.fx" in said[0]

@@ -80,8 +80,8 @@ class ModeFollower:
                 "graph follows the whole model's train()/eval() only: it trains them in "
                 "training mode (BatchNorm statistics update, dropout on). Make the model "
                 "traceable by torch.fx (its stages call the modules and follow their modes), "
-                "or freeze them otherwise (BatchNorm: track_running_stats=False and "
-                "momentum=0; dropout: p=0)", UserWarning, stacklevel=3)
+                "or freeze them in a way that needs no mode (BatchNorm: torchvision.ops."
+                "FrozenBatchNorm2d; dropout: p=0)", UserWarning, stacklevel=3)
 
 
 def _module_names(part: nn.Module) -> dict[str, str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_autopipe.errors import OptionError, PipelineRuntimeError, StepContractError
+from lightning_autopipe.lightning.stage_parameters import parameters_read_warned
 from lightning_autopipe.lightning.step_calls import check_call, check_constants, tensors_in
 from lightning_autopipe.lightning.step_logs import WAY_OUT, LoggedValue, SliceLogs, bind_log
 from lightning_autopipe.lightning.step_outputs import join_slices
@@ -82,7 +84,7 @@ class StepRunner:
         self.module = module
         #: this rank holds one stage of several (the others' parameters are released here)
         self.partial = False
-        self._warned_parameters = False
+        self._warned_parameters: set[str] = set()  # hooks warned of (:mod:`.stage_parameters`)
         self._warned_outputs = False
         loss = getattr(module, _PIPELINE_LOSS, None)
         self._pipeline_loss: Callable[[Any, Any], Tensor] | None = loss if callable(loss) else None
@@ -174,21 +176,6 @@ class StepRunner:
         self._joined: Any = None
         self._failure: BaseException | None = None
 
-    def _warning(self, hook: str, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        """``method`` (the module's ``parameters`` or ``named_parameters``), warning once that
-        a step reading it sees the last stage's parameters only."""
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if not self._warned_parameters:
-                self._warned_parameters = True
-                warnings.warn(
-                    f"{hook} calls self.{name}(): under AutoPipeStrategy the steps run on the "
-                    "last stage, whose rank holds only that stage's parameters (the others' "
-                    "are released there), so a loss term over them (an L2 penalty) covers "
-                    "that stage only; use the optimizer's weight_decay, or compute the term "
-                    "in forward and return it with the outputs", UserWarning, stacklevel=2)
-            return method(*args, **kwargs)
-        return call
-
     def _slice(self, hook: str, outputs: Any, part: Any) -> Tensor:
         module = self.module
         expected = tensors_in(as_call_args(model_inputs(module, part)))
@@ -219,11 +206,11 @@ class StepRunner:
             logged[name] = (value, options, given)  # a key logged twice keeps its last value
 
         module.__dict__["forward"], module.__dict__["log"] = forward, log
-        if self.partial and hook == "training_step" and not self._warned_parameters:
-            for name in ("parameters", "named_parameters"):
-                module.__dict__[name] = self._warning(hook, name, getattr(module, name))
+        reading = (parameters_read_warned(module, hook, PENALTY, self._warned_parameters)
+                   if self.partial and hook == "training_step" else nullcontext())
         try:
-            out = getattr(module, hook)(part, *self._args, **self._kwargs)
+            with reading:
+                out = getattr(module, hook)(part, *self._args, **self._kwargs)
         except StepContractError:
             raise
         except Exception as exc:
@@ -239,7 +226,7 @@ class StepRunner:
                 f"{WAY_OUT}"
             ) from exc
         finally:
-            for name in ("forward", "log", "parameters", "named_parameters"):
+            for name in ("forward", "log"):
                 module.__dict__.pop(name, None)
         if not calls:
             raise StepContractError(
@@ -337,6 +324,11 @@ def _agree(failure: Any, layout: Any, groups: Any, device: torch.device) -> Any:
     everyone: list[Any] = [None] * layout.num_replicas
     dist.all_gather_object(everyone, failure, group=groups.dp)
     return failure if failure is not None else next(f for f in everyone if f is not None)
+
+
+#: What a step's loss term over ``self.parameters()`` covers here, and what works instead.
+PENALTY = ("a loss term over them (an L2 penalty) covers that stage only; use the optimizer's "
+           "weight_decay, or compute the term in forward and return it with the outputs")
 
 
 def _stand_in(outputs: Any, training: bool) -> Tensor:

@@ -60,6 +60,7 @@ from lightning_autopipe.lightning.report_once import shown_by_rank_zero
 from lightning_autopipe.lightning.reproducible import BatchNormSteps, reproducible_options
 from lightning_autopipe.lightning.reproducible import note as reproducible_note
 from lightning_autopipe.lightning.sampler import elastic_replica_batch, stripe_for_layout
+from lightning_autopipe.lightning.stage_parameters import gradient_hooks_warned
 from lightning_autopipe.lightning.step_hooks import StepHooks, epoch_end_note
 from lightning_autopipe.lightning.steps import StepRunner
 from lightning_autopipe.options import AutoPipeOptions
@@ -124,6 +125,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         self._watch: Any = None
         self._num_nodes = 1
         self._held = HeldPipeline()  # outlives teardown: validate / test / predict / fit again
+        self._warned_hooks: set[str] = set()  # hooks warned of reading a stage's parameters
         self._failed = False
         self._summary_params: list[summary.ParamInfo] = []
         self._summaries: list[Any] = []
@@ -297,8 +299,12 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
                        **kwargs: Any) -> Any:
-        """The optimizer step, then the re-plan boundary (:mod:`.replan`)."""
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        """The optimizer step, then the re-plan boundary (:mod:`.replan`). A hook of the step
+        that reads ``self.parameters()`` of a split model is warned once
+        (:mod:`.stage_parameters`): a gradient norm over them is this stage's."""
+        split = self._pipe is not None and self._pipe.layout.num_stages > 1
+        with gradient_hooks_warned(self.lightning_module, split, self._warned_hooks):
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._replanner.after_optimizer_step(self)
         return out
 

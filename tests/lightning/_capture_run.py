@@ -21,6 +21,8 @@ references train on), the stage's state and which stage the rank holds.
 * ``frozen``: a BatchNorm CNN that torch.fx captures, fine-tuned with its first BatchNorm put
   in evaluation mode in ``on_train_epoch_start``; ``frozen-export``: the same with the peeking
   net, which torch.export captures. One micro-batch, no slices; also records the warnings.
+* ``clipnorm``: a module clipping by the norm of ``self.parameters()`` in its own
+  ``on_before_optimizer_step`` (each rank's are its stage's): the warnings.
 * ``mapping``: the ``labels`` batches collated into a mapping that is not a ``dict`` (a
   ``UserDict``, as a tokenizer's ``BatchEncoding`` is, which Hugging Face collators return).
 * ``tuple``: the same net and plan on tuple batches ``(input_ids, attention_mask, labels)``
@@ -106,6 +108,17 @@ class FrozenStem(Classifier):
 
     def on_train_epoch_start(self) -> None:
         self.net.bn1.eval()
+
+
+class ClipsItself(Classifier):
+    """Clips by the norm of ``self.parameters()`` in its own hook, as one process may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PlainCNN()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
 
 
 def images(batches: int, seed: int) -> DataLoader:
@@ -195,6 +208,9 @@ def run_case(case: str, world: int, out: Path) -> dict:
     if case == "batchnorm":
         task, loader = Classifier(), images(STEPS, seed=1)
         pinned = plan(Classifier(), (torch.zeros(2, 3, 6, 6),), 1, 1)
+    elif case == "clipnorm":
+        task, loader = ClipsItself(), images(STEPS, seed=1)
+        pinned = plan(ClipsItself(), (torch.zeros(2, 3, 6, 6),), 1, 1)
     elif case.startswith("frozen"):
         net = PlainCNN if case == "frozen" else PeekingCNN
         task, loader = FrozenStem(net()), images(STEPS, seed=1)

@@ -1,5 +1,6 @@
 """A module put in evaluation mode while the model trains (a frozen BatchNorm, as fine-tuning
-code freezes a backbone's) keeps that mode in the pipeline's stages.
+code freezes a backbone's) keeps that mode in the pipeline's stages; a hook that clips by the
+norm of ``self.parameters()`` is told that they are its stage's.
 
 Cases ``frozen`` and ``frozen-export`` of ``tests/lightning/_capture_run.py`` run in the shared
 2-rank world: a BatchNorm CNN whose ``on_train_epoch_start`` puts its first BatchNorm in
@@ -21,7 +22,7 @@ from tests.lightning import _capture_run as R
 pytestmark = pytest.mark.slow
 
 MODULE = "tests.lightning._capture_run"
-WORLD_CASES = {2: [f"{MODULE}:frozen", f"{MODULE}:frozen-export"]}
+WORLD_CASES = {2: [f"{MODULE}:frozen", f"{MODULE}:frozen-export", f"{MODULE}:clipnorm"]}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -62,3 +63,15 @@ def test_a_torch_export_stage_that_cannot_keep_it_warns_on_the_rank_holding_it(w
         if said:
             assert said[0].startswith("net.bn1 is in evaluation mode")
             assert "torch.fx" in said[0]
+
+
+def test_a_hook_clipping_by_the_norm_of_self_parameters_is_warned_once_on_every_rank(worlds):
+    """Each rank holds its stage's parameters only: the norm the hook clips by is the stage's,
+    not the model's (no error otherwise); the warning names the Trainer option that clips by
+    the model's norm."""
+    ranks = worlds.results(2, MODULE, "clipnorm", weights_only=False)
+    for rank in ranks:
+        said = [w for w in rank["warnings"] if "self.parameters()" in w]
+        assert len(said) == 1, rank["warnings"]  # once, though every step's hook reads them
+        assert said[0].startswith("on_before_optimizer_step calls self.parameters()")
+        assert "gradient_clip_algorithm" in said[0]

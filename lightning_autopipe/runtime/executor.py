@@ -180,8 +180,35 @@ class PipelineExecutor:
     # ------------------------------------------------------------------------- public steps
     @property
     def parameters(self) -> list[nn.Parameter]:
-        """The stage's trainable parameters (what this rank's optimizer must hold)."""
+        """The stage's trainable parameters (what this rank's optimizer must hold), as they
+        are now (:meth:`_follow_trainable`)."""
+        self._follow_trainable()
         return list(self._params)
+
+    def _follow_trainable(self) -> None:
+        """Take the stage's trainable parameters anew where ``requires_grad`` changed since.
+
+        Fine-tuning unfreezes layers during a run (Lightning's ``BackboneFinetuning``, a
+        hook's ``requires_grad_(True)``): the lists kept from the build (what a split ``W``
+        accumulates into, what the replicas' buckets all-reduce, what the strategy hands back
+        to Lightning's backward) would leave the new ones without a gradient, and the run
+        would differ from one process with no error. Every replica of a stage holds the same
+        parameters, so all rebuild their buckets alike at the same step.
+        """
+        now = [p for p in self.stage.parameters() if p.requires_grad]
+        if len(now) == len(self._params) and all(a is b for a, b in zip(now, self._params,
+                                                                        strict=True)):
+            return
+        self._params = now
+        for c, runner in self._runners.items():
+            runner.take_params([p for p in self.chunks[c].parameters() if p.requires_grad])
+        if self._dp_sync is not None:
+            self._dp_sync.remove()
+            self._dp_sync = None
+        if self.layout.num_replicas > 1 and now:
+            assert self.groups is not None
+            self._dp_sync = GradientSync(now, self.groups.dp, self.layout.num_replicas,
+                                         self.bucket_bytes)
 
     def train_step(self, batch: Any, step: int | None = None) -> Tensor:
         """Forward and backward of every unit, then gradient sync; returns the global mean loss.
@@ -190,6 +217,7 @@ class PipelineExecutor:
         ``step`` only labels failure messages.
         """
         self.step, self._training = step, True
+        self._follow_trainable()
         if self.modes is not None:
             self.modes(self.stage.train)
         else:

@@ -96,6 +96,12 @@ class StageRunner:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.begin(None, (), 0, {}, train=False, outbox=Outbox(False, False))
 
+    def take_params(self, params: Sequence[nn.Parameter]) -> None:
+        """The chunk's trainable parameters changed (a layer unfrozen): what ``W`` accumulates
+        into, and the split backward's findings over them, anew."""
+        self.params = list(params)
+        self._whole_in_b, self._off_path = None, []
+
     def begin(
         self,
         batch: Any,

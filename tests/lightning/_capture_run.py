@@ -21,6 +21,8 @@ references train on), the stage's state and which stage the rank holds.
 * ``frozen``: a BatchNorm CNN that torch.fx captures, fine-tuned with its first BatchNorm put
   in evaluation mode in ``on_train_epoch_start``; ``frozen-export``: the same with the peeking
   net, which torch.export captures. One micro-batch, no slices; also records the warnings.
+* ``unfreeze``: the fx-captured CNN with its first stage's layers frozen at the start and
+  unfrozen from step ``UNFROZEN_FROM`` on (that stage had nothing to train when built).
 * ``clipnorm``: a module clipping by the norm of ``self.parameters()`` in its own
   ``on_before_optimizer_step`` (each rank's are its stage's): the warnings.
 * ``mapping``: the ``labels`` batches collated into a mapping that is not a ``dict`` (a
@@ -121,6 +123,26 @@ class ClipsItself(Classifier):
         torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
 
 
+class Unfreezes(Classifier):
+    """Its first stage's layers (conv1, bn1) frozen at the start, unfrozen from the second
+    step on, as gradual unfreezing (Lightning's BackboneFinetuning) does; SGD over every
+    parameter, so the unfrozen ones train from then on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PlainCNN()
+        for layer in (self.net.conv1, self.net.bn1):
+            layer.requires_grad_(False)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if batch_idx == UNFROZEN_FROM:
+            for layer in (self.net.conv1, self.net.bn1):
+                layer.requires_grad_(True)
+
+
+UNFROZEN_FROM = 1  # the step (batch index) from which Unfreezes trains its first stage
+
+
 def images(batches: int, seed: int) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     n = batches * BATCH
@@ -208,6 +230,9 @@ def run_case(case: str, world: int, out: Path) -> dict:
     if case == "batchnorm":
         task, loader = Classifier(), images(STEPS, seed=1)
         pinned = plan(Classifier(), (torch.zeros(2, 3, 6, 6),), 1, 1)
+    elif case == "unfreeze":
+        task, loader = Unfreezes(), images(STEPS, seed=1)
+        pinned = plan(Unfreezes(), (torch.zeros(2, 3, 6, 6),), 1, 1)
     elif case == "clipnorm":
         task, loader = ClipsItself(), images(STEPS, seed=1)
         pinned = plan(ClipsItself(), (torch.zeros(2, 3, 6, 6),), 1, 1)

@@ -1,6 +1,7 @@
 """A module put in evaluation mode while the model trains (a frozen BatchNorm, as fine-tuning
 code freezes a backbone's) keeps that mode in the pipeline's stages; a hook that clips by the
-norm of ``self.parameters()`` is told that they are its stage's.
+norm of ``self.parameters()`` is told that they are its stage's; layers unfrozen during the run
+train from then on, as in one process.
 
 Cases ``frozen`` and ``frozen-export`` of ``tests/lightning/_capture_run.py`` run in the shared
 2-rank world: a BatchNorm CNN whose ``on_train_epoch_start`` puts its first BatchNorm in
@@ -22,7 +23,8 @@ from tests.lightning import _capture_run as R
 pytestmark = pytest.mark.slow
 
 MODULE = "tests.lightning._capture_run"
-WORLD_CASES = {2: [f"{MODULE}:frozen", f"{MODULE}:frozen-export", f"{MODULE}:clipnorm"]}
+WORLD_CASES = {2: [f"{MODULE}:frozen", f"{MODULE}:frozen-export", f"{MODULE}:clipnorm",
+                   f"{MODULE}:unfreeze"]}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -75,3 +77,36 @@ def test_a_hook_clipping_by_the_norm_of_self_parameters_is_warned_once_on_every_
         assert len(said) == 1, rank["warnings"]  # once, though every step's hook reads them
         assert said[0].startswith("on_before_optimizer_step calls self.parameters()")
         assert "gradient_clip_algorithm" in said[0]
+
+
+def test_layers_unfrozen_during_the_run_train_from_then_on_like_one_process(worlds):
+    """The first stage held nothing to train when it was built; from the step its layers are
+    unfrozen they take gradients and the optimizer moves them (before, the lists kept from
+    the build handed Lightning's backward no gradient for them: they never trained)."""
+    ranks = worlds.results(2, MODULE, "unfreeze", weights_only=False)
+    torch.set_num_threads(1)
+    net = R.PlainCNN()
+    frozen = (net.conv1, net.bn1)
+    for layer in frozen:
+        layer.requires_grad_(False)
+    start = net.conv1.weight.detach().clone()
+    opt = torch.optim.SGD(net.parameters(), lr=R.LR)
+    losses = []
+    for step, (x, y) in enumerate(ranks[0]["batches"]):
+        if step == R.UNFROZEN_FROM:
+            for layer in frozen:
+                layer.requires_grad_(True)
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert not torch.equal(net.conv1.weight, start)  # the reference did unfreeze it
+    state = {f"net.{k}": v for k, v in net.state_dict().items()}
+    last = next(r for r in ranks if r["stage"] == 1)
+    torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(losses),
+                               rtol=RTOL, atol=ATOL)
+    for rank in ranks:
+        for name, value in rank["state"].items():
+            torch.testing.assert_close(value, state[name], rtol=RTOL, atol=ATOL,
+                                       msg=lambda s, n=name: f"{n}: {s}")

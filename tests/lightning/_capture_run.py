@@ -205,6 +205,21 @@ def tokens(n: int, *, as_tuples: bool = False, as_mapping: bool = False) -> Data
 
 
 # ---------------------------------------------------------------------------- both
+def assert_like_one_process(ranks: list[dict], losses: list[float], net: nn.Module,
+                            rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """The tests' check of a case: the last stage's step losses are ``losses`` and every
+    rank's stage state is ``net``'s (as the LightningModule's ``net``), the suite's float32
+    tolerance by default (sums in another order)."""
+    last = next(r for r in ranks if r["stage"] == 1)
+    torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(losses),
+                               rtol=rtol, atol=atol)
+    state = {f"net.{k}": v for k, v in net.state_dict().items()}
+    for rank in ranks:
+        for name, value in rank["state"].items():
+            torch.testing.assert_close(value, state[name], rtol=rtol, atol=atol,
+                                       msg=lambda s, n=name: f"{n}: {s}")
+
+
 def plan(module: pl.LightningModule, example: tuple | dict, m: int, k: int) -> Plan:
     """2 stages cut in the middle of the module's blocks, ``m`` micro-batches, ``k`` slices."""
     n = len(split_model(module, example))

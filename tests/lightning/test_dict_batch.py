@@ -40,11 +40,4 @@ def test_inputs_and_labels_riding_in_one_batch_train_like_one_process(worlds, ca
         opt.step()
         losses.append(float(loss.detach()))
     assert len(losses) == R.STEPS
-    last = next(r for r in ranks if r["stage"] == 1)
-    torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(losses),
-                               rtol=RTOL, atol=ATOL)
-    state = {f"net.{k}": v for k, v in net.state_dict().items()}
-    for rank in ranks:
-        for name, value in rank["state"].items():
-            torch.testing.assert_close(value, state[name], rtol=RTOL, atol=ATOL,
-                                       msg=lambda s, n=name: f"{n}: {s}")
+    R.assert_like_one_process(ranks, losses, net, RTOL, ATOL)

@@ -46,14 +46,9 @@ def test_a_module_in_evaluation_mode_stays_so_in_a_torch_fx_stage(worlds):
     for name, value in start.items():  # the reference did freeze it
         assert torch.equal(state[f"net.bn1.{name}"], value), name
     assert int(state["net.bn2.num_batches_tracked"]) == len(losses)
-    last = next(r for r in ranks if r["stage"] == 1)
-    torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(losses),
-                               rtol=RTOL, atol=ATOL)
+    R.assert_like_one_process(ranks, losses, net, RTOL, ATOL)
     for rank in ranks:
         assert not any("evaluation mode" in w for w in rank["warnings"]), rank["warnings"]
-        for name, value in rank["state"].items():
-            torch.testing.assert_close(value, state[name], rtol=RTOL, atol=ATOL,
-                                       msg=lambda s, n=name: f"{n}: {s}")
 
 
 def test_a_torch_export_stage_that_cannot_keep_it_warns_on_the_rank_holding_it(worlds):
@@ -102,11 +97,4 @@ def test_layers_unfrozen_during_the_run_train_from_then_on_like_one_process(worl
         opt.step()
         losses.append(float(loss.detach()))
     assert not torch.equal(net.conv1.weight, start)  # the reference did unfreeze it
-    state = {f"net.{k}": v for k, v in net.state_dict().items()}
-    last = next(r for r in ranks if r["stage"] == 1)
-    torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(losses),
-                               rtol=RTOL, atol=ATOL)
-    for rank in ranks:
-        for name, value in rank["state"].items():
-            torch.testing.assert_close(value, state[name], rtol=RTOL, atol=ATOL,
-                                       msg=lambda s, n=name: f"{n}: {s}")
+    R.assert_like_one_process(ranks, losses, net, RTOL, ATOL)

@@ -384,7 +384,7 @@ def _positional_shapes(model: nn.Module, specs: tuple[Any, ...]) -> tuple[Any, .
     except (TypeError, ValueError):
         return specs
     for i, p in enumerate(params):
-        if p.kind is p.VAR_POSITIONAL:
+        if p.kind is p.VAR_POSITIONAL and i < len(specs):  # it takes some of the inputs
             return (*specs[:i], specs[i:])
     return specs
 

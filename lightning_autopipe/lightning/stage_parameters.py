@@ -69,13 +69,26 @@ CLIPPING = ("a norm over their gradients (torch.nn.utils.clip_grad_norm_, Lightn
 
 @contextmanager
 def gradient_hooks_warned(module: Any, split: bool, warned: set[str]) -> Iterator[None]:
-    """Around Lightning's optimizer step: the module's own ``on_before_optimizer_step`` /
-    ``configure_gradient_clipping`` reading ``self.parameters()`` of a ``split`` model is
-    warned once (:data:`CLIPPING`)."""
+    """Around Lightning's optimizer step: while the module's own ``on_before_optimizer_step``
+    / ``configure_gradient_clipping`` runs (not the step's closure, its ``training_step``),
+    reading ``self.parameters()`` of a ``split`` model is warned once (:data:`CLIPPING`)."""
     hooks = [h for h in ("on_before_optimizer_step", "configure_gradient_clipping")
              if split and module is not None and is_overridden(h, module, LightningModule)]
-    if not hooks:
+    own = {h: module.__dict__[h] for h in hooks if h in module.__dict__}
+
+    def watched(hook: str) -> Any:
+        method = getattr(module, hook)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with parameters_read_warned(module, hook, CLIPPING, warned):
+                return method(*args, **kwargs)
+        return call
+
+    for hook in hooks:
+        module.__dict__[hook] = watched(hook)
+    try:
         yield
-        return
-    with parameters_read_warned(module, " or ".join(hooks), CLIPPING, warned):
-        yield
+    finally:
+        for hook in hooks:
+            module.__dict__.pop(hook, None)
+        module.__dict__.update(own)

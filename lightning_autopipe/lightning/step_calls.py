@@ -10,6 +10,7 @@ computation than the one it asked for.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -47,8 +48,10 @@ def check_constants(hook: str, forward: Any, args: tuple, kwargs: dict) -> None:
 
     Only tensors reach the pipeline's graph; a parameter of ``forward`` that is given no tensor
     was traced at its default (``self(x, scale=2.0)`` for ``forward(self, x, scale=1.0)`` would
-    otherwise train the model at ``scale=1.0``, with no error). Arguments of ``*args`` /
-    ``**kwargs`` have no default to compare with and pass.
+    otherwise train the model at ``scale=1.0``, with no error). A default of None often means
+    "as configured" (Hugging Face's ``return_dict=None``), which the given value may equal: it
+    is warned of instead. Arguments of ``*args`` / ``**kwargs`` have no default to compare
+    with and pass.
     """
     try:
         sig = inspect.signature(forward)
@@ -59,6 +62,14 @@ def check_constants(hook: str, forward: Any, args: tuple, kwargs: dict) -> None:
         param = sig.parameters[name]
         if (param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or tensors_in(value)
                 or param.default is inspect.Parameter.empty or _same_value(value, param.default)):
+            continue
+        if param.default is None:  # often "as configured" (Hugging Face's return_dict=None)
+            warnings.warn(
+                f"{hook} calls self(...) with {name}={value!r}, but the pipeline's graph was "
+                f"captured with forward's default {name}=None: only tensors reach the "
+                "pipeline's stages, so the outputs are those of the default; where the two "
+                f"compute differently, make {name}={value!r} forward's default",
+                UserWarning, stacklevel=4)
             continue
         raise StepContractError(
             f"{hook} called self(...) with {name}={value!r}, but the pipeline's graph was "

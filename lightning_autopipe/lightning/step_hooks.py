@@ -45,6 +45,7 @@ class StepHooks(ParallelStrategy):
     _held: HeldPipeline
     _bn: BatchNormSteps | None
     _grads: list[Tensor | None] | None
+    _grads_of: list[Any]
 
     @property
     def _pipe(self) -> LocalPipeline | None:
@@ -79,6 +80,7 @@ class StepHooks(ParallelStrategy):
         if self._bn is not None:  # whole-batch BatchNorm statistics; replica 0's buffers
             self._bn.after_step()
         self._grads = [p.grad for p in params]
+        self._grads_of = params  # the parameters they belong to, as the step found them
         for p, g in zip(params, held):
             p.grad = g
         if own:
@@ -113,7 +115,7 @@ class StepHooks(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self._grads is not None:
             window = _window(module)
-            for p, g in zip(self._pipe.executor.parameters, self._grads):
+            for p, g in zip(self._grads_of, self._grads, strict=True):
                 if g is None:
                     continue
                 g = g / window if window > 1 else g

@@ -11,9 +11,9 @@ training step :class:`ModeFollower` gives every module the stage *calls* (a torc
 
 A torch.export graph holds operations, not calls: its modes are constants chosen by the
 stage's own ``training`` flag (:mod:`lightning_autopipe.graph.stage`), which follows the whole
-model. Where a user's module in evaluation mode is held by such a stage (its tensors), or is
-a dropout that no stage calls, the follower warns once that the stage trains it in the
-model's mode instead.
+model. Where a user's BatchNorm or dropout in evaluation mode has its operations in such a
+stage on this rank (its tensors, or the module stack export records on each operation), the
+follower warns once that the stage trains it in the model's mode instead.
 """
 
 from __future__ import annotations
@@ -43,21 +43,20 @@ class ModeFollower:
         user = dict(module.named_modules())
         self._user = user
         self._pairs: list[tuple[nn.Module, nn.Module]] = []
-        followed: set[str] = set()
-        held: set[str] = set()
+        inlined: set[str] = set()  # the model's modules whose operations an export stage runs
         for part in parts.values():
             renamed = _module_names(part)
-            held.update(renamed.values())
-            for path in _called(part):
+            called = _called(part)
+            if not called:
+                inlined.update(renamed.values())
+                inlined.update(_module_stack(part))
+            for path in called:
                 for sub_path, sub in part.get_submodule(path).named_modules(prefix=path):
                     source = user.get(renamed.get(sub_path, sub_path))
                     if source is not None and source is not module:
                         self._pairs.append((sub, source))
-                        followed.add(renamed.get(sub_path, sub_path))
-        self._unfollowed = [
-            name for name, m in user.items()
-            if name and name not in followed and isinstance(m, _MODAL)
-            and (name in held or isinstance(m, nn.modules.dropout._DropoutNd))]
+        self._unfollowed = sorted(name for name in inlined
+                                  if isinstance(user.get(name), _MODAL))
         self._warned = False
 
     def __call__(self, train: Callable[[], None]) -> None:
@@ -91,6 +90,15 @@ def _module_names(part: nn.Module) -> dict[str, str]:
     for local, original in getattr(part, "param_names", {}).items():
         names.setdefault(local.rpartition(".")[0], original.rpartition(".")[0])
     return names
+
+
+def _module_stack(part: nn.Module) -> set[str]:
+    """The model's module paths whose operations an exported stage's graph holds (the
+    ``nn_module_stack`` torch.export records on each node)."""
+    if not isinstance(part, fx.GraphModule):
+        return set()
+    return {str(path) for n in part.graph.nodes
+            for path, _ in n.meta.get("nn_module_stack", {}).values()}
 
 
 def _called(part: nn.Module) -> list[str]:

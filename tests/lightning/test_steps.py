@@ -6,6 +6,7 @@ combines the slices' records exactly as the last stage of a pipeline does.
 
 from __future__ import annotations
 
+import warnings
 from collections import namedtuple
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from lightning_autopipe.errors import StepContractError
+from lightning_autopipe.lightning.stage_parameters import gradient_hooks_warned
 from lightning_autopipe.lightning.step_outputs import join_slices
 from lightning_autopipe.lightning.steps import StepRunner
 from lightning_autopipe.runtime.groups import RankLayout
@@ -316,6 +318,7 @@ class Scaled(Module):
     ({"scale": 2.0}, "scale=2.0"),  # the graph computes scale=1.0
     ({"scale": 1}, None),  # equal to the default it was traced with
     ({"mask": None}, None),
+    ({"mask": True}, None),  # a default of None may mean "as configured": warned of
 ])
 def test_a_non_tensor_argument_other_than_the_traced_default_is_refused(call, refused):
     """Only tensors reach the stages: ``self(x, scale=2.0)`` would be answered with outputs
@@ -329,7 +332,14 @@ def test_a_non_tensor_argument_other_than_the_traced_default_is_refused(call, re
         return F.cross_entropy(module(batch[0], **call), batch[1])
 
     module.training_step = step
-    runner(module.lin(x), (x, y))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        runner(module.lin(x), (x, y))
+    assert [str(w.message) for w in warned if "default mask=None" in str(w.message)] == (
+        ["training_step calls self(...) with mask=True, but the pipeline's graph was captured "
+         "with forward's default mask=None: only tensors reach the pipeline's stages, so the "
+         "outputs are those of the default; where the two compute differently, make "
+         "mask=True forward's default"] if call == {"mask": True} else [])
     if refused is None:
         runner.finish(LAYOUT, None, CPU)
         return
@@ -454,3 +464,35 @@ def test_uneven_replica_batches_log_synced_means_of_the_global_batch():
                   logs.combined(len(v) / 4, 2)][0]
     epoch = sum(v * b for v, b in one.values()) / sum(b for _, b in one.values())
     assert epoch == pytest.approx(float((every * weights).sum() / weights.sum()))
+
+
+class LogsBeforeStepping(Module):
+    """Reads its parameters in its step (a device lookup) and in its optimizer-step hook."""
+
+    def training_step(self, batch, batch_idx):
+        next(self.parameters())
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer):
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_only_the_optimizer_step_hooks_reading_parameters_are_warned_of(split):
+    """Lightning's optimizer step runs the step's closure (``training_step``) too: only the
+    hook's own reading is the clipping the warning is about, and only on a split model."""
+    module = LogsBeforeStepping()
+    warned: set[str] = set()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with gradient_hooks_warned(module, split, warned):
+            module.training_step(_batch(), 0)
+            module.on_before_optimizer_step(None)
+            module.on_before_optimizer_step(None)
+    said = [str(w.message) for w in seen if "self.parameters()" in str(w.message)]
+    assert len(said) == (1 if split else 0)
+    if split:
+        assert said[0].startswith("on_before_optimizer_step calls self.parameters()")
+        assert "global_grad_norm" in said[0]
+    assert "on_before_optimizer_step" not in module.__dict__  # the hook is the class's again
+    assert "parameters" not in module.__dict__

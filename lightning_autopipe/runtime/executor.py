@@ -47,6 +47,7 @@ from lightning_autopipe.runtime.chunks import chunk_modules
 from lightning_autopipe.runtime.failure import FailureBoard, pipeline_failure
 from lightning_autopipe.runtime.gradsync import GradientSync, step_gradients_only
 from lightning_autopipe.runtime.groups import ProcessGroups, RankLayout, gather_by_rank
+from lightning_autopipe.runtime.modes import ModeFollower
 from lightning_autopipe.runtime.outbox import Outbox
 from lightning_autopipe.runtime.replica_share import take_share
 from lightning_autopipe.runtime.stage_runner import StageRunner, action_table, check_action
@@ -96,8 +97,8 @@ class PipelineExecutor:
         drain_slices: slices of the last micro-batch (the plan's ``j``).
         memory: measures this rank's peak memory in a training step
             (:class:`~lightning_autopipe.runtime.memory.MemoryMeter`); None measures nothing.
-        modes: runs each training step's ``stage.train()`` keeping the user's modules' own
-            modes on the stage's (:class:`~lightning_autopipe.runtime.modes.ModeFollower`).
+        modes: runs each step's ``stage.train()`` / ``eval()`` keeping the user's modules'
+            own modes (:class:`~lightning_autopipe.runtime.modes.ModeFollower`).
 
     Attributes:
         loss_scale: None, or ``loss -> scaled loss`` applied to each unit's weighted loss on
@@ -129,7 +130,7 @@ class PipelineExecutor:
         drain_slices: int = 1,
         memory: Any = None,
         replica_batches: Sequence[int] = (),
-        modes: Callable[[Callable[[], None]], None] | None = None,
+        modes: ModeFollower | None = None,
     ) -> None:
         if layout.world_size > 1 and groups is None:
             raise PipelineRuntimeError("a multi-rank pipeline needs its process groups")
@@ -237,8 +238,11 @@ class PipelineExecutor:
         """Forward-only pipeline; the global mean loss (``replicas=False``: the replica's own,
         for prediction, where replicas may run different numbers of batches)."""
         self.step, self._training = step, False
-        self.stage.eval()
-        return self._run(batch, train=False, replicas=replicas)
+        if self.modes is None:
+            self.stage.eval()
+            return self._run(batch, train=False, replicas=replicas)
+        with self.modes.evaluating(self.stage.eval):
+            return self._run(batch, train=False, replicas=replicas)
 
     def close(self) -> None:
         """Remove the gradient hooks this executor put on the stage's parameters.

@@ -19,7 +19,8 @@ follower warns once that the stage trains it in the model's mode instead.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 from torch import fx, nn
 
@@ -67,6 +68,22 @@ class ModeFollower:
         train()
         for (copy, source), mode in zip(self._pairs, wanted, strict=True):
             copy.training = source.training = mode
+        self._warn_unfollowed()
+
+    @contextmanager
+    def evaluating(self, evaluate: Callable[[], None]) -> Iterator[None]:
+        """An evaluation step: ``evaluate`` (the stage's ``eval()``) for the block, then the
+        modes the user's modules had before it (a torch.fx stage's ``eval()`` reaches the
+        model's own modules, and a training step would read them back as the user's)."""
+        wanted = [source.training for _, source in self._pairs]
+        evaluate()
+        try:
+            yield
+        finally:
+            for (copy, source), mode in zip(self._pairs, wanted, strict=True):
+                copy.training = source.training = mode
+
+    def _warn_unfollowed(self) -> None:
         if self._warned:
             return
         evaluating = [n for n in self._unfollowed if not self._user[n].training]
@@ -80,7 +97,7 @@ class ModeFollower:
                 "training mode (BatchNorm statistics update, dropout on). Make the model "
                 "traceable by torch.fx (its stages call the modules and follow their modes), "
                 "or freeze them in a way that needs no mode (BatchNorm: torchvision.ops."
-                "FrozenBatchNorm2d; dropout: p=0)", UserWarning, stacklevel=3)
+                "FrozenBatchNorm2d; dropout: p=0)", UserWarning, stacklevel=4)
 
 
 def _module_names(part: nn.Module) -> dict[str, str]:

@@ -60,3 +60,20 @@ def test_a_torch_export_stage_warns_only_of_the_modules_it_runs(cuts, named):
     _, _, said = _step("export", cuts)
     assert len(said) == 1, said
     assert said[0].startswith(f"{named} is in evaluation mode while the model trains")
+
+
+def test_an_evaluation_step_leaves_the_users_modes_as_they_were():
+    """A torch.fx stage's ``eval()`` reaches the model's own modules: after the evaluation
+    step they are in training mode again, so the next training step (which reads the user's
+    modes) does not train them in evaluation mode."""
+    torch.manual_seed(0)
+    model = _Net()
+    blocks = split_model(model, (torch.randn(4, 4),), tracer="fx")
+    stage = blocks.stage(0, len(blocks))
+    follow = ModeFollower(model, {0: stage})
+    with follow.evaluating(stage.eval):
+        assert not model.bn.training
+        assert not any(m.training for m in stage.modules())
+    assert all(m.training for m in model.modules())
+    follow(stage.train)
+    assert all(m.training for m in stage.modules())

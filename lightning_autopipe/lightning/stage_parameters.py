@@ -12,7 +12,7 @@ works instead.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,19 +26,27 @@ _NAMES = ("parameters", "named_parameters")
 
 
 @contextmanager
+def _wrapped(module: Any, names: list[str], wrap: Callable[[str, Any], Any]) -> Iterator[None]:
+    """Inside the block the module's methods ``names`` are ``wrap(name, method)`` (set on the
+    instance); after it, what the instance held before (the class's methods, usually)."""
+    own = {name: module.__dict__[name] for name in names if name in module.__dict__}
+    for name in names:
+        module.__dict__[name] = wrap(name, getattr(module, name))
+    try:
+        yield
+    finally:
+        for name in names:
+            module.__dict__.pop(name, None)
+        module.__dict__.update(own)
+
+
+@contextmanager
 def parameters_read_warned(module: nn.Module, hook: str, consequence: str,
                            warned: set[str]) -> Iterator[None]:
     """Inside the block ``module.parameters()`` / ``named_parameters()`` warn once (``hook``
     not yet in ``warned``, which records it) that ``hook`` sees this rank's stage's only;
     ``consequence``: what that breaks and what to use instead."""
-    if hook in warned:
-        yield
-        return
-    own = {name: module.__dict__[name] for name in _NAMES if name in module.__dict__}
-
-    def warning(name: str) -> Any:
-        method = getattr(module, name)
-
+    def warning(name: str, method: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             if hook not in warned:
                 warned.add(hook)
@@ -49,14 +57,8 @@ def parameters_read_warned(module: nn.Module, hook: str, consequence: str,
             return method(*args, **kwargs)
         return call
 
-    for name in _NAMES:
-        module.__dict__[name] = warning(name)
-    try:
+    with _wrapped(module, [] if hook in warned else list(_NAMES), warning):
         yield
-    finally:
-        for name in _NAMES:
-            module.__dict__.pop(name, None)
-        module.__dict__.update(own)
 
 
 #: What a gradient norm over ``self.parameters()`` in an optimizer-step hook is here.
@@ -74,21 +76,12 @@ def gradient_hooks_warned(module: Any, split: bool, warned: set[str]) -> Iterato
     reading ``self.parameters()`` of a ``split`` model is warned once (:data:`CLIPPING`)."""
     hooks = [h for h in ("on_before_optimizer_step", "configure_gradient_clipping")
              if split and module is not None and is_overridden(h, module, LightningModule)]
-    own = {h: module.__dict__[h] for h in hooks if h in module.__dict__}
 
-    def watched(hook: str) -> Any:
-        method = getattr(module, hook)
-
+    def watched(hook: str, method: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             with parameters_read_warned(module, hook, CLIPPING, warned):
                 return method(*args, **kwargs)
         return call
 
-    for hook in hooks:
-        module.__dict__[hook] = watched(hook)
-    try:
+    with _wrapped(module, hooks, watched):
         yield
-    finally:
-        for hook in hooks:
-            module.__dict__.pop(hook, None)
-        module.__dict__.update(own)

@@ -29,12 +29,7 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_autopipe.errors import GraphRunError, InputError, OptionError, TraceError
-from lightning_autopipe.graph.autograd_calls import (
-    gradient_difference,
-    own_functions_as_calls,
-    own_functions_met,
-    reentrant_checkpoints_traced_plain,
-)
+from lightning_autopipe.graph import autograd_calls as calls
 from lightning_autopipe.graph.fx_guard import Unrecorded, mode_difference, plain, watch_unrecorded
 from lightning_autopipe.graph.modes import kept_mode, mode_nodes, mode_values
 
@@ -296,7 +291,7 @@ def _trace_fx(model: nn.Module, inputs: Inputs, sig: inspect.Signature) -> Trace
         if n not in provided and sig.parameters[n].default is not inspect.Parameter.empty
     }
     def capture() -> fx.GraphModule:
-        with own_functions_as_calls():
+        with calls.own_functions_as_calls():
             return fx.symbolic_trace(model, concrete_args=concrete or None)
 
     with watch_unrecorded(model):
@@ -413,7 +408,7 @@ def _forget_real_tensors(gm: fx.GraphModule) -> None:
 
 def _trace_export(model: nn.Module, inputs: Inputs) -> Traced:
     notes = []
-    with own_functions_met() as functions:
+    with calls.own_functions_met() as functions:
         try:
             ep = _export(model, inputs, dynamic=True)
             dynamic = True
@@ -499,7 +494,7 @@ def _check_own_functions(model: nn.Module, gm: fx.GraphModule, inputs: Inputs,
         return module(**inputs) if isinstance(inputs, dict) else module(*inputs)
 
     with buffers_kept(model, gm):
-        where = gradient_difference(model, gm, run)
+        where = calls.gradient_difference(model, gm, run)
     if where is not None:
         raise TraceError(f"{what}: the split model would train with the gradient of the "
                          f"function's forward operations instead ({where}). {fixes}")
@@ -609,7 +604,7 @@ def trace(model: nn.Module, example_inputs: Any, tracer: str = "auto") -> Traced
             construct and the remedies.
         InputError: ``example_inputs`` do not fit the model's forward signature or shapes.
     """
-    with reentrant_checkpoints_traced_plain(type(model).__name__):
+    with calls.reentrant_checkpoints_traced_plain(type(model).__name__):
         return _trace(model, example_inputs, tracer)
 
 

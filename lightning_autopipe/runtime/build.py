@@ -352,4 +352,3 @@ def _tie_locals(tie: Any) -> dict[int, str]:
         int(s): str(names[0] if isinstance(names, tuple | list) else names)
         for s, names in tie.stages.items()
     }
-

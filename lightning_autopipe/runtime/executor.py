@@ -161,12 +161,11 @@ class PipelineExecutor:
         self.trace: list[Action] = []
         self.timeline: list[tuple[Action, float, float]] = []
         self._schedules: dict[tuple[bool, int, int, int], list[Action]] = {}
-        self._params = [p for p in self.stage.parameters() if p.requires_grad]
+        self._params: list[nn.Parameter] = []  # trainable ones (:meth:`_follow_trainable`)
         self.memory = memory
         self.modes = modes  # the user's modules' modes onto the stage (:mod:`.modes`)
         self._runners = {
-            c: StageRunner(mod, layout.chunk(c), [p for p in mod.parameters() if p.requires_grad],
-                           loss_fn, unflatten_outputs, device, memory)
+            c: StageRunner(mod, layout.chunk(c), (), loss_fn, unflatten_outputs, device, memory)
             for c, mod in self.chunks.items()
         }
         for c, runner in self._runners.items():  # neighbour chunks on this rank
@@ -174,9 +173,7 @@ class PipelineExecutor:
             runner.local_next = self._runners.get(c + 1) if runner.layout.next_local else None
         self.loss_scale: Callable[[Tensor], Tensor] | None = None
         self._dp_sync: GradientSync | None = None
-        if layout.num_replicas > 1 and self._params:
-            assert groups is not None
-            self._dp_sync = GradientSync(self._params, groups.dp, layout.num_replicas, bucket_bytes)
+        self._follow_trainable()  # the lists above and the replicas' buckets
 
     # ------------------------------------------------------------------------- public steps
     @property

@@ -20,7 +20,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from typing_extensions import override
 
 from lightning_autopipe import checkpoint as ckpt
-from lightning_autopipe.lightning import elastic
+from lightning_autopipe.lightning import elastic, finetuning
 from lightning_autopipe.lightning.held_pipeline import HeldPipeline
 from lightning_autopipe.runtime.materialize import is_deferred
 
@@ -89,6 +89,9 @@ class CheckpointHooks(ParallelStrategy):
         if pipe is not None and pipe.sharded:
             pipe.save_sharded(checkpoint, filepath, barrier=self.barrier)
             return
+        if pipe is not None:
+            finetuning.record_whole_groups(checkpoint, getattr(self.lightning_module, "_trainer",
+                                                               None))
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

@@ -15,6 +15,13 @@ stage's parameters. Two things that work in one process then go wrong on one ran
   how it went and all stop with the failing rank's error
   (:func:`~lightning_autopipe.runtime.failure.stop_everywhere`).
 
+A group added during the run lands on the ranks that hold its parameters only: fine-tuning
+callbacks (Lightning's ``BackboneFinetuning``) unfreeze a module and add its parameters as a new
+group where there are any, so the rank of another stage skips it. The ranks' groups would then
+no longer be the whole model's group by group, and a checkpoint (which merges group ``g`` of every
+rank) or a re-plan's migration could not put them together. :func:`follow_added_groups` gives the
+other ranks the group too, empty, with its hyper-parameters, at the step it appears.
+
 Lightning refuses several optimizers under automatic optimization and suggests manual
 optimization, which the strategy cannot offer (its schedule runs the backward): that refusal is
 told with the fix that works here, one optimizer with a parameter group per part.
@@ -22,18 +29,19 @@ told with the fix that works here, one optimizer with a parameter group per part
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_autopipe.errors import PlanError
 from lightning_autopipe.runtime.failure import stop_everywhere
 from lightning_autopipe.runtime.optim_state import unwrap
 
-__all__ = ["make_local_optimizers"]
+__all__ = ["follow_added_groups", "group_count", "make_local_optimizers"]
 
 
 def make_local_optimizers(
@@ -110,3 +118,33 @@ def _take_out(placeholder: nn.Parameter, optimizers: Sequence[Any]) -> None:
                 group["param_names"] = [group["param_names"][i] for i in keep]
             group["params"] = [group["params"][i] for i in keep]
         opt.state.pop(placeholder, None)
+
+
+def group_count(optimizers: Sequence[Any]) -> int:
+    """Parameter groups of this rank's optimizers (one under automatic optimization)."""
+    return sum(len(unwrap(o).param_groups) for o in optimizers)
+
+
+def follow_added_groups(optimizers: Sequence[Any], counts: Mapping[int, float],
+                        group: Any) -> None:
+    """Every pipeline rank's optimizer given the groups another rank added (module docstring).
+
+    ``counts``: every rank of the replica's pipeline's :func:`group_count`, alike on each (the
+    executor's ``notes``); only where they differ do the ranks exchange their groups'
+    hyper-parameters (a collective over ``group``, the pipeline's, entered by all of them
+    alike). A rank with fewer groups appends the missing ones, empty, with the hyper-parameters
+    of the rank that has the most: groups are added one after another, so group ``g`` is the
+    same group on every rank that has it. Two ranks each adding a different group at the same
+    step cannot be told apart from one group that spans both: they stay paired by position.
+    """
+    if len(set(counts.values())) < 2 or len(optimizers) != 1:
+        return
+    opt = unwrap(optimizers[0])
+    mine = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for hyper in max(everyone, key=len)[len(mine):]:
+        empty = {**hyper, "params": []}
+        if "param_names" in hyper:
+            empty["param_names"] = []
+        opt.add_param_group(empty)

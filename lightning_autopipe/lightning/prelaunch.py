@@ -31,9 +31,10 @@ __all__ = ["CheckedMultiProcessingLauncher", "CheckedScriptLauncher", "check_bef
 def check_trainer(trainer: Any, precision_plugin: Any) -> None:
     """What the Trainer asks for must be something the pipeline runs."""
     check_precision(precision_plugin)
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 
-    if any(isinstance(c, StochasticWeightAveraging) for c in getattr(trainer, "callbacks", [])):
+    callbacks = getattr(trainer, "callbacks", [])
+    if any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
         # it copies the whole module at setup and averages that copy's parameters with the
         # module's, which holds one stage once the model is split: a bare shape error later
         raise PlanError(
@@ -41,6 +42,17 @@ def check_trainer(trainer: Any, precision_plugin: Any) -> None:
             "of the whole model with the module's parameters, and each rank holds one stage "
             "of them (Lightning refuses it for sharded strategies alike); remove the callback, "
             "or average the weights of a checkpoint (it holds the whole model) after training"
+        )
+    if any(isinstance(c, ModelPruning) for c in callbacks):
+        # it lists (module, "weight") pairs of the whole model at setup and prunes them at an
+        # epoch's end: the weights of other stages are None on a rank, a TypeError deep in
+        # torch.nn.utils.prune at the first epoch's end
+        raise PlanError(
+            "ModelPruning does not run under AutoPipeStrategy: it prunes the whole model's "
+            "weights at the end of an epoch (global pruning ranks all of them together), and "
+            "each rank holds one stage of them; remove the callback and prune the model with "
+            "torch.nn.utils.prune before trainer.fit (its masks then train as in one process), "
+            "or prune the checkpoint's model (it holds the whole model) after training"
         )
 
 

@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.lightning import telemetry
 from lightning_autopipe.lightning.held_pipeline import HeldPipeline
+from lightning_autopipe.lightning.local_optimizers import follow_added_groups, group_count
 from lightning_autopipe.lightning.reproducible import BatchNormSteps
 from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
@@ -76,7 +77,9 @@ class StepHooks(ParallelStrategy):
             p.grad = None
         step = self.lightning_module.trainer.global_step if self.lightning_module else None
         with self.precision_plugin.train_step_context(), telemetry.training_step(self, step):
-            loss = self._pipe.executor.train_step(batch, step=step)
+            loss = self._pipe.executor.train_step(batch, step=step,
+                                                  note=group_count(self.optimizers))
+        follow_added_groups(self.optimizers, self._pipe.executor.notes, self._pipe.groups.pipeline)
         if self._bn is not None:  # whole-batch BatchNorm statistics; replica 0's buffers
             self._bn.after_step()
         self._grads = [p.grad for p in params]

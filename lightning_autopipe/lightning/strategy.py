@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from lightning_autopipe import checkpoint as ckpt
 from lightning_autopipe.errors import PlanError
-from lightning_autopipe.lightning import elastic, summary
+from lightning_autopipe.lightning import elastic, finetuning, summary
 from lightning_autopipe.lightning.checkpoint_hooks import CheckpointHooks
 from lightning_autopipe.lightning.example import _example
 from lightning_autopipe.lightning.held_pipeline import (
@@ -210,6 +210,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         self.model = module
         self.model_to_device()
         if fn == TrainerFn.FITTING:
+            finetuning.narrow_to_stage(trainer, module)  # before on_fit_start restores groups
             make_local_optimizers(lambda: self.setup_optimizers(trainer),
                                   lambda: self.optimizers, self._check_optimizers,
                                   device=self.root_device, distributed=self.world_size > 1)

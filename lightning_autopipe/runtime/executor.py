@@ -157,6 +157,10 @@ class PipelineExecutor:
         self.samples = 0  # samples of the last step (its share, under uneven replica batches)
         self.replica_weight = 1.0  # those samples over the even share (the loaded batch's)
         self._training = True
+        self._note = 0.0
+        #: every pipeline rank's ``note`` of the last training step (:meth:`train_step`), by
+        #: global rank; empty with one stage
+        self.notes: dict[int, float] = {}
         self._closed = False
         self.trace: list[Action] = []
         self.timeline: list[tuple[Action, float, float]] = []
@@ -208,13 +212,15 @@ class PipelineExecutor:
             self._dp_sync = GradientSync(now, self.groups.dp, self.layout.num_replicas,
                                          self.bucket_bytes)
 
-    def train_step(self, batch: Any, step: int | None = None) -> Tensor:
+    def train_step(self, batch: Any, step: int | None = None, note: float = 0.0) -> Tensor:
         """Forward and backward of every unit, then gradient sync; returns the global mean loss.
 
         Gradients accumulate into ``.grad`` (the caller zeroes them, as Lightning's closure does).
-        ``step`` only labels failure messages.
+        ``step`` only labels failure messages. ``note``: a number of the caller's that every rank
+        of the replica's pipeline learns with the loss (:attr:`notes`), in the collective the
+        step makes anyway, so that agreeing on it costs no synchronisation of its own.
         """
-        self.step, self._training = step, True
+        self.step, self._training, self._note = step, True, float(note)
         self._follow_trainable()
         if self.modes is not None:
             self.modes(self.stage.train)
@@ -428,11 +434,14 @@ class PipelineExecutor:
         if layout.num_stages > 1:
             last = layout.last_stage_rank  # its loss, and every rank's batch digest
             digest = batch_digest(batch if self.check_batch else None).to(loss_sum.device)
-            mine = torch.stack([loss_sum, digest])
+            mine = torch.stack([loss_sum, digest, torch.full_like(loss_sum, self._note)])
             with self._watch("loss gather", None if last == layout.rank else last, True):
                 got = gather_by_rank(mine, self.groups.pipeline)
             check_same_batch({r: t[1] for r, t in got.items()}, layout)  # every rank, at once
             loss_sum = got[last][0]
+            if self._training:
+                notes = torch.stack([t[2] for t in got.values()]).tolist()
+                self.notes = dict(zip(got, notes, strict=True))
         if replicas and layout.num_replicas > 1:  # the silent peer is known if there is one
             others = [r for r in layout.dp_ranks if r != layout.rank]
             with self._watch("loss all-reduce", others[0] if len(others) == 1 else None, True):

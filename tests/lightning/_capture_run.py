@@ -23,6 +23,9 @@ references train on), the stage's state and which stage the rank holds.
   net, which torch.export captures. One micro-batch, no slices; also records the warnings.
 * ``unfreeze``: the fx-captured CNN with its first stage's layers frozen at the start and
   unfrozen from step ``UNFROZEN_FROM`` on (that stage had nothing to train when built).
+* ``finetune``: the fx-captured CNN under Lightning's ``BackboneFinetuning`` (the first
+  stage's layers join the optimizer as a group of their own at the second epoch), saved after
+  two epochs and resumed for a third in another layout (:func:`_finetune`).
 * ``clipnorm``: a module clipping by the norm of ``self.parameters()`` in its own
   ``on_before_optimizer_step`` (each rank's are its stage's): the warnings.
 * ``mapping``: the ``labels`` batches collated into a mapping that is not a ``dict`` (a
@@ -143,6 +146,33 @@ class Unfreezes(Classifier):
 UNFROZEN_FROM = 1  # the step (batch index) from which Unfreezes trains its first stage
 
 
+class Finetunes(Classifier):
+    """Lightning's ``BackboneFinetuning`` over the first stage's layers (conv1, bn1): frozen in
+    the first epoch, then given to the optimizer as a group of their own, which only the rank
+    holding them adds; their learning rate changes every epoch after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PlainCNN()
+
+    @property
+    def backbone(self) -> nn.Module:  # a property: the layers keep their one name
+        return nn.ModuleList([self.net.conv1, self.net.bn1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
+
+
+def finetuning() -> pl.Callback:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    return BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5,
+                              verbose=False)
+
+
+FINETUNE_EPOCHS = 2  # then resumed for one more, from its checkpoint, in another layout
+
+
 def images(batches: int, seed: int) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     n = batches * BATCH
@@ -220,11 +250,14 @@ def assert_like_one_process(ranks: list[dict], losses: list[float], net: nn.Modu
                                        msg=lambda s, n=name: f"{n}: {s}")
 
 
-def plan(module: pl.LightningModule, example: tuple | dict, m: int, k: int) -> Plan:
-    """2 stages cut in the middle of the module's blocks, ``m`` micro-batches, ``k`` slices."""
+def plan(module: pl.LightningModule, example: tuple | dict, m: int, k: int,
+         shift: int = 0) -> Plan:
+    """2 stages cut in the middle of the module's blocks (``shift`` blocks later), ``m``
+    micro-batches, ``k`` slices."""
     n = len(split_model(module, example))
-    return Plan("fixed", BATCH, m, k, [StagePlan((0, n // 2), ["local:0"]),
-                                       StagePlan((n // 2, n), ["local:1"])])
+    cut = n // 2 + shift
+    return Plan("fixed", BATCH, m, k, [StagePlan((0, cut), ["local:0"]),
+                                       StagePlan((cut, n), ["local:1"])])
 
 
 class Record(pl.Callback):
@@ -240,8 +273,32 @@ class Record(pl.Callback):
                             if isinstance(batch, Mapping) else [t.clone() for t in batch])
 
 
+def _finetune(out: Path) -> dict:
+    """``finetune``: two epochs, a checkpoint, a third epoch resumed from it with the cut one
+    block later; the checkpoint's path, each fit's stage state and parameter names."""
+    example = (torch.zeros(2, 3, 6, 6),)
+    states, path = [], out / "finetune.ckpt"
+    for epochs, shift in ((FINETUNE_EPOCHS, 0), (FINETUNE_EPOCHS + 1, 1)):
+        task = Finetunes()
+        strategy = lightning_autopipe.AutoPipeStrategy(
+            plan=plan(Finetunes(), example, 1, 1, shift), timeout=120)
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2,
+                             max_epochs=epochs, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, default_root_dir=str(out / "root-finetune"),
+                             callbacks=[finetuning()], use_distributed_sampler=False)
+        trainer.fit(task, images(STEPS, seed=1), ckpt_path=path if shift else None)
+        if not shift:
+            trainer.save_checkpoint(path)
+        states.append({k: v.detach().clone() for k, v in task.state_dict().items()})
+    return {"checkpoint": str(path), "states": states,
+            "stage": trainer.strategy.pipeline.layout.stage}
+
+
 def run_case(case: str, world: int, out: Path) -> dict:
     assert world == 2, "the capture cases run on the 2-rank world"
+    if case == "finetune":
+        return _finetune(out)
     if case == "batchnorm":
         task, loader = Classifier(), images(STEPS, seed=1)
         pinned = plan(Classifier(), (torch.zeros(2, 3, 6, 6),), 1, 1)

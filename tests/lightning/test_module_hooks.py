@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 MODULE = "tests.lightning._capture_run"
 WORLD_CASES = {2: [f"{MODULE}:frozen", f"{MODULE}:frozen-export", f"{MODULE}:clipnorm",
-                   f"{MODULE}:unfreeze"]}
+                   f"{MODULE}:unfreeze", f"{MODULE}:finetune"]}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -98,3 +98,44 @@ def test_layers_unfrozen_during_the_run_train_from_then_on_like_one_process(worl
         losses.append(float(loss.detach()))
     assert not torch.equal(net.conv1.weight, start)  # the reference did unfreeze it
     R.assert_like_one_process(ranks, losses, net, RTOL, ATOL)
+
+
+def _plain_finetuning(root) -> tuple[dict, dict]:
+    """One process (Lightning's own strategy) running case ``finetune``: the checkpoint after
+    the first fit, and the state after the resumed epoch."""
+    import lightning.pytorch as pl
+
+    path = root / "plain.ckpt"
+    for epochs, resume in ((R.FINETUNE_EPOCHS, None), (R.FINETUNE_EPOCHS + 1, path)):
+        task = R.Finetunes()
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(root),
+                             callbacks=[R.finetuning()], use_distributed_sampler=False)
+        trainer.fit(task, R.images(R.STEPS, seed=1), ckpt_path=resume)
+        if resume is None:
+            trainer.save_checkpoint(path)
+    return torch.load(path, weights_only=True), task.state_dict()
+
+
+def test_backbone_finetuning_saves_and_resumes_in_another_layout_like_one_process(worlds,
+                                                                                   tmp_path):
+    """The backbone's group is added on its rank alone; the other rank gets it too (empty), so
+    the checkpoint's optimizer and the callback's record hold the groups one process holds, and
+    a resume whose cut differs puts each rank's part of them back (before, saving failed on the
+    ranks' unequal group counts, and a resume failed with a KeyError in Lightning's code)."""
+    ranks = worlds.results(2, MODULE, "finetune", weights_only=False)
+    torch.set_num_threads(1)
+    plain, final = _plain_finetuning(tmp_path)
+    saved = torch.load(ranks[0]["checkpoint"], weights_only=True)
+    assert len(plain["optimizer_states"][0]["param_groups"]) == 2  # the backbone's was added
+    assert saved["optimizer_states"][0]["param_groups"] == plain["optimizer_states"][0][
+        "param_groups"]
+    assert saved["callbacks"] == plain["callbacks"]
+    for name, value in plain["state_dict"].items():
+        torch.testing.assert_close(saved["state_dict"][name], value, rtol=RTOL, atol=ATOL)
+    for rank in ranks:
+        assert set(rank["states"][0]) != set(rank["states"][1])  # another cut on resume
+        for name, value in rank["states"][1].items():
+            torch.testing.assert_close(value, final[name], rtol=RTOL, atol=ATOL,
+                                       msg=lambda s, n=name: f"{n}: {s}")

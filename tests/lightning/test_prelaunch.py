@@ -99,13 +99,17 @@ def test_manual_optimization_is_refused_before_launch(no_launch):
     assert not torch.distributed.is_initialized()
 
 
-def test_stochastic_weight_averaging_is_refused_before_launch(no_launch):
-    """SWA averages a copy of the whole model with the module's parameters, one stage each
-    after the split: refused with the reason, not a shape error at its first epoch."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+@pytest.mark.parametrize("name", ["StochasticWeightAveraging", "ModelPruning"])
+def test_callbacks_of_the_whole_models_weights_are_refused_before_launch(no_launch, name):
+    """SWA averages a copy of the whole model with the module's parameters, ModelPruning prunes
+    every module's weight at an epoch's end, one stage each after the split: refused with the
+    reason and the fix, not a shape or type error at the first epoch's end."""
+    from lightning.pytorch import callbacks
 
-    with pytest.raises(PlanError, match="StochasticWeightAveraging does not run under"):
-        _fit(AutoPipeStrategy(), callbacks=[StochasticWeightAveraging(swa_lrs=0.01)])
+    made = {"StochasticWeightAveraging": lambda: callbacks.StochasticWeightAveraging(0.01),
+            "ModelPruning": lambda: callbacks.ModelPruning("l1_unstructured", amount=0.5)}
+    with pytest.raises(PlanError, match=f"{name} does not run under.*remove the callback"):
+        _fit(AutoPipeStrategy(), callbacks=[made[name]()])
     assert no_launch.starts == []
 
 

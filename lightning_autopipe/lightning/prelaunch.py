@@ -25,34 +25,61 @@ from lightning_autopipe.runtime.checks import check_stages_divide
 from lightning_autopipe.runtime.failure import LAUNCHER_PID_ENV
 
 __all__ = ["CheckedMultiProcessingLauncher", "CheckedScriptLauncher", "check_before_launch",
-           "check_trainer"]
+           "check_module", "check_trainer"]
 
 
 def check_trainer(trainer: Any, precision_plugin: Any) -> None:
     """What the Trainer asks for must be something the pipeline runs."""
     check_precision(precision_plugin)
-    from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
+    from lightning.pytorch import callbacks as known
 
-    callbacks = getattr(trainer, "callbacks", [])
-    if any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
-        # it copies the whole module at setup and averages that copy's parameters with the
-        # module's, which holds one stage once the model is split: a bare shape error later
+    for name, what, fix in _WHOLE_MODEL_CALLBACKS:
+        kind = getattr(known, name, None)  # WeightAveraging: Lightning 2.5 and later
+        if kind is not None and any(isinstance(c, kind) for c in getattr(trainer, "callbacks", [])):
+            raise PlanError(
+                f"{name} does not run under AutoPipeStrategy: {what}, and each rank holds one "
+                f"stage of them; remove the callback{fix}"
+            )
+
+
+#: Lightning callbacks that work on the whole model's parameters: (class name, what it does,
+#: the fix). Each would fail at its first update with a bare shape or type error (a copy or a
+#: list of the whole model's weights made at setup, before the split, met with one stage's)
+_WHOLE_MODEL_CALLBACKS = (
+    ("StochasticWeightAveraging",
+     "it averages a copy of the whole model with the module's parameters (Lightning refuses "
+     "it for sharded strategies alike)",
+     ", or average the weights of a checkpoint (it holds the whole model) after training"),
+    ("WeightAveraging",  # EMAWeightAveraging is one
+     "it keeps an averaged copy of the whole model and swaps it with the module's parameters",
+     ", or average the weights of checkpoints (each holds the whole model) after training"),
+    ("ModelPruning",
+     "it prunes the whole model's weights at the end of an epoch (global pruning ranks all "
+     "of them together)",
+     " and prune the model with torch.nn.utils.prune before trainer.fit (its masks then train "
+     "as in one process), or prune the checkpoint's model (it holds the whole model) after "
+     "training"),
+)
+
+
+def check_module(module: Any) -> None:
+    """What the LightningModule does must be something the pipeline runs."""
+    if not getattr(module, "automatic_optimization", True):
         raise PlanError(
-            "StochasticWeightAveraging does not run under AutoPipeStrategy: it averages a copy "
-            "of the whole model with the module's parameters, and each rank holds one stage "
-            "of them (Lightning refuses it for sharded strategies alike); remove the callback, "
-            "or average the weights of a checkpoint (it holds the whole model) after training"
+            "AutoPipeStrategy needs automatic optimization (the schedule runs forward and "
+            "backward itself); remove `self.automatic_optimization = False`"
         )
-    if any(isinstance(c, ModelPruning) for c in callbacks):
-        # it lists (module, "weight") pairs of the whole model at setup and prunes them at an
-        # epoch's end: the weights of other stages are None on a rank, a TypeError deep in
-        # torch.nn.utils.prune at the first epoch's end
+    from torch.optim.swa_utils import AveragedModel
+
+    averaged = [n for n, m in module.named_modules() if isinstance(m, AveragedModel)]
+    if averaged:
+        # a copy of the whole model made before the split: its update zips the copy's
+        # parameters with one stage's (a shape error), and the last stage alone holds it
         raise PlanError(
-            "ModelPruning does not run under AutoPipeStrategy: it prunes the whole model's "
-            "weights at the end of an epoch (global pruning ranks all of them together), and "
-            "each rank holds one stage of them; remove the callback and prune the model with "
-            "torch.nn.utils.prune before trainer.fit (its masks then train as in one process), "
-            "or prune the checkpoint's model (it holds the whole model) after training"
+            f"the module holds an AveragedModel ({', '.join(averaged)}): it averages a copy of "
+            "the whole model's parameters, and each rank holds one stage of them, so its "
+            "updates do not run under AutoPipeStrategy; remove it, or average the weights of "
+            "checkpoints (each holds the whole model) after training"
         )
 
 
@@ -74,18 +101,16 @@ def check_before_launch(
         module: the LightningModule handed to ``fit`` / ``validate`` ... (skipped when None).
 
     Raises:
-        PlanError: an unsupported precision, manual optimization, ``deterministic=True`` with
+        PlanError: an unsupported precision or callback, manual optimization, an averaged
+            copy of the model, ``deterministic=True`` with
             an automatic depth, a pinned ``num_stages`` that does not divide the world, or a
             given plan for another number of devices.
         ClusterError: a cluster file that cannot be read or does not fit the launched world.
     """
     if trainer is not None and precision_plugin is not None:
         check_trainer(trainer, precision_plugin)
-    if module is not None and not getattr(module, "automatic_optimization", True):
-        raise PlanError(
-            "AutoPipeStrategy needs automatic optimization (the schedule runs forward and "
-            "backward itself); remove `self.automatic_optimization = False`"
-        )
+    if module is not None:
+        check_module(module)
     check_reproducible(options)  # deterministic=True: the depth must be pinned
     check_stages_divide(options.pins["num_stages"], world_size)  # devices x num_nodes
     if options.cluster is not None:

@@ -52,6 +52,7 @@ from lightning_autopipe.lightning.local_optimizers import make_local_optimizers
 from lightning_autopipe.lightning.optimizer_state import with_measured_optimizer_state
 from lightning_autopipe.lightning.precision import install_loss_scaling
 from lightning_autopipe.lightning.prelaunch import (
+    check_module,
     check_trainer,
 )
 from lightning_autopipe.lightning.process_world import ProcessWorld
@@ -188,11 +189,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         check_trainer(trainer, self.precision_plugin)
         module = self.lightning_module
         assert module is not None
-        if not module.automatic_optimization:
-            raise PlanError(
-                "AutoPipeStrategy needs automatic optimization (the schedule runs forward and "
-                "backward itself); remove `self.automatic_optimization = False`"
-            )
+        check_module(module)
         if not self._held.serves(module):
             batch_norm = has_batch_norm(module)  # before the split: any stage's
             # an error every rank raises alike: one traceback (rank 0's), from here down

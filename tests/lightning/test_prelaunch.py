@@ -99,17 +99,37 @@ def test_manual_optimization_is_refused_before_launch(no_launch):
     assert not torch.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("name", ["StochasticWeightAveraging", "ModelPruning"])
+@pytest.mark.parametrize("name", ["StochasticWeightAveraging", "EMAWeightAveraging",
+                                  "ModelPruning"])
 def test_callbacks_of_the_whole_models_weights_are_refused_before_launch(no_launch, name):
-    """SWA averages a copy of the whole model with the module's parameters, ModelPruning prunes
-    every module's weight at an epoch's end, one stage each after the split: refused with the
-    reason and the fix, not a shape or type error at the first epoch's end."""
+    """SWA and EMA average a copy of the whole model with the module's parameters, ModelPruning
+    prunes every module's weight at an epoch's end, one stage each after the split: refused
+    with the reason and the fix, not a shape or type error at the first update."""
     from lightning.pytorch import callbacks
 
     made = {"StochasticWeightAveraging": lambda: callbacks.StochasticWeightAveraging(0.01),
+            "EMAWeightAveraging": lambda: callbacks.EMAWeightAveraging(decay=0.9),
             "ModelPruning": lambda: callbacks.ModelPruning("l1_unstructured", amount=0.5)}
-    with pytest.raises(PlanError, match=f"{name} does not run under.*remove the callback"):
+    said = "WeightAveraging" if name == "EMAWeightAveraging" else name
+    with pytest.raises(PlanError, match=f"{said} does not run under.*remove the callback"):
         _fit(AutoPipeStrategy(), callbacks=[made[name]()])
+    assert no_launch.starts == []
+
+
+def test_an_averaged_copy_of_the_model_inside_the_module_is_refused_before_launch(no_launch):
+    """``self.ema = AveragedModel(self.net)``: its updates zip the whole copy's parameters with
+    one stage's (a shape error on one rank, a released buffer on another)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    class Averaging(M.Classifier):
+        def __init__(self):
+            super().__init__()
+            self.ema = AveragedModel(self.net)
+
+    trainer = pl.Trainer(strategy=AutoPipeStrategy(), accelerator="cpu", devices=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(PlanError, match=r"holds an AveragedModel \(ema\).*remove it"):
+        trainer.fit(Averaging(), M.loaders(1, explicit_sampler=False)["train"])
     assert no_launch.starts == []
 
 

@@ -76,10 +76,13 @@ class StepHooks(ParallelStrategy):
         for p in params:
             p.grad = None
         step = self.lightning_module.trainer.global_step if self.lightning_module else None
+        executor = self._pipe.executor
+        trainer = self.lightning_module.trainer if self.lightning_module else None
+        executor.report = lambda: (group_count(self.optimizers),
+                                   float(bool(trainer is not None and trainer.should_stop)))
         with self.precision_plugin.train_step_context(), telemetry.training_step(self, step):
-            loss = self._pipe.executor.train_step(batch, step=step,
-                                                  note=group_count(self.optimizers))
-        follow_added_groups(self.optimizers, self._pipe.executor.notes, self._pipe.groups.pipeline)
+            loss = executor.train_step(batch, step=step)
+        self._agree_after_step(trainer)
         if self._bn is not None:  # whole-batch BatchNorm statistics; replica 0's buffers
             self._bn.after_step()
         self._grads = [p.grad for p in params]
@@ -91,6 +94,23 @@ class StepHooks(ParallelStrategy):
         if not bool(torch.isfinite(loss)):
             self._on_nonfinite(loss, step)
         return loss
+
+    def _agree_after_step(self, trainer: Any) -> None:
+        """What the module's step did on the last stage alone, on every rank of the job.
+
+        The module's steps run on the last stage: a ``training_step`` that sets
+        ``self.trainer.should_stop`` (stopping when the loss is low enough) would stop that rank
+        alone while the others waited for its next step until the timeout. Each rank reported
+        its stop request and optimizer group count with the step's loss
+        (:attr:`~lightning_autopipe.runtime.executor.PipelineExecutor.notes`): a request on any
+        rank stops every rank, as Lightning's loop stops a process, and a group another rank
+        added is added here (:func:`follow_added_groups`)."""
+        assert self._pipe is not None
+        notes = self._pipe.executor.notes
+        follow_added_groups(self.optimizers, {r: n[0] for r, n in notes.items()},
+                            self._pipe.groups.pipeline)
+        if trainer is not None and any(n[1] for n in notes.values()):
+            trainer.should_stop = True
 
     def _on_nonfinite(self, loss: Tensor, step: int | None) -> None:
         """Every rank holds the same global loss, so every rank takes the same branch."""

@@ -157,10 +157,10 @@ class PipelineExecutor:
         self.samples = 0  # samples of the last step (its share, under uneven replica batches)
         self.replica_weight = 1.0  # those samples over the even share (the loaded batch's)
         self._training = True
-        self._note = 0.0
-        #: every pipeline rank's ``note`` of the last training step (:meth:`train_step`), by
-        #: global rank; empty with one stage
-        self.notes: dict[int, float] = {}
+        #: numbers of the caller's that every rank reports with a training step's loss
+        #: (:attr:`notes`): the strategy's parameter-group count and its stop request
+        self.report: Callable[[], Sequence[float]] | None = None
+        self.notes: dict[int, tuple[float, ...]] = {}
         self._closed = False
         self.trace: list[Action] = []
         self.timeline: list[tuple[Action, float, float]] = []
@@ -212,15 +212,17 @@ class PipelineExecutor:
             self._dp_sync = GradientSync(now, self.groups.dp, self.layout.num_replicas,
                                          self.bucket_bytes)
 
-    def train_step(self, batch: Any, step: int | None = None, note: float = 0.0) -> Tensor:
+    def train_step(self, batch: Any, step: int | None = None) -> Tensor:
         """Forward and backward of every unit, then gradient sync; returns the global mean loss.
 
         Gradients accumulate into ``.grad`` (the caller zeroes them, as Lightning's closure does).
-        ``step`` only labels failure messages. ``note``: a number of the caller's that every rank
-        of the replica's pipeline learns with the loss (:attr:`notes`), in the collective the
-        step makes anyway, so that agreeing on it costs no synchronisation of its own.
+        ``step`` only labels failure messages. Afterwards :attr:`notes` holds what :attr:`report`
+        said on every rank of the replica's pipeline, by global rank, each value averaged over
+        the replicas (those of one stage report alike, or a nonzero value shows as nonzero):
+        learnt in the collectives that carry the loss, so agreeing on them costs no
+        synchronisation of its own.
         """
-        self.step, self._training, self._note = step, True, float(note)
+        self.step, self._training = step, True
         self._follow_trainable()
         if self.modes is not None:
             self.modes(self.stage.train)
@@ -431,22 +433,29 @@ class PipelineExecutor:
     def _global_loss(self, loss_sum: Tensor, replicas: bool, batch: Any) -> Tensor:
         """Replica mean from the last stage to the replica, then (``replicas``) over replicas."""
         layout = self.layout
+        said = self.report() if self._training and self.report is not None else ()
+        reported = torch.tensor([list(said)], dtype=loss_sum.dtype, device=loss_sum.device)
+        ranks = [layout.rank]
         if layout.num_stages > 1:
+            reported = reported[0]
             last = layout.last_stage_rank  # its loss, and every rank's batch digest
             digest = batch_digest(batch if self.check_batch else None).to(loss_sum.device)
-            mine = torch.stack([loss_sum, digest, torch.full_like(loss_sum, self._note)])
+            mine = torch.cat([torch.stack([loss_sum, digest]), reported])
             with self._watch("loss gather", None if last == layout.rank else last, True):
                 got = gather_by_rank(mine, self.groups.pipeline)
             check_same_batch({r: t[1] for r, t in got.items()}, layout)  # every rank, at once
             loss_sum = got[last][0]
-            if self._training:
-                notes = torch.stack([t[2] for t in got.values()]).tolist()
-                self.notes = dict(zip(got, notes, strict=True))
+            ranks, reported = list(got), torch.stack([t[2:] for t in got.values()])
         if replicas and layout.num_replicas > 1:  # the silent peer is known if there is one
             others = [r for r in layout.dp_ranks if r != layout.rank]
+            both = torch.cat([loss_sum.view(1), reported.flatten()])
             with self._watch("loss all-reduce", others[0] if len(others) == 1 else None, True):
-                dist.all_reduce(loss_sum, group=self.groups.dp)
-            loss_sum /= layout.num_replicas
+                dist.all_reduce(both, group=self.groups.dp)
+            both /= layout.num_replicas
+            loss_sum, reported = both[0], both[1:].view(reported.shape)
+        if self._training:  # one host sync, and none where nothing is reported
+            values = reported.tolist() if said else [()] * len(ranks)
+            self.notes = dict(zip(ranks, map(tuple, values), strict=True))
         return loss_sum
 
     def _sync_gradients(self) -> None:

@@ -26,6 +26,8 @@ references train on), the stage's state and which stage the rank holds.
 * ``finetune``: the fx-captured CNN under Lightning's ``BackboneFinetuning`` (the first
   stage's layers join the optimizer as a group of their own at the second epoch), saved after
   two epochs and resumed for a third in another layout (:func:`_finetune`).
+* ``stop``: the CNN whose ``training_step`` sets ``self.trainer.should_stop`` at batch
+  ``STOP_AT`` of the first epoch of two.
 * ``clipnorm``: a module clipping by the norm of ``self.parameters()`` in its own
   ``on_before_optimizer_step`` (each rank's are its stage's): the warnings.
 * ``mapping``: the ``labels`` batches collated into a mapping that is not a ``dict`` (a
@@ -173,6 +175,34 @@ def finetuning() -> pl.Callback:
 FINETUNE_EPOCHS = 2  # then resumed for one more, from its checkpoint, in another layout
 
 
+class Stops(Classifier):
+    """Its ``training_step`` (run on the last stage alone) asks the Trainer to stop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PlainCNN()
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == STOP_AT:
+            self.trainer.should_stop = True
+        return super().training_step(batch, batch_idx)
+
+
+STOP_AT = 1  # the batch whose step sets should_stop; the run ends after it, step STOP_AT + 1
+
+
+def single_or_split_trainer(root: Path, epochs: int, callbacks: list, strategy=None
+                            ) -> pl.Trainer:
+    """The Trainer of cases ``finetune`` and ``stop``: under ``strategy`` on 2 ranks, or one
+    process (Lightning's own strategy, the tests' reference); the loader in its own order."""
+    devices = {"strategy": strategy, "devices": 2} if strategy else {"devices": 1}
+    return pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0,
+                      default_root_dir=str(root), callbacks=callbacks,
+                      use_distributed_sampler=False, **devices)
+
+
 def images(batches: int, seed: int) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     n = batches * BATCH
@@ -282,11 +312,8 @@ def _finetune(out: Path) -> dict:
         task = Finetunes()
         strategy = lightning_autopipe.AutoPipeStrategy(
             plan=plan(Finetunes(), example, 1, 1, shift), timeout=120)
-        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2,
-                             max_epochs=epochs, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, default_root_dir=str(out / "root-finetune"),
-                             callbacks=[finetuning()], use_distributed_sampler=False)
+        trainer = single_or_split_trainer(out / "root-finetune", epochs, [finetuning()],
+                                          strategy)
         trainer.fit(task, images(STEPS, seed=1), ckpt_path=path if shift else None)
         if not shift:
             trainer.save_checkpoint(path)
@@ -299,6 +326,14 @@ def run_case(case: str, world: int, out: Path) -> dict:
     assert world == 2, "the capture cases run on the 2-rank world"
     if case == "finetune":
         return _finetune(out)
+    if case == "stop":
+        task = Stops()
+        strategy = lightning_autopipe.AutoPipeStrategy(
+            plan=plan(Stops(), (torch.zeros(2, 3, 6, 6),), 1, 1), timeout=60)
+        trainer = single_or_split_trainer(out / "root-stop", 2, [], strategy)
+        trainer.fit(task, images(STEPS, seed=1))
+        return {"steps": trainer.global_step, "stage": trainer.strategy.pipeline.layout.stage,
+                "state": {k: v.detach().clone() for k, v in task.state_dict().items()}}
     if case == "batchnorm":
         task, loader = Classifier(), images(STEPS, seed=1)
         pinned = plan(Classifier(), (torch.zeros(2, 3, 6, 6),), 1, 1)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 MODULE = "tests.lightning._capture_run"
 WORLD_CASES = {2: [f"{MODULE}:frozen", f"{MODULE}:frozen-export", f"{MODULE}:clipnorm",
-                   f"{MODULE}:unfreeze", f"{MODULE}:finetune"]}
+                   f"{MODULE}:unfreeze", f"{MODULE}:finetune", f"{MODULE}:stop"]}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -103,15 +103,10 @@ def test_layers_unfrozen_during_the_run_train_from_then_on_like_one_process(worl
 def _plain_finetuning(root) -> tuple[dict, dict]:
     """One process (Lightning's own strategy) running case ``finetune``: the checkpoint after
     the first fit, and the state after the resumed epoch."""
-    import lightning.pytorch as pl
-
     path = root / "plain.ckpt"
     for epochs, resume in ((R.FINETUNE_EPOCHS, None), (R.FINETUNE_EPOCHS + 1, path)):
         task = R.Finetunes()
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=str(root),
-                             callbacks=[R.finetuning()], use_distributed_sampler=False)
+        trainer = R.single_or_split_trainer(root, epochs, [R.finetuning()])
         trainer.fit(task, R.images(R.STEPS, seed=1), ckpt_path=resume)
         if resume is None:
             trainer.save_checkpoint(path)
@@ -138,4 +133,21 @@ def test_backbone_finetuning_saves_and_resumes_in_another_layout_like_one_proces
         assert set(rank["states"][0]) != set(rank["states"][1])  # another cut on resume
         for name, value in rank["states"][1].items():
             torch.testing.assert_close(value, final[name], rtol=RTOL, atol=ATOL,
+                                       msg=lambda s, n=name: f"{n}: {s}")
+
+
+def test_a_training_step_asking_to_stop_stops_every_rank_at_that_step(worlds, tmp_path):
+    """The module's steps run on the last stage: its ``self.trainer.should_stop = True`` stops
+    every rank after that step, as one process stops (before, the last stage stopped alone and
+    the first waited for its next step until the timeout)."""
+    ranks = worlds.results(2, MODULE, "stop", weights_only=False)
+    torch.set_num_threads(1)
+    task = R.Stops()
+    trainer = R.single_or_split_trainer(tmp_path, 2, [])
+    trainer.fit(task, R.images(R.STEPS, seed=1))
+    assert trainer.global_step == R.STOP_AT + 1 < R.STEPS
+    for rank in ranks:
+        assert rank["steps"] == trainer.global_step
+        for name, value in rank["state"].items():
+            torch.testing.assert_close(value, task.state_dict()[name], rtol=RTOL, atol=ATOL,
                                        msg=lambda s, n=name: f"{n}: {s}")

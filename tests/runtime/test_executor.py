@@ -171,8 +171,11 @@ def _check_rank(
         x[lay.replica * per : (lay.replica + 1) * per],
         y[lay.replica * per : (lay.replica + 1) * per],
     )
+    asks = world - 1  # the one rank that reports a nonzero flag
+    ex.report = lambda: (float(rank), float(rank == asks))
     loss = ex.train_step(shard)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-7)
+    _check_notes(ex.notes, plan, world, lay, asks)
     mine = plan.replica_batch(lay.replica)
     assert ex.trace == lower_communication(gen(S, *fit_units(mine, m, k, drain)))[lay.stage]
     used = {"E"} if (i == 0 or j == 4) else set()
@@ -199,6 +202,19 @@ def _check_rank(
             torch.testing.assert_close(got, toy_loss(ref(xj), (xj, yj)), rtol=1e-5, atol=1e-7)
     ex.close()
     destroy_groups(groups)
+
+
+def _check_notes(notes: dict, plan, world: int, lay, asks: int) -> None:
+    """What each rank reported with the step's loss (its global rank, and a flag raised by
+    rank ``asks`` alone): every rank of this replica's pipeline is heard, by global rank, each
+    value the mean over the replicas of that stage's ranks, so the flag reaches every rank."""
+    everyone = [layout_for_rank(plan, [f"cpu0:{i}" for i in range(world)], r)
+                for r in range(world)]
+    assert sorted(notes) == [r.rank for r in everyone if r.replica == lay.replica]
+    for r, (value, flag) in notes.items():
+        stage = [x.rank for x in everyone if x.stage == everyone[r].stage]
+        assert value == pytest.approx(sum(stage) / len(stage))
+        assert (flag > 0) == (asks in stage), (r, flag)
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,11 @@ A group added during the run lands on the ranks that hold its parameters only: f
 callbacks (Lightning's ``BackboneFinetuning``) unfreeze a module and add its parameters as a new
 group where there are any, so the rank of another stage skips it. The ranks' groups would then
 no longer be the whole model's group by group, and a checkpoint (which merges group ``g`` of every
-rank) or a re-plan's migration could not put them together. :func:`follow_added_groups` gives the
-other ranks the group too, empty, with its hyper-parameters, at the step it appears.
+rank) or a re-plan's migration could not put them together. And the module's ``training_step``
+runs on the last stage alone: one that sets a learning rate (a warm-up written there) would set
+it on that rank only, and the other stages would train on at the old one with no error.
+:func:`agree_on_groups` gives the other ranks an added group too, empty, with its
+hyper-parameters, and every rank the last stage's hyper-parameters, at the step they appear.
 
 Lightning refuses several optimizers under automatic optimization and suggests manual
 optimization, which the strategy cannot offer (its schedule runs the backward): that refusal is
@@ -29,6 +32,7 @@ told with the fix that works here, one optimizer with a parameter group per part
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -41,7 +45,7 @@ from lightning_autopipe.errors import PlanError
 from lightning_autopipe.runtime.failure import stop_everywhere
 from lightning_autopipe.runtime.optim_state import unwrap
 
-__all__ = ["follow_added_groups", "group_count", "make_local_optimizers"]
+__all__ = ["agree_on_groups", "group_facts", "make_local_optimizers"]
 
 
 def make_local_optimizers(
@@ -120,31 +124,62 @@ def _take_out(placeholder: nn.Parameter, optimizers: Sequence[Any]) -> None:
         opt.state.pop(placeholder, None)
 
 
-def group_count(optimizers: Sequence[Any]) -> int:
-    """Parameter groups of this rank's optimizers (one under automatic optimization)."""
-    return sum(len(unwrap(o).param_groups) for o in optimizers)
+def group_facts(optimizers: Sequence[Any]) -> tuple[float, float]:
+    """This rank's optimizer parameter-group count and a digest of the groups'
+    hyper-parameters (exact in a float64: what the ranks compare after each step)."""
+    groups = [_hyper(g) for o in optimizers for g in unwrap(o).param_groups]
+    return float(len(groups)), float(zlib.crc32(repr(groups).encode()))
 
 
-def follow_added_groups(optimizers: Sequence[Any], counts: Mapping[int, float],
-                        group: Any) -> None:
-    """Every pipeline rank's optimizer given the groups another rank added (module docstring).
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's hyper-parameters as plain values: a tensor learning rate (fused or capturable
+    optimizers) by its number, which a rank's device does not change."""
+    return {k: _plain(group[k]) for k in sorted(group) if k not in ("params", "param_names")}
 
-    ``counts``: every rank of the replica's pipeline's :func:`group_count`, alike on each (the
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, tuple | list):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _set_hyper(group: dict[str, Any], hyper: Mapping[str, Any]) -> None:
+    for key, value in hyper.items():
+        if isinstance(group.get(key), torch.Tensor):
+            group[key].copy_(torch.as_tensor(value))  # a tensor stays on its device
+        else:
+            group[key] = value
+
+
+def agree_on_groups(optimizers: Sequence[Any], facts: Mapping[int, Sequence[float]],
+                    group: Any, source: int) -> None:
+    """Every pipeline rank's optimizer given the groups another rank added and the
+    hyper-parameters of rank ``source`` (the last stage, where the module's steps ran)
+    (module docstring).
+
+    ``facts``: every rank of the replica's pipeline's :func:`group_facts`, alike on each (the
     executor's ``notes``); only where they differ do the ranks exchange their groups'
     hyper-parameters (a collective over ``group``, the pipeline's, entered by all of them
-    alike). A rank with fewer groups appends the missing ones, empty, with the hyper-parameters
-    of the rank that has the most: groups are added one after another, so group ``g`` is the
-    same group on every rank that has it. Two ranks each adding a different group at the same
-    step cannot be told apart from one group that spans both: they stay paired by position.
+    alike). A rank with fewer groups appends the missing ones, empty, with the
+    hyper-parameters of the rank that has the most: groups are added one after another, so
+    group ``g`` is the same group on every rank that has it. Two ranks each adding a different
+    group at the same step cannot be told apart from one group that spans both: they stay
+    paired by position.
     """
-    if len(set(counts.values())) < 2 or len(optimizers) != 1:
+    if len({tuple(f) for f in facts.values()}) < 2 or len(optimizers) != 1:
         return
     opt = unwrap(optimizers[0])
-    mine = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    for hyper in max(everyone, key=len)[len(mine):]:
+    dist.all_gather_object(everyone, [_hyper(g) for g in opt.param_groups], group=group)
+    ruling = everyone[dist.get_group_rank(group, source)]
+    longest = max(everyone, key=len)
+    for g, hyper in enumerate(ruling + longest[len(ruling):]):
+        if g < len(opt.param_groups):
+            _set_hyper(opt.param_groups[g], hyper)
+            continue
         empty = {**hyper, "params": []}
-        if "param_names" in hyper:
+        if "param_names" in longest[g] or "param_names" in opt.param_groups[0]:
             empty["param_names"] = []
         opt.add_param_group(empty)

@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_autopipe.errors import PipelineRuntimeError
 from lightning_autopipe.lightning import telemetry
 from lightning_autopipe.lightning.held_pipeline import HeldPipeline
-from lightning_autopipe.lightning.local_optimizers import follow_added_groups, group_count
+from lightning_autopipe.lightning.local_optimizers import agree_on_groups, group_facts
 from lightning_autopipe.lightning.reproducible import BatchNormSteps
 from lightning_autopipe.lightning.steps import StepOutcome, StepRunner
 from lightning_autopipe.options import AutoPipeOptions
@@ -78,8 +78,8 @@ class StepHooks(ParallelStrategy):
         step = self.lightning_module.trainer.global_step if self.lightning_module else None
         executor = self._pipe.executor
         trainer = self.lightning_module.trainer if self.lightning_module else None
-        executor.report = lambda: (group_count(self.optimizers),
-                                   float(bool(trainer is not None and trainer.should_stop)))
+        executor.report = lambda: (float(bool(trainer is not None and trainer.should_stop)),
+                                   *group_facts(self.optimizers))
         with self.precision_plugin.train_step_context(), telemetry.training_step(self, step):
             loss = executor.train_step(batch, step=step)
         self._agree_after_step(trainer)
@@ -101,15 +101,16 @@ class StepHooks(ParallelStrategy):
         The module's steps run on the last stage: a ``training_step`` that sets
         ``self.trainer.should_stop`` (stopping when the loss is low enough) would stop that rank
         alone while the others waited for its next step until the timeout. Each rank reported
-        its stop request and optimizer group count with the step's loss
+        its stop request and optimizer groups with the step's loss
         (:attr:`~lightning_autopipe.runtime.executor.PipelineExecutor.notes`): a request on any
-        rank stops every rank, as Lightning's loop stops a process, and a group another rank
-        added is added here (:func:`follow_added_groups`)."""
+        rank stops every rank, as Lightning's loop stops a process; a group another rank added
+        is added here, and a learning rate the step set is set here
+        (:func:`agree_on_groups`)."""
         assert self._pipe is not None
         notes = self._pipe.executor.notes
-        follow_added_groups(self.optimizers, {r: n[0] for r, n in notes.items()},
-                            self._pipe.groups.pipeline)
-        if trainer is not None and any(n[1] for n in notes.values()):
+        agree_on_groups(self.optimizers, {r: n[1:] for r, n in notes.items()},
+                        self._pipe.groups.pipeline, self._pipe.layout.last_stage_rank)
+        if trainer is not None and any(n[0] for n in notes.values()):
             trainer.should_stop = True
 
     def _on_nonfinite(self, loss: Tensor, step: int | None) -> None:

@@ -28,6 +28,7 @@ references train on), the stage's state and which stage the rank holds.
   two epochs and resumed for a third in another layout (:func:`_finetune`).
 * ``stop``: the CNN whose ``training_step`` sets ``self.trainer.should_stop`` at batch
   ``STOP_AT`` of the first epoch of two.
+* ``warmup``: the CNN whose ``training_step`` sets the learning rate at every step.
 * ``clipnorm``: a module clipping by the norm of ``self.parameters()`` in its own
   ``on_before_optimizer_step`` (each rank's are its stage's): the warnings.
 * ``mapping``: the ``labels`` batches collated into a mapping that is not a ``dict`` (a
@@ -191,6 +192,20 @@ class Stops(Classifier):
 STOP_AT = 1  # the batch whose step sets should_stop; the run ends after it, step STOP_AT + 1
 
 
+class WarmsUp(Classifier):
+    """Its ``training_step`` (run on the last stage alone) sets the learning rate: a warm-up
+    written in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PlainCNN()
+
+    def training_step(self, batch, batch_idx):
+        for group in self.optimizers().param_groups:
+            group["lr"] = LR * (self.global_step + 1) / STEPS
+        return super().training_step(batch, batch_idx)
+
+
 def single_or_split_trainer(root: Path, epochs: int, callbacks: list, strategy=None
                             ) -> pl.Trainer:
     """The Trainer of cases ``finetune`` and ``stop``: under ``strategy`` on 2 ranks, or one
@@ -326,11 +341,12 @@ def run_case(case: str, world: int, out: Path) -> dict:
     assert world == 2, "the capture cases run on the 2-rank world"
     if case == "finetune":
         return _finetune(out)
-    if case == "stop":
-        task = Stops()
+    if case in ("stop", "warmup"):
+        made = Stops if case == "stop" else WarmsUp
+        task = made()
         strategy = lightning_autopipe.AutoPipeStrategy(
-            plan=plan(Stops(), (torch.zeros(2, 3, 6, 6),), 1, 1), timeout=60)
-        trainer = single_or_split_trainer(out / "root-stop", 2, [], strategy)
+            plan=plan(made(), (torch.zeros(2, 3, 6, 6),), 1, 1), timeout=60)
+        trainer = single_or_split_trainer(out / f"root-{case}", 2, [], strategy)
         trainer.fit(task, images(STEPS, seed=1))
         return {"steps": trainer.global_step, "stage": trainer.strategy.pipeline.layout.stage,
                 "state": {k: v.detach().clone() for k, v in task.state_dict().items()}}

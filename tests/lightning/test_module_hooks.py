@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
 
 MODULE = "tests.lightning._capture_run"
 WORLD_CASES = {2: [f"{MODULE}:frozen", f"{MODULE}:frozen-export", f"{MODULE}:clipnorm",
-                   f"{MODULE}:unfreeze", f"{MODULE}:finetune", f"{MODULE}:stop"]}
+                   f"{MODULE}:unfreeze", f"{MODULE}:finetune", f"{MODULE}:stop",
+                   f"{MODULE}:warmup"]}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -136,16 +137,18 @@ def test_backbone_finetuning_saves_and_resumes_in_another_layout_like_one_proces
                                        msg=lambda s, n=name: f"{n}: {s}")
 
 
-def test_a_training_step_asking_to_stop_stops_every_rank_at_that_step(worlds, tmp_path):
+@pytest.mark.parametrize("case", ["stop", "warmup"])
+def test_what_a_training_step_does_to_the_trainer_holds_on_every_rank(worlds, tmp_path, case):
     """The module's steps run on the last stage: its ``self.trainer.should_stop = True`` stops
-    every rank after that step, as one process stops (before, the last stage stopped alone and
-    the first waited for its next step until the timeout)."""
-    ranks = worlds.results(2, MODULE, "stop", weights_only=False)
+    every rank after that step, and a learning rate it sets is every stage's, as in one process
+    (before, the last stage stopped alone and the first waited for its next step until the
+    timeout; the first stage trained on at the old learning rate with no error)."""
+    ranks = worlds.results(2, MODULE, case, weights_only=False)
     torch.set_num_threads(1)
-    task = R.Stops()
+    task = R.Stops() if case == "stop" else R.WarmsUp()
     trainer = R.single_or_split_trainer(tmp_path, 2, [])
     trainer.fit(task, R.images(R.STEPS, seed=1))
-    assert trainer.global_step == R.STOP_AT + 1 < R.STEPS
+    assert trainer.global_step == (R.STOP_AT + 1 if case == "stop" else 2 * R.STEPS)
     for rank in ranks:
         assert rank["steps"] == trainer.global_step
         for name, value in rank["state"].items():

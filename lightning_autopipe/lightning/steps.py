@@ -205,7 +205,17 @@ class StepRunner:
             name, value, options, given = bind_log(hook, args, kwargs)
             logged[name] = (value, options, given)  # a key logged twice keeps its last value
 
-        module.__dict__["forward"], module.__dict__["log"] = forward, log
+        def all_gather(*args: Any, **kwargs: Any) -> Any:
+            raise StepContractError(
+                f"{hook} called self.all_gather(...); under AutoPipeStrategy the step runs on "
+                "the last stage alone, once per micro-batch slice, so a collective over every "
+                "rank would wait for ranks that never call it (until the timeout). Gather in "
+                "an epoch-end hook (every rank runs those), or compute the term in forward "
+                f"from the slice's samples, {WAY_OUT}"
+            )
+
+        patched = {"forward": forward, "log": log, "all_gather": all_gather}
+        module.__dict__.update(patched)
         reading = (parameters_read_warned(module, hook, PENALTY, self._warned_parameters)
                    if self.partial and hook == "training_step" else nullcontext())
         try:
@@ -226,7 +236,7 @@ class StepRunner:
                 f"{WAY_OUT}"
             ) from exc
         finally:
-            for name in ("forward", "log"):
+            for name in patched:
                 module.__dict__.pop(name, None)
         if not calls:
             raise StepContractError(

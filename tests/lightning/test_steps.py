@@ -348,6 +348,27 @@ def test_a_non_tensor_argument_other_than_the_traced_default_is_refused(call, re
         runner.finish(LAYOUT, None, CPU)
 
 
+@pytest.mark.parametrize("hook", ["training_step", "validation_step"])
+def test_a_step_gathering_over_the_ranks_is_refused_instead_of_waiting(hook):
+    """A contrastive loss or a metric gathering with ``self.all_gather`` in its step: the step
+    runs on the last stage alone, so the others would never join and the job would wait until
+    the timeout, naming a send or receive of the schedule."""
+    module = Module()
+    runner = StepRunner(module)
+    runner.begin(hook, (0,))
+    x, y = _batch(4)
+
+    def step(batch, batch_idx):
+        out = module(batch[0])
+        return F.cross_entropy(out, batch[1]) + 0 * module.all_gather(out).sum()
+
+    setattr(module, hook, step)
+    runner(module.lin(x), (x, y))
+    with pytest.raises(StepContractError, match=rf"{hook} called self.all_gather.*epoch-end"):
+        runner.finish(LAYOUT, None, CPU)
+    assert "all_gather" not in module.__dict__  # Lightning's own again after the step
+
+
 def test_a_pipeline_loss_module_keeps_its_pipeline_loss():
     module = Module()
     module.pipeline_loss = lambda outputs, batch: F.cross_entropy(outputs, batch[1])

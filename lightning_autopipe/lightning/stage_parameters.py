@@ -71,10 +71,12 @@ CLIPPING = ("a norm over their gradients (torch.nn.utils.clip_grad_norm_, Lightn
 
 @contextmanager
 def gradient_hooks_warned(module: Any, split: bool, warned: set[str]) -> Iterator[None]:
-    """Around Lightning's optimizer step: while the module's own ``on_before_optimizer_step``
-    / ``configure_gradient_clipping`` runs (not the step's closure, its ``training_step``),
-    reading ``self.parameters()`` of a ``split`` model is warned once (:data:`CLIPPING`)."""
-    hooks = [h for h in ("on_before_optimizer_step", "configure_gradient_clipping")
+    """Around Lightning's optimizer step: while the module's own ``on_after_backward``,
+    ``on_before_optimizer_step`` or ``configure_gradient_clipping`` runs (not its
+    ``training_step``, which the step's closure runs too), reading ``self.parameters()`` of a
+    ``split`` model is warned once (:data:`CLIPPING`)."""
+    hooks = [h for h in ("on_after_backward", "on_before_optimizer_step",
+                         "configure_gradient_clipping")
              if split and module is not None and is_overridden(h, module, LightningModule)]
 
     def watched(hook: str, method: Any) -> Any:

@@ -498,22 +498,30 @@ class LogsBeforeStepping(Module):
         torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
 
 
+class ClipsAfterBackward(LogsBeforeStepping):
+    """Clips in ``on_after_backward`` instead (Lightning calls it inside the closure)."""
+
+    def on_after_backward(self):
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+
+
+@pytest.mark.parametrize("hook", ["on_before_optimizer_step", "on_after_backward"])
 @pytest.mark.parametrize("split", [True, False])
-def test_only_the_optimizer_step_hooks_reading_parameters_are_warned_of(split):
+def test_only_the_optimizer_step_hooks_reading_parameters_are_warned_of(split, hook):
     """Lightning's optimizer step runs the step's closure (``training_step``) too: only the
     hook's own reading is the clipping the warning is about, and only on a split model."""
-    module = LogsBeforeStepping()
+    module = LogsBeforeStepping() if hook == "on_before_optimizer_step" else ClipsAfterBackward()
     warned: set[str] = set()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with gradient_hooks_warned(module, split, warned):
             module.training_step(_batch(), 0)
-            module.on_before_optimizer_step(None)
-            module.on_before_optimizer_step(None)
+            for _ in range(2):
+                getattr(module, hook)(*([None] if hook == "on_before_optimizer_step" else []))
     said = [str(w.message) for w in seen if "self.parameters()" in str(w.message)]
     assert len(said) == (1 if split else 0)
     if split:
-        assert said[0].startswith("on_before_optimizer_step calls self.parameters()")
+        assert said[0].startswith(f"{hook} calls self.parameters()")
         assert "global_grad_norm" in said[0]
-    assert "on_before_optimizer_step" not in module.__dict__  # the hook is the class's again
+    assert hook not in module.__dict__  # the hook is the class's again
     assert "parameters" not in module.__dict__

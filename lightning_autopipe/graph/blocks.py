@@ -25,6 +25,7 @@ from lightning_autopipe.errors import (
 )
 from lightning_autopipe.graph.analysis import GraphInfo, analyze
 from lightning_autopipe.graph.cuts import GRANULARITIES, Block, choose_blocks
+from lightning_autopipe.graph.numbers import CapturedNumber, numbers_of
 from lightning_autopipe.graph.stage import (
     StageIO,
     StageModule,
@@ -100,6 +101,8 @@ class BlockGraph:
         self._needs = self._compute_needs()
         self._boundaries = self._compute_boundaries()
         self.fingerprint = self._fingerprint()
+        #: the modules' numbers at the capture (:func:`~.numbers.changed_numbers` after)
+        self.numbers = self._captured_numbers()
         self._orphans: dict[str, Tensor] | None = None
 
     # ------------------------------------------------------------------------- structure
@@ -108,6 +111,14 @@ class BlockGraph:
 
     def __repr__(self) -> str:
         return f"BlockGraph({len(self)} blocks, {self.granularity}, tracer={self.tracer})"
+
+    def _captured_numbers(self) -> list[CapturedNumber]:
+        """The numbers the model's modules hold at the capture, which the graph may keep as
+        constants (:mod:`~.numbers`)."""
+        traced = self._info.traced
+        called = ({n.target for n in traced.gm.graph.nodes if n.op == "call_module"}
+                  if traced.tracer == "fx" else set())
+        return numbers_of(traced.model, called)
 
     @property
     def model(self) -> nn.Module:

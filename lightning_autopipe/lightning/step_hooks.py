@@ -14,6 +14,7 @@ it: these hooks read only the held pipeline, its step runner and the precision p
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_autopipe.errors import PipelineRuntimeError
+from lightning_autopipe.graph.numbers import changed_numbers
 from lightning_autopipe.lightning import telemetry
 from lightning_autopipe.lightning.held_pipeline import HeldPipeline
 from lightning_autopipe.lightning.local_optimizers import agree_on_groups, group_facts
@@ -47,6 +49,7 @@ class StepHooks(ParallelStrategy):
     _bn: BatchNormSteps | None
     _grads: list[Tensor | None] | None
     _grads_of: list[Any]
+    _warned_numbers: set[str]  # attribute paths warned of (:meth:`_warn_changed_numbers`)
 
     @property
     def _pipe(self) -> LocalPipeline | None:
@@ -83,6 +86,7 @@ class StepHooks(ParallelStrategy):
         with self.precision_plugin.train_step_context(), telemetry.training_step(self, step):
             loss = executor.train_step(batch, step=step)
         self._agree_after_step(trainer)
+        self._warn_changed_numbers()
         if self._bn is not None:  # whole-batch BatchNorm statistics; replica 0's buffers
             self._bn.after_step()
         self._grads = [p.grad for p in params]
@@ -112,6 +116,29 @@ class StepHooks(ParallelStrategy):
                         self._pipe.groups.pipeline, self._pipe.layout.last_stage_rank)
         if trainer is not None and any(n[0] for n in notes.values()):
             trainer.should_stop = True
+
+    def _warn_changed_numbers(self) -> None:
+        """A Python number of the model's modules that changed since the capture is warned of
+        once (:mod:`~lightning_autopipe.graph.numbers`): where forward reads it, the stages
+        compute with the captured value."""
+        source = self._pipe.source if self._pipe is not None else None
+        numbers = getattr(getattr(source, "blocks", None), "numbers", ())
+        for number, now in changed_numbers(numbers):
+            if number.path in self._warned_numbers:
+                continue
+            self._warned_numbers.add(number.path)
+            warnings.warn(
+                f"{number.path} was {number.value!r} when the model's graph was captured and is "
+                f"{now!r} now: where forward reads it, the pipeline's stages still compute with "
+                f"{number.value!r} (a Python number is a constant of the captured graph), so the "
+                "run trains another model than one process would. Hold a value that changes "
+                "during training in a tensor buffer updated in place, which the stages read "
+                "when they run: self.register_buffer('"
+                f"{number.attribute}', torch.tensor({number.value!r})) in __init__, then "
+                f"`if m.{number.attribute} is not None: m.{number.attribute}.fill_(...)` (a "
+                "rank whose stage does not hold it sees None, as for another stage's weights)",
+                stacklevel=2,
+            )
 
     def _on_nonfinite(self, loss: Tensor, step: int | None) -> None:
         """Every rank holds the same global loss, so every rank takes the same branch."""

@@ -127,6 +127,7 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         self._num_nodes = 1
         self._held = HeldPipeline()  # outlives teardown: validate / test / predict / fit again
         self._warned_hooks: set[str] = set()  # hooks warned of reading a stage's parameters
+        self._warned_numbers: set[str] = set()  # numbers warned of changing since the capture
         self._failed = False
         self._summary_params: list[summary.ParamInfo] = []
         self._summaries: list[Any] = []

@@ -29,6 +29,7 @@ references train on), the stage's state and which stage the rank holds.
 * ``stop``: the CNN whose ``training_step`` sets ``self.trainer.should_stop`` at batch
   ``STOP_AT`` of the first epoch of two.
 * ``warmup``: the CNN whose ``training_step`` sets the learning rate at every step.
+* ``anneal``: the CNN whose logits are divided by a Python number raised every epoch.
 * ``clipnorm``: a module clipping by the norm of ``self.parameters()`` in its own
   ``on_before_optimizer_step`` (each rank's are its stage's): the warnings.
 * ``mapping``: the ``labels`` batches collated into a mapping that is not a ``dict`` (a
@@ -192,6 +193,28 @@ class Stops(Classifier):
 STOP_AT = 1  # the batch whose step sets should_stop; the run ends after it, step STOP_AT + 1
 
 
+class AnnealedCNN(PlainCNN):
+    """Its logits divided by a temperature held as a Python number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / self.temperature
+
+
+class Anneals(Classifier):
+    """Raises the temperature every epoch (a schedule as one process would run it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = AnnealedCNN()
+
+    def on_train_epoch_start(self) -> None:
+        self.net.temperature = 1.0 + self.current_epoch
+
+
 class WarmsUp(Classifier):
     """Its ``training_step`` (run on the last stage alone) sets the learning rate: a warm-up
     written in the step."""
@@ -341,15 +364,18 @@ def run_case(case: str, world: int, out: Path) -> dict:
     assert world == 2, "the capture cases run on the 2-rank world"
     if case == "finetune":
         return _finetune(out)
-    if case in ("stop", "warmup"):
-        made = Stops if case == "stop" else WarmsUp
+    if case in ("stop", "warmup", "anneal"):
+        made = {"stop": Stops, "warmup": WarmsUp, "anneal": Anneals}[case]
         task = made()
         strategy = lightning_autopipe.AutoPipeStrategy(
             plan=plan(made(), (torch.zeros(2, 3, 6, 6),), 1, 1), timeout=60)
         trainer = single_or_split_trainer(out / f"root-{case}", 2, [], strategy)
-        trainer.fit(task, images(STEPS, seed=1))
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            trainer.fit(task, images(STEPS, seed=1))
         return {"steps": trainer.global_step, "stage": trainer.strategy.pipeline.layout.stage,
-                "state": {k: v.detach().clone() for k, v in task.state_dict().items()}}
+                "state": {k: v.detach().clone() for k, v in task.state_dict().items()},
+                "warnings": [str(w.message) for w in warned]}
     if case == "batchnorm":
         task, loader = Classifier(), images(STEPS, seed=1)
         pinned = plan(Classifier(), (torch.zeros(2, 3, 6, 6),), 1, 1)

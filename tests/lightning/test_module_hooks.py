@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 MODULE = "tests.lightning._capture_run"
 WORLD_CASES = {2: [f"{MODULE}:frozen", f"{MODULE}:frozen-export", f"{MODULE}:clipnorm",
                    f"{MODULE}:unfreeze", f"{MODULE}:finetune", f"{MODULE}:stop",
-                   f"{MODULE}:warmup"]}
+                   f"{MODULE}:warmup", f"{MODULE}:anneal"]}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -154,3 +154,15 @@ def test_what_a_training_step_does_to_the_trainer_holds_on_every_rank(worlds, tm
         for name, value in rank["state"].items():
             torch.testing.assert_close(value, task.state_dict()[name], rtol=RTOL, atol=ATOL,
                                        msg=lambda s, n=name: f"{n}: {s}")
+
+
+def test_a_python_number_changed_during_the_run_is_warned_of_once_on_every_rank(worlds):
+    """The captured graph keeps the temperature it was traced with: after the first epoch the
+    run no longer trains what one process would, and every rank says so, once, with the fix."""
+    ranks = worlds.results(2, MODULE, "anneal", weights_only=False)
+    for rank in ranks:
+        said = [w for w in rank["warnings"] if "when the model's graph was captured" in w]
+        assert len(said) == 1, rank["warnings"]
+        assert said[0].startswith("net.temperature was 1.0 when the model's graph was "
+                                  "captured and is 2.0 now")
+        assert "register_buffer('temperature', torch.tensor(1.0))" in said[0]

@@ -9,6 +9,13 @@ whole module and its optimizers are measured on a probe
 Assuming Adam's 2 bytes per parameter byte for a plain SGD run over-predicted a stage's peak
 by 14-25% on a GPT whose activations are five times its weights (benchmarks/adaptive.py), and
 by far more where the weights dominate.
+
+That early call must leave nothing behind: a ``configure_optimizers`` that sizes a schedule by
+``self.trainer.estimated_stepping_batches`` (``OneCycleLR``'s ``total_steps``) makes Lightning
+load the training data there, sampled for a world of data-parallel replicas that does not exist
+yet (one per rank, before the plan says how many replicas the pipeline has): the stages of a
+replica were then given different batches, and the schedule the wrong length. The data loaded
+by the probe is dropped, so the real call loads it for the pipeline's replicas.
 """
 
 from __future__ import annotations
@@ -32,11 +39,16 @@ def with_measured_optimizer_state(options: AutoPipeOptions, module: Any, fitting
         return options
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 
+    loop = getattr(getattr(module, "_trainer", None), "fit_loop", None)
+    loaded = getattr(loop, "_combined_loader", None)
     try:
         with warnings.catch_warnings():  # Lightning warns again when it makes them for real
             warnings.simplefilter("ignore")
             optimizers, _ = _init_optimizers_and_lr_schedulers(module)
     except Exception:  # noqa: BLE001 - its own call, after the build, raises for the user
         return options
+    finally:
+        if loop is not None and loaded is None:  # data loaded for the probe (docstring)
+            loop._combined_loader = None
     factor = state_bytes_per_param_byte(optimizers)
     return options if factor is None else replace(options, optimizer_state=factor)

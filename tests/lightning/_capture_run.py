@@ -30,6 +30,8 @@ references train on), the stage's state and which stage the rank holds.
   ``STOP_AT`` of the first epoch of two.
 * ``warmup``: the CNN whose ``training_step`` sets the learning rate at every step.
 * ``anneal``: the CNN whose logits are divided by a Python number raised every epoch.
+* ``onecycle``: the CNN under ``OneCycleLR`` sized by ``estimated_stepping_batches``, planned
+  by the strategy (no given plan), its loader sampled by Lightning.
 * ``clipnorm``: a module clipping by the norm of ``self.parameters()`` in its own
   ``on_before_optimizer_step`` (each rank's are its stage's): the warnings.
 * ``mapping``: the ``labels`` batches collated into a mapping that is not a ``dict`` (a
@@ -215,6 +217,28 @@ class Anneals(Classifier):
         self.net.temperature = 1.0 + self.current_epoch
 
 
+class OneCycle(Classifier):
+    """Sizes its schedule by ``self.trainer.estimated_stepping_batches``, as ``OneCycleLR``
+    examples do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PlainCNN()
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=LR)
+        steps = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def shuffled_images(batches: int, seed: int) -> DataLoader:
+    """:func:`images` in the order Lightning's sampler gives one data-parallel replica."""
+    data = images(batches, seed).dataset
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, seed=0)
+    return DataLoader(data, batch_size=BATCH, sampler=sampler)
+
+
 class WarmsUp(Classifier):
     """Its ``training_step`` (run on the last stage alone) sets the learning rate: a warm-up
     written in the step."""
@@ -364,6 +388,17 @@ def run_case(case: str, world: int, out: Path) -> dict:
     assert world == 2, "the capture cases run on the 2-rank world"
     if case == "finetune":
         return _finetune(out)
+    if case == "onecycle":  # planned by the strategy, the loader sampled by Lightning
+        task = OneCycle()
+        trainer = pl.Trainer(strategy=lightning_autopipe.AutoPipeStrategy(num_stages=2,
+                                                                         timeout=60),
+                             accelerator="cpu", devices=2, max_epochs=2, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(out / "root-1c"))
+        trainer.fit(task, images(STEPS, seed=1))
+        return {"steps": trainer.global_step, "stage": trainer.strategy.pipeline.layout.stage,
+                "total": trainer.lr_scheduler_configs[0].scheduler.total_steps,
+                "state": {k: v.detach().clone() for k, v in task.state_dict().items()}}
     if case in ("stop", "warmup", "anneal"):
         made = {"stop": Stops, "warmup": WarmsUp, "anneal": Anneals}[case]
         task = made()

@@ -35,12 +35,14 @@ class CapturedNumber:
 
 
 def numbers_of(model: nn.Module, called: Collection[str] = ()) -> list[CapturedNumber]:
-    """Every public ``int``/``float``/``bool`` attribute of ``model``'s modules, now, but those
-    of the modules ``called`` (paths): a torch.fx graph calls such a module (``dropout.p``,
-    a BatchNorm's ``track_running_stats``), which reads its attributes when it runs."""
+    """Every public ``int``/``float``/``bool`` attribute of ``model``'s submodules, now, but
+    those of the modules ``called`` (paths): a torch.fx graph calls such a module
+    (``dropout.p``, a BatchNorm's ``track_running_stats``), which reads its attributes when it
+    runs. ``model``'s own are left out: on a LightningModule they are mostly what its steps
+    read (a loss weight annealed by a hook), not its ``forward``."""
     out = []
     for name, module in model.named_modules():
-        if name in called:
+        if name in called or not name:
             continue
         for attribute, value in vars(module).items():
             if attribute.startswith("_") or attribute in _FOLLOWED:
@@ -53,9 +55,11 @@ def numbers_of(model: nn.Module, called: Collection[str] = ()) -> list[CapturedN
 
 def changed_numbers(numbers: list[CapturedNumber]) -> list[tuple[CapturedNumber, object]]:
     """Those of ``numbers`` whose module now holds another value, with that value."""
-    out = []
-    for n in numbers:
-        now = vars(n.module).get(n.attribute, n.value)
-        if now != n.value or type(now) is not type(n.value):
-            out.append((n, now))
-    return out
+    return [(n, now) for n in numbers
+            if _differs(now := vars(n.module).get(n.attribute, n.value), n.value)]
+
+
+def _differs(now: object, then: object) -> bool:
+    if type(now) is not type(then):  # first: a tensor would compare elementwise
+        return True
+    return now != then and not (now != now and then != then)  # a NaN that stays NaN

@@ -86,12 +86,12 @@ class CheckpointHooks(ParallelStrategy):
             checkpoint.get("global_step", 0),
         )
         pipe = self._gathering()
-        if pipe is not None and pipe.sharded:
-            pipe.save_sharded(checkpoint, filepath, barrier=self.barrier)
-            return
         if pipe is not None:
             finetuning.record_whole_groups(checkpoint, getattr(self.lightning_module, "_trainer",
                                                                None))
+        if pipe is not None and pipe.sharded:
+            pipe.save_sharded(checkpoint, filepath, barrier=self.barrier)
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

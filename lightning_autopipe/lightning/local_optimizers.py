@@ -180,6 +180,6 @@ def agree_on_groups(optimizers: Sequence[Any], facts: Mapping[int, Sequence[floa
             _set_hyper(opt.param_groups[g], hyper)
             continue
         empty = {**hyper, "params": []}
-        if "param_names" in longest[g] or "param_names" in opt.param_groups[0]:
+        if "param_names" in opt.param_groups[0]:  # built from named_parameters()
             empty["param_names"] = []
         opt.add_param_group(empty)

@@ -197,6 +197,7 @@ class StepHooks(ParallelStrategy):
         assert self._runner is not None
         batch, rest, extra = _step_args(args, kwargs)
         self._runner.begin("predict_step", rest, extra)
+        self._pipe.executor.report = None  # nothing to agree on
         with self.precision_plugin.predict_step_context():
             self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra), replicas=False)
         return self._finish(replicas=False).predictions
@@ -212,8 +213,12 @@ class StepHooks(ParallelStrategy):
         runner = self._runner
         own = not runner.uses_pipeline_loss
         runner.begin(hook if own else "pipeline_loss", rest, extra)
+        executor, trainer = self._pipe.executor, self.lightning_module.trainer
+        executor.report = lambda: (float(bool(trainer.should_stop)),)
         with context():
-            loss = self._pipe.executor.eval_step(batch, step=_batch_idx(rest, extra))
+            loss = executor.eval_step(batch, step=_batch_idx(rest, extra))
+        if any(n and n[0] for n in executor.notes.values()):  # the step asked (see training)
+            trainer.should_stop = True
         if own:  # what the step returned, joined over the slices (``on_*_batch_end`` gets it)
             return self._finish().returned
         self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)

@@ -208,8 +208,11 @@ class AutoPipeStrategy(CheckpointHooks, StepHooks, ProcessWorld):
         self.model = module
         self.model_to_device()
         if fn == TrainerFn.FITTING:
-            finetuning.narrow_to_stage(trainer, module)  # before on_fit_start restores groups
-            make_local_optimizers(lambda: self.setup_optimizers(trainer),
+            def make() -> None:  # a failure of either stops every rank with it
+                finetuning.narrow_to_stage(trainer, module)  # before on_fit_start restores
+                self.setup_optimizers(trainer)
+
+            make_local_optimizers(make,
                                   lambda: self.optimizers, self._check_optimizers,
                                   device=self.root_device, distributed=self.world_size > 1)
             self._replanner.start_fit(self)

@@ -220,7 +220,7 @@ class PipelineExecutor:
         said on every rank of the replica's pipeline, by global rank, each value averaged over
         the replicas (those of one stage report alike, or a nonzero value shows as nonzero):
         learnt in the collectives that carry the loss, so agreeing on them costs no
-        synchronisation of its own.
+        synchronisation of its own. An evaluation step does the same.
         """
         self.step, self._training = step, True
         self._follow_trainable()
@@ -433,7 +433,8 @@ class PipelineExecutor:
     def _global_loss(self, loss_sum: Tensor, replicas: bool, batch: Any) -> Tensor:
         """Replica mean from the last stage to the replica, then (``replicas``) over replicas."""
         layout = self.layout
-        said = self.report() if self._training and self.report is not None else ()
+        with self._watch("its report", None, False):  # a failure is posted, not waited on
+            said = tuple(self.report()) if self.report is not None else ()
         reported = torch.tensor([list(said)], dtype=loss_sum.dtype, device=loss_sum.device)
         ranks = [layout.rank]
         if layout.num_stages > 1:
@@ -453,9 +454,8 @@ class PipelineExecutor:
                 dist.all_reduce(both, group=self.groups.dp)
             both /= layout.num_replicas
             loss_sum, reported = both[0], both[1:].view(reported.shape)
-        if self._training:  # one host sync, and none where nothing is reported
-            values = reported.tolist() if said else [()] * len(ranks)
-            self.notes = dict(zip(ranks, map(tuple, values), strict=True))
+        values = reported.tolist() if said else [()] * len(ranks)  # no sync without a report
+        self.notes = dict(zip(ranks, map(tuple, values), strict=True))
         return loss_sum
 
     def _sync_gradients(self) -> None:

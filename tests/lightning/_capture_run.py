@@ -157,13 +157,14 @@ class Finetunes(Classifier):
     the first epoch, then given to the optimizer as a group of their own, which only the rank
     holding them adds; their learning rate changes every epoch after."""
 
-    def __init__(self) -> None:
+    def __init__(self, head: bool = False) -> None:
         super().__init__()
         self.net = PlainCNN()
+        self.head = head  # the last stage's layer is the one frozen first, not the first's
 
     @property
     def backbone(self) -> nn.Module:  # a property: the layers keep their one name
-        return nn.ModuleList([self.net.conv1, self.net.bn1])
+        return self.net.fc if self.head else nn.ModuleList([self.net.conv1, self.net.bn1])
 
     def configure_optimizers(self):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
@@ -365,15 +366,17 @@ class Record(pl.Callback):
                             if isinstance(batch, Mapping) else [t.clone() for t in batch])
 
 
-def _finetune(out: Path) -> dict:
+def _finetune(out: Path, head: bool) -> dict:
     """``finetune``: two epochs, a checkpoint, a third epoch resumed from it with the cut one
-    block later; the checkpoint's path, each fit's stage state and parameter names."""
+    block later; the checkpoint's path, each fit's stage state and parameter names.
+    ``finetune-head``: the same, the last stage's layer the one unfrozen (sharded checkpoint)."""
     example = (torch.zeros(2, 3, 6, 6),)
-    states, path = [], out / "finetune.ckpt"
+    states, path = [], out / f"finetune-{head}.ckpt"
     for epochs, shift in ((FINETUNE_EPOCHS, 0), (FINETUNE_EPOCHS + 1, 1)):
-        task = Finetunes()
+        task = Finetunes(head)
         strategy = lightning_autopipe.AutoPipeStrategy(
-            plan=plan(Finetunes(), example, 1, 1, shift), timeout=120)
+            plan=plan(Finetunes(), example, 1, 1, shift), timeout=120,
+            checkpoint_format="sharded" if head else "consolidated")
         trainer = single_or_split_trainer(out / "root-finetune", epochs, [finetuning()],
                                           strategy)
         trainer.fit(task, images(STEPS, seed=1), ckpt_path=path if shift else None)
@@ -386,8 +389,8 @@ def _finetune(out: Path) -> dict:
 
 def run_case(case: str, world: int, out: Path) -> dict:
     assert world == 2, "the capture cases run on the 2-rank world"
-    if case == "finetune":
-        return _finetune(out)
+    if case.startswith("finetune"):
+        return _finetune(out, case == "finetune-head")
     if case == "onecycle":  # planned by the strategy, the loader sampled by Lightning
         task = OneCycle()
         trainer = pl.Trainer(strategy=lightning_autopipe.AutoPipeStrategy(num_stages=2,

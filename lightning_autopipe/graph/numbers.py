@@ -48,8 +48,7 @@ def numbers_of(model: nn.Module, called: Collection[str] = ()) -> list[CapturedN
             if attribute.startswith("_") or attribute in _FOLLOWED:
                 continue
             if type(value) in (int, float, bool):
-                path = f"{name}.{attribute}" if name else attribute
-                out.append(CapturedNumber(module, path, attribute, value))
+                out.append(CapturedNumber(module, f"{name}.{attribute}", attribute, value))
     return out
 
 

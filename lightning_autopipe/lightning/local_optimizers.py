@@ -45,7 +45,7 @@ from lightning_autopipe.errors import PlanError
 from lightning_autopipe.runtime.failure import stop_everywhere
 from lightning_autopipe.runtime.optim_state import unwrap
 
-__all__ = ["agree_on_groups", "group_facts", "make_local_optimizers"]
+__all__ = ["SHARED_SETTINGS", "agree_on_groups", "group_facts", "make_local_optimizers"]
 
 
 def make_local_optimizers(
@@ -124,17 +124,24 @@ def _take_out(placeholder: nn.Parameter, optimizers: Sequence[Any]) -> None:
         opt.state.pop(placeholder, None)
 
 
+#: The settings a step may set that every stage must share (a warm-up's ``lr``). Others are
+#: left to each rank: an optimizer may keep state of its own per group (Prodigy's and
+#: D-Adaptation's ``d``, computed from the stage's parameters), which no rank should impose.
+SHARED_SETTINGS = ("lr", "weight_decay", "momentum", "betas", "eps")
+
+
 def group_facts(optimizers: Sequence[Any]) -> tuple[float, float]:
     """This rank's optimizer parameter-group count and a digest of the groups'
-    hyper-parameters (exact in a float64: what the ranks compare after each step)."""
-    groups = [_hyper(g) for o in optimizers for g in unwrap(o).param_groups]
+    :data:`SHARED_SETTINGS` (exact in a float64: what the ranks compare after each step)."""
+    groups = [_hyper(g, SHARED_SETTINGS) for o in optimizers for g in unwrap(o).param_groups]
     return float(len(groups)), float(zlib.crc32(repr(groups).encode()))
 
 
-def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
-    """A group's hyper-parameters as plain values: a tensor learning rate (fused or capturable
-    optimizers) by its number, which a rank's device does not change."""
-    return {k: _plain(group[k]) for k in sorted(group) if k not in ("params", "param_names")}
+def _hyper(group: Mapping[str, Any], keys: Sequence[str] | None = None) -> dict[str, Any]:
+    """A group's hyper-parameters (``keys`` of them) as plain values: a tensor learning rate
+    (fused or capturable optimizers) by its number, which a rank's device does not change."""
+    names = [k for k in keys if k in group] if keys is not None else sorted(group)
+    return {k: _plain(group[k]) for k in names if k not in ("params", "param_names")}
 
 
 def _plain(value: Any) -> Any:
@@ -156,7 +163,7 @@ def _set_hyper(group: dict[str, Any], hyper: Mapping[str, Any]) -> None:
 def agree_on_groups(optimizers: Sequence[Any], facts: Mapping[int, Sequence[float]],
                     group: Any, source: int) -> None:
     """Every pipeline rank's optimizer given the groups another rank added and the
-    hyper-parameters of rank ``source`` (the last stage, where the module's steps ran)
+    :data:`SHARED_SETTINGS` of rank ``source`` (the last stage, where the module's steps ran)
     (module docstring).
 
     ``facts``: every rank of the replica's pipeline's :func:`group_facts`, alike on each (the
@@ -177,7 +184,7 @@ def agree_on_groups(optimizers: Sequence[Any], facts: Mapping[int, Sequence[floa
     longest = max(everyone, key=len)
     for g, hyper in enumerate(ruling + longest[len(ruling):]):
         if g < len(opt.param_groups):
-            _set_hyper(opt.param_groups[g], hyper)
+            _set_hyper(opt.param_groups[g], _hyper(hyper, SHARED_SETTINGS))
             continue
         empty = {**hyper, "params": []}
         if "param_names" in opt.param_groups[0]:  # built from named_parameters()

@@ -10,7 +10,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from torch import nn
 
 from lightning_autopipe.errors import PlanError
-from lightning_autopipe.lightning.local_optimizers import make_local_optimizers
+from lightning_autopipe.lightning.local_optimizers import group_facts, make_local_optimizers
 
 
 def test_an_optimizer_given_no_parameter_is_built_with_empty_groups_and_steps():
@@ -81,3 +81,20 @@ def test_two_optimizers_are_refused_with_the_parameter_group_fix_not_manual_opti
                               lambda: None, device=torch.device("cpu"), distributed=False)
     assert "parameter group" in str(info.value)
     assert "automatic_optimization = False" not in str(info.value)
+
+
+def test_the_ranks_compare_the_settings_a_step_sets_and_not_an_optimizers_own_state():
+    """What the ranks compare after each step (:func:`group_facts`): a learning rate set by
+    the step, on the last stage alone, differs; a number an optimizer keeps in its groups as
+    its own per-stage state (Prodigy's ``d``) does not, so no rank imposes its own on the
+    others; a tensor learning rate is compared by its value."""
+    def facts(lr, d, tensor=False):
+        opt = torch.optim.Adam([nn.Parameter(torch.ones(2))],
+                               lr=torch.tensor(lr) if tensor else lr)
+        opt.param_groups[0]["d"] = d
+        return group_facts([opt])
+
+    assert facts(0.1, d=1.0) == facts(0.1, d=2.0)
+    assert facts(0.1, d=1.0) != facts(0.2, d=1.0)
+    assert facts(0.1, d=1.0, tensor=True) == facts(0.1, d=1.0, tensor=True)
+    assert facts(0.1, d=1.0, tensor=True) != facts(0.2, d=1.0, tensor=True)

@@ -157,8 +157,8 @@ class PipelineExecutor:
         self.samples = 0  # samples of the last step (its share, under uneven replica batches)
         self.replica_weight = 1.0  # those samples over the even share (the loaded batch's)
         self._training = True
-        #: numbers of the caller's that every rank reports with a training step's loss
-        #: (:attr:`notes`): the strategy's parameter-group count and its stop request
+        #: numbers of the caller's that every rank reports with a step's loss (:attr:`notes`):
+        #: the strategy's stop request and, in training, its optimizer groups' facts
         self.report: Callable[[], Sequence[float]] | None = None
         self.notes: dict[int, tuple[float, ...]] = {}
         self._closed = False

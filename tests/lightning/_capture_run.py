@@ -254,16 +254,17 @@ class WarmsUp(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-def single_or_split_trainer(root: Path, epochs: int, callbacks: list, strategy=None
-                            ) -> pl.Trainer:
-    """The Trainer of cases ``finetune`` and ``stop``: under ``strategy`` on 2 ranks, or one
-    process (Lightning's own strategy, the tests' reference); the loader in its own order."""
+def single_or_split_trainer(root: Path, epochs: int, callbacks: list, strategy=None,
+                            sampled: bool = False) -> pl.Trainer:
+    """The Trainer of cases ``finetune``, ``stop``, ``warmup``, ``anneal`` and ``onecycle``:
+    under ``strategy`` on 2 ranks, or one process (Lightning's own strategy, the tests'
+    reference); the loader in its own order, or (``sampled``) in that of Lightning's sampler."""
     devices = {"strategy": strategy, "devices": 2} if strategy else {"devices": 1}
     return pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0,
                       default_root_dir=str(root), callbacks=callbacks,
-                      use_distributed_sampler=False, **devices)
+                      use_distributed_sampler=sampled, **devices)
 
 
 def images(batches: int, seed: int) -> DataLoader:
@@ -393,11 +394,8 @@ def run_case(case: str, world: int, out: Path) -> dict:
         return _finetune(out, case == "finetune-head")
     if case == "onecycle":  # planned by the strategy, the loader sampled by Lightning
         task = OneCycle()
-        trainer = pl.Trainer(strategy=lightning_autopipe.AutoPipeStrategy(num_stages=2,
-                                                                         timeout=60),
-                             accelerator="cpu", devices=2, max_epochs=2, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=str(out / "root-1c"))
+        strategy = lightning_autopipe.AutoPipeStrategy(num_stages=2, timeout=60)
+        trainer = single_or_split_trainer(out / "root-1c", 2, [], strategy, sampled=True)
         trainer.fit(task, images(STEPS, seed=1))
         return {"steps": trainer.global_step, "stage": trainer.strategy.pipeline.layout.stage,
                 "total": trainer.lr_scheduler_configs[0].scheduler.total_steps,

@@ -173,19 +173,16 @@ def test_a_python_number_changed_during_the_run_is_warned_of_once_on_every_rank(
         assert "register_buffer('temperature', torch.tensor(1.0))" in said[0]
 
 
-def test_a_schedule_sized_by_the_estimated_stepping_batches_trains_like_one_process(worlds):
+def test_a_schedule_sized_by_the_estimated_stepping_batches_trains_like_one_process(worlds,
+                                                                                      tmp_path):
     """``configure_optimizers`` reading ``estimated_stepping_batches`` loads the training data;
     the strategy's early call of it (measuring the optimizer's state for the plan) had it load
     the data sampled for one replica per rank: the stages of the one replica were given
     different batches (refused at the first step) and the schedule half its length."""
-    import lightning.pytorch as pl
-
     ranks = worlds.results(2, MODULE, "onecycle", weights_only=False)
     torch.set_num_threads(1)
     task = R.OneCycle()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
+    trainer = R.single_or_split_trainer(tmp_path, 2, [])
     trainer.fit(task, R.shuffled_images(R.STEPS, seed=1))
     assert trainer.lr_scheduler_configs[0].scheduler.total_steps == 2 * R.STEPS
     for rank in ranks:
